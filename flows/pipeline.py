@@ -1,0 +1,156 @@
+"""The dvc.yaml DAG as a Prefect flow: one task per DVC stage, each run through DVC.
+
+    python -m flows.pipeline                  # run once (ephemeral Prefect, no server needed)
+    python -m flows.pipeline --force sft      # rerun sft (and what is stale after it)
+    python -m flows.pipeline --serve --cron "0 3 * * *"   # scheduled runs (needs a server:
+                                                          #   prefect server start --host 127.0.0.1)
+
+The DAG comes from DVC itself (`Repo.index.graph`), so dvc.yaml stays the single source
+of truth. Each task runs `dvc repro --single-item <stage>` in topological order: DVC alone
+decides whether the stage is stale, runs it, restores it from the run-cache, or skips it,
+and the task reports which. Tasks run one at a time, because DVC locks the repository
+for a repro (and two training stages on one machine would only share its cores).
+
+Prefect adds retries, logs, the UI and schedules; MLflow gets one parent run per flow run
+with one nested run per stage that ran (the stages read `RLHF_PARENT_RUN_ID`), each tagged
+with its dvc.lock entry hash once DVC has written it. The flow ends with a markdown
+artifact: per-stage status, key metrics and the gate verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import rlhf  # noqa: F401  (offline, no-telemetry environment first)
+import mlflow
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+
+from rlhf.tracking import PARENT_RUN_ENV, git_commit, setup_experiment, tag_stage_runs_with_lock
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def dag(root: Path = ROOT) -> list[tuple[str, list[str]]]:
+    """(stage address, upstream addresses) for every stage of dvc.yaml, in run order."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        graph = repo.index.graph  # edges point from a stage to the stages it depends on
+        order = list(reversed(list(nx.topological_sort(graph))))
+        return [(s.addressing, [d.addressing for d in graph.successors(s)]) for s in order if s.addressing != "dvc.yaml"]
+
+
+def parse_status(output: str, address: str) -> str:
+    """ran | restored | skipped, from `dvc repro` output for one stage."""
+    if re.search(rf"Stage '{re.escape(address)}' is cached - skipping run", output):
+        return "restored"
+    if re.search(rf"Running stage '{re.escape(address)}'", output):
+        return "ran"
+    return "skipped"
+
+
+@task(name="dvc-stage", retries=0, task_run_name="{address}")
+def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> dict:
+    logger = get_run_logger()
+    command = ["dvc", "repro", "--single-item", address] + (["--force"] if force else [])
+    env = {**os.environ, **({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {})}
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    lines = []
+    for line in process.stdout:  # stream so that progress shows in the Prefect logs
+        lines.append(line)
+        if line.strip():
+            logger.info(line.rstrip()[-500:])
+    code = process.wait()
+    output = "".join(lines)
+    if code != 0:
+        raise RuntimeError(f"`{' '.join(command)}` failed with exit code {code}:\n{output[-4000:]}")
+    return {"stage": address, "status": parse_status(output, address), "seconds": time.perf_counter() - start}
+
+
+def read_metrics(root: Path = ROOT) -> dict:
+    def load(path: str):
+        file = root / path
+        return json.loads(file.read_text()) if file.exists() else None
+
+    return {"sft": load("metrics/sft.json"), "rm": load("metrics/rm.json"), "eval": load("reports/eval.json"), "gate": load("reports/gate.json")}
+
+
+def summary_markdown(results: list[dict], metrics: dict) -> str:
+    lines = ["# rlhf-pipeline run", "", "| stage | status | seconds |", "|---|---|---|"]
+    lines += [f"| {r['stage']} | {r['status']} | {r['seconds']:.1f} |" for r in results]
+    if metrics["rm"]:
+        lines += ["", f"Reward-model ensemble held-out pairwise accuracy: **{metrics['rm']['ensemble_accuracy']:.3f}**"]
+    if metrics["eval"]:
+        for suite, models in metrics["eval"]["suites"].items():
+            lines += ["", f"## Eval suite `{suite}`", "", "| model | accuracy | format | KL to ref | reward | win-rate |", "|---|---|---|---|---|---|"]
+            for name, m in models.items():
+                if isinstance(m, dict):
+                    acc = "n/a" if m["accuracy"] is None else f"{m['accuracy']:.3f}"
+                    lines.append(f"| {name} | {acc} | {m['format_rate']:.3f} | {m['kl_to_ref']:.3f} | {m['reward']:.3f} | {m['win_rate']:.3f} |")
+    gate = metrics["gate"]
+    if gate:
+        verdict = f"promoted **{gate['promote']}**" if gate["promoted"] else "no promotion"
+        lines += ["", f"## Gate: {verdict} (champion: {gate['champion']})"]
+        for name, result in gate["candidates"].items():
+            status = "pass" if result["passed"] else "fail: " + "; ".join(result["failures"])
+            lines.append(f"- {name}: {status}")
+    return "\n".join(lines)
+
+
+@flow(name="rlhf-pipeline", log_prints=True)
+def pipeline(force: list[str] | None = None, root: str | None = None) -> dict:
+    """Run every stage of dvc.yaml through DVC; return per-stage status and the metrics."""
+    global ROOT
+    if root:
+        ROOT = Path(root).resolve()
+    os.chdir(ROOT)
+    from stages import load_all
+
+    load_all()  # whole params.yaml validated before any stage runs
+    force = set(force or [])
+    setup_experiment()
+    run_name = f"pipeline-{flow_run.get_name() or time.strftime('%Y%m%d-%H%M%S')}"
+    with mlflow.start_run(run_name=run_name, tags={"rlhf.stage": "pipeline", "mlflow.source.git.commit": git_commit()}) as parent:
+        results = []
+        for address, _upstream in dag(ROOT):
+            results.append(run_stage(address, parent.info.run_id, force=address in force))
+        tag_stage_runs_with_lock(parent.info.run_id, ROOT / "dvc.lock")
+        metrics = read_metrics(ROOT)
+        for r in results:
+            mlflow.set_tag(f"stage.{r['stage']}", r["status"])
+        if metrics["gate"]:
+            mlflow.set_tags({"gate.promoted": str(metrics["gate"]["promoted"]), "gate.champion": str(metrics["gate"]["champion"])})
+        markdown = summary_markdown(results, metrics)
+        mlflow.log_text(markdown, "summary.md")
+    create_markdown_artifact(markdown=markdown, key="pipeline-summary", description="stage status, metrics, gate verdict")
+    print(markdown)
+    return {"stages": results, "metrics": metrics, "mlflow_run_id": parent.info.run_id}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="rerun these stages even if unchanged")
+    parser.add_argument("--serve", action="store_true", help="serve the flow with a schedule (needs a Prefect server)")
+    parser.add_argument("--cron", default="0 3 * * *", help="schedule for --serve")
+    args = parser.parse_args(argv)
+    if args.serve:
+        pipeline.serve(name="scheduled", cron=args.cron)
+        return
+    pipeline(force=args.force)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

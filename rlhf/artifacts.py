@@ -1,0 +1,85 @@
+"""Writing stage outputs so that a killed stage never leaves half an artifact.
+
+Every output is built under a temporary sibling path and renamed into place. A rename on
+one filesystem is atomic, so a reader (DVC, the next stage, a person) sees either the old
+artifact or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pandas as pd
+
+
+def _tmp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary directory; on success it replaces `path` whole.
+
+    On an exception the temporary directory is removed and `path` is left untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_path(tmp, path)
+
+
+def replace_path(src: Path, dst: Path) -> None:
+    """Move `src` onto `dst`, replacing what is there (file or directory)."""
+    if dst.is_dir() and not dst.is_symlink():
+        # A directory cannot be renamed over a non-empty one: park the old one first, so
+        # the window in which `dst` is missing is one rename long.
+        old = _tmp_sibling(dst)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def write_json(path: str | Path, data) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=float) + "\n")
+
+
+def read_json(path: str | Path):
+    return json.loads(Path(path).read_text())
+
+
+def write_parquet(path: str | Path, frame: pd.DataFrame) -> None:
+    with atomic_file(path) as tmp:
+        frame.to_parquet(tmp, index=False)
+
+
+def write_csv(path: str | Path, rows: list[dict]) -> None:
+    """Rows as a CSV (training curves that `dvc plots show` renders)."""
+    with atomic_file(path) as tmp:
+        pd.DataFrame(rows).to_csv(tmp, index=False)

@@ -1,0 +1,184 @@
+"""Building the built-in tiny model, and loading and saving any local causal LM.
+
+`builtin:tiny` is a small Llama-style model with a character-level tokenizer, built here
+from a seed so that the default pipeline needs no hub. The tokenizer's chat template wraps
+the assistant turn in ``{% generation %}`` markers, which is what TRL's
+``assistant_only_loss`` reads to train on the assistant's tokens only.
+
+A user model is any local Hugging Face causal-LM directory. It is checked for the files
+it needs before anything is loaded, with an error that says what is missing and how to
+make such a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+BUILTIN_PREFIX = "builtin:"
+POINTER_FILE = "pointer.json"
+BUILTIN_SIZES = {
+    # name: (hidden, layers, heads, intermediate)
+    "tiny": (128, 4, 4, 384),
+    "small": (256, 6, 8, 768),
+    "micro": (32, 2, 2, 64),  # for tests: seconds per step
+}
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, USER, ASSISTANT, END]
+
+# Every printable ASCII character is one token; anything else maps to <unk>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>' }}{% generation %}{{ message['content'] + '<|end|>' }}{% endgeneration %}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII with chat special tokens."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in string.printable:
+        if char not in vocab and char not in "\t\r\x0b\x0c":
+            vocab[char] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=[USER, ASSISTANT, END],
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+        model_max_length=256,
+    )
+    return tokenizer
+
+
+def build_tiny_model(size: str, tokenizer: PreTrainedTokenizerFast, seed: int, max_length: int = 256) -> LlamaForCausalLM:
+    if size not in BUILTIN_SIZES:
+        raise ValueError(f"unknown built-in model size {size!r}; expected one of {sorted(BUILTIN_SIZES)}")
+    hidden, layers, heads, intermediate = BUILTIN_SIZES[size]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_length,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+# ----------------------------------------------------------------------------- loading
+
+_CONFIG_FILE = "config.json"
+_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_model_dir(path: str | Path, what: str = "model") -> Path:
+    """Fail early, and say how to fix it, when `path` is not a loadable model directory."""
+    path = Path(path)
+    how = (
+        "Point it at a local Hugging Face model directory (one written by "
+        "`model.save_pretrained(dir, safe_serialization=True)` and `tokenizer.save_pretrained(dir)`), "
+        "or use `builtin:tiny`."
+    )
+    if not path.exists():
+        raise FileNotFoundError(f"{what} directory {path} does not exist. {how}")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{what} path {path} is a file, not a model directory. {how}")
+    present = sorted(p.name for p in path.iterdir())
+    problems = []
+    if not (path / _CONFIG_FILE).is_file():
+        problems.append(f"no {_CONFIG_FILE}")
+    if not any(any(path.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+            problems.append(
+                "weights are pickled (.bin/.pt); only safetensors are loaded. Convert with "
+                "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)` "
+                "in a trusted environment"
+            )
+        else:
+            problems.append("no *.safetensors weights")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        problems.append("no tokenizer files (tokenizer.json or tokenizer.model)")
+    if problems:
+        raise ValueError(f"{what} directory {path} is not usable: {'; '.join(problems)}. Found: {present}. {how}")
+    return path
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory written by a stage, or the user's directory that its
+    `pointer.json` names (stage `base` writes a pointer instead of copying a user model)."""
+    path = Path(path)
+    pointer = path / POINTER_FILE
+    if pointer.is_file():
+        return Path(json.loads(pointer.read_text())["path"])
+    return path
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(path)), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Generation batches prompts of different lengths: pad on the left.
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path, trust_remote_code: bool = False, what: str = "model") -> PreTrainedModel:
+    path = check_model_dir(resolve_model_dir(path), what)
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True
+    )
+
+
+def load_reward_model(path: str | Path, trust_remote_code: bool = False, what: str = "reward model"):
+    path = check_model_dir(resolve_model_dir(path), what)
+    return AutoModelForSequenceClassification.from_pretrained(
+        str(path), trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True, num_labels=1
+    )
+
+
+def save_model(model, tokenizer, path: str | Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,85 @@
+"""params.yaml: loading and whole-file validation.
+
+Every stage's section is a pydantic model (its `Config`, defined in the stage module).
+`validate_params` checks the whole file against all of them at once and raises one
+`ParamsError` that names every bad key (``sft.learning_rate``), what is wrong and what was
+given, so a typo fails in a second instead of after an hour of training. Unknown keys are
+errors: every section forbids extras.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+PARAMS_FILE = "params.yaml"
+
+
+class ParamsError(ValueError):
+    """params.yaml does not validate. The message lists every problem with its key."""
+
+    def __init__(self, path: str | Path, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  {p}" for p in problems))
+
+
+class StageConfig(BaseModel):
+    """Base of every stage Config and nested params block: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+def read_params(path: str | Path = PARAMS_FILE) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; run from the project root (where dvc.yaml is)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ParamsError(path, [f"not valid YAML: {error}"]) from error
+    if not isinstance(data, dict):
+        raise ParamsError(path, ["the top level must be a mapping of stage sections"])
+    return data
+
+
+def format_validation_error(section: str, error: ValidationError) -> list[str]:
+    problems = []
+    for item in error.errors():
+        key = ".".join([section, *(str(part) for part in item["loc"])])
+        if item["type"] == "extra_forbidden":
+            problems.append(f"{key}: unknown key (check the spelling; see the stage's Config for the keys it takes)")
+        elif item["type"] == "missing":
+            problems.append(f"{key}: required key is missing")
+        else:
+            problems.append(f"{key}: {item['msg']} (got {item.get('input')!r:.80})")
+    return problems
+
+
+def validate_params(
+    data: Mapping[str, Any], configs: Mapping[str, type[BaseModel]], path: str | Path = PARAMS_FILE
+) -> dict[str, BaseModel]:
+    """Validate every section of `data` against `configs` (section name -> Config).
+
+    Sections missing from the file take their Config's defaults; sections with no Config
+    are unknown keys."""
+    problems: list[str] = []
+    validated: dict[str, BaseModel] = {}
+    for section in data:
+        if section not in configs:
+            problems.append(f"{section}: unknown section (known: {', '.join(configs)})")
+    for section, config in configs.items():
+        raw = data.get(section) or {}
+        if not isinstance(raw, Mapping):
+            problems.append(f"{section}: must be a mapping of keys, got {type(raw).__name__}")
+            continue
+        try:
+            validated[section] = config.model_validate(dict(raw))
+        except ValidationError as error:
+            problems.extend(format_validation_error(section, error))
+    if problems:
+        raise ParamsError(path, problems)
+    return validated

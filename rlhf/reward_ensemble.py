@@ -1,0 +1,86 @@
+"""An ensemble of K outcome reward models, scored together.
+
+Each member is a sequence-classification model with one output, trained by TRL's
+`RewardTrainer` from a different seed. The ensemble's score is the members' mean; their
+standard deviation is a cheap uncertainty estimate (reward-model disagreement), which
+rewards may penalise as ``mean - k * std``.
+
+Texts are built exactly as `RewardTrainer` builds them: prompt + completion + EOS for
+standard data, the chat template over prompt + completion messages for conversational data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhf.modeling import load_reward_model, load_tokenizer
+
+MEMBER_PREFIX = "member_"
+
+
+def reward_text(tokenizer, prompt, completion) -> str:
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return prompt + completion + tokenizer.eos_token
+    return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+
+
+def member_dirs(root: str | Path) -> list[Path]:
+    root = Path(root)
+    members = sorted(p for p in root.glob(f"{MEMBER_PREFIX}*") if p.is_dir())
+    if not members:
+        raise FileNotFoundError(
+            f"no reward models in {root} (expected {MEMBER_PREFIX}0, {MEMBER_PREFIX}1, ...); run `dvc repro rm` first"
+        )
+    return members
+
+
+@torch.inference_mode()
+def score_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64) -> torch.Tensor:
+    model.eval()
+    tokenizer.padding_side = "right"
+    scores = []
+    for start in range(0, len(texts), batch_size):
+        batch = tokenizer(
+            list(texts[start : start + batch_size]), return_tensors="pt", padding=True, add_special_tokens=False
+        ).to(model.device)
+        scores.append(model(**batch).logits[:, 0].float().cpu())
+    return torch.cat(scores) if scores else torch.empty(0)
+
+
+@dataclass
+class EnsembleScores:
+    members: torch.Tensor  # (K, N)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.members.mean(0)
+
+    @property
+    def std(self) -> torch.Tensor:
+        return self.members.std(0, unbiased=False)
+
+
+class RewardEnsemble:
+    def __init__(self, models: list, tokenizer):
+        self.models = models
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, root: str | Path, trust_remote_code: bool = False) -> RewardEnsemble:
+        dirs = member_dirs(root)
+        models = [load_reward_model(d, trust_remote_code, what=f"reward model {d.name}") for d in dirs]
+        return cls(models, load_tokenizer(dirs[0], trust_remote_code))
+
+    def score(self, prompts: Sequence, completions: Sequence, batch_size: int = 64) -> EnsembleScores:
+        texts = [reward_text(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
+        return EnsembleScores(torch.stack([score_texts(m, self.tokenizer, texts, batch_size) for m in self.models]))
+
+
+def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
+    """Fraction of pairs where the chosen response scores strictly higher; ties count half."""
+    wins = (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+    return float(wins.mean())

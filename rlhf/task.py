@@ -1,0 +1,319 @@
+"""The built-in verifiable task: multi-step arithmetic written out as steps.
+
+A problem is a chain of additions and subtractions, e.g. ``23+58-17``; its solution states
+every intermediate result and then the answer::
+
+    23+58=81; 81-17=64; answer 64
+
+Answers can be checked exactly, and so can every step, which is what lets one seeded
+generator emit every data contract the pipeline needs: SFT demonstrations, preference pairs
+(a correct solution against a flawed one), unpaired desirable/undesirable samples for KTO,
+per-step labels for the process reward model, prompts with answers for GRPO/PPO, and
+held-out evaluation suites that share no problem with the training data.
+
+Flaws are the mistakes a small model actually makes: an arithmetic slip in one step carried
+forward, a step that starts from the wrong number, a skipped operation, or a final answer that
+does not match the last step. Difficulty is set by the number of operands and the size of
+the numbers (`TaskSpec`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+STEP_SEPARATOR = "; "
+PROMPT_END = "\n"
+ANSWER_PREFIX = "answer "
+
+_ANSWER_RE = re.compile(r"answer (-?\d+)")
+_ANSWER_TEXT_RE = re.compile(r"answer[:\s]+(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+_INT_RE = re.compile(r"^-?\d+$")
+_STEP_RE = r"\d+[+-]\d+=-?\d+"
+_FORMAT_RE = re.compile(rf"^({_STEP_RE}; )+answer -?\d+$")
+_STEP_PARSE_RE = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
+
+FLAW_KINDS = ("slip", "copy", "skip", "answer")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """How hard the generated problems are."""
+
+    min_operands: int = 3
+    max_operands: int = 4
+    max_value: int = 49
+
+
+@dataclass(frozen=True)
+class Problem:
+    operands: tuple[int, ...]
+    ops: tuple[str, ...]  # one of "+"/"-" between consecutive operands
+
+    @property
+    def expression(self) -> str:
+        text = str(self.operands[0])
+        for op, value in zip(self.ops, self.operands[1:]):
+            text += f"{op}{value}"
+        return text
+
+    @property
+    def prompt(self) -> str:
+        # The newline marks where the problem ends and the solution begins: prompt and
+        # completion are concatenated as they are by TRL's trainers.
+        return self.expression + PROMPT_END
+
+    def steps(self) -> list[str]:
+        """The correct steps, without the final answer line."""
+        return _steps_from(self.operands[0], list(zip(self.ops, self.operands[1:])))
+
+    @property
+    def answer(self) -> int:
+        return _apply_all(self.operands[0], list(zip(self.ops, self.operands[1:])))
+
+    def solution(self) -> str:
+        return format_solution(self.steps(), self.answer)
+
+
+def _apply(left: int, op: str, right: int) -> int:
+    return left + right if op == "+" else left - right
+
+
+def _apply_all(start: int, pairs: list[tuple[str, int]]) -> int:
+    value = start
+    for op, right in pairs:
+        value = _apply(value, op, right)
+    return value
+
+
+def _steps_from(start: int, pairs: list[tuple[str, int]]) -> list[str]:
+    steps, value = [], start
+    for op, right in pairs:
+        result = _apply(value, op, right)
+        steps.append(f"{value}{op}{right}={result}")
+        value = result
+    return steps
+
+
+def format_solution(steps: list[str], answer: int) -> str:
+    return STEP_SEPARATOR.join([*steps, f"{ANSWER_PREFIX}{answer}"])
+
+
+def sample_problem(rng: random.Random, spec: TaskSpec) -> Problem:
+    """A random chain whose running value never goes negative (so every step is a plain
+    non-negative result, as in the curriculum of grade-school arithmetic)."""
+    n = rng.randint(spec.min_operands, spec.max_operands)
+    value = rng.randint(1, spec.max_value)
+    operands, ops = [value], []
+    for _ in range(n - 1):
+        right = rng.randint(1, spec.max_value)
+        op = rng.choice("+-") if value >= right else "+"
+        value = _apply(value, op, right)
+        operands.append(right)
+        ops.append(op)
+    return Problem(tuple(operands), tuple(ops))
+
+
+def flawed_solution(problem: Problem, rng: random.Random, kind: str | None = None) -> tuple[str, list[bool]]:
+    """A wrong solution of `problem` and the correctness label of each of its steps.
+
+    Labels follow Math-Shepherd: a step is good while the chain is still on the way to the
+    right answer; the first wrong step and everything after it are bad. The final
+    ``answer N`` line counts as a step.
+    """
+    kind = kind or rng.choice(FLAW_KINDS)
+    pairs = list(zip(problem.ops, problem.operands[1:]))
+    good_steps = problem.steps()
+    at = rng.randrange(len(pairs))
+    if kind == "slip":
+        # One step's result is off by a small amount; later steps carry it forward correctly.
+        prefix = good_steps[:at]
+        left = _apply_all(problem.operands[0], pairs[:at])
+        op, right = pairs[at]
+        wrong = _apply(left, op, right) + rng.choice([-10, -2, -1, 1, 2, 10])
+        steps = [*prefix, f"{left}{op}{right}={wrong}", *_steps_from(wrong, pairs[at + 1 :])]
+        answer = _apply_all(wrong, pairs[at + 1 :])
+        labels = [True] * at + [False] * (len(steps) - at) + [False]
+    elif kind == "copy":
+        # A step starts from a number that is not the previous result.
+        prefix = good_steps[:at]
+        left = _apply_all(problem.operands[0], pairs[:at])
+        wrong_left = left + rng.choice([-10, -1, 1, 10])
+        if wrong_left == left or wrong_left < 0:
+            wrong_left = left + 1
+        steps = [*prefix, *_steps_from(wrong_left, pairs[at:])]
+        answer = _apply_all(wrong_left, pairs[at:])
+        labels = [True] * at + [False] * (len(steps) - at) + [False]
+    elif kind == "skip":
+        # One operation is dropped; the arithmetic of the remaining steps is right.
+        kept = pairs[:at] + pairs[at + 1 :]
+        steps = _steps_from(problem.operands[0], kept)
+        answer = _apply_all(problem.operands[0], kept)
+        labels = [True] * at + [False] * (len(steps) - at) + [False]
+    elif kind == "answer":
+        # Every step right, the stated answer is not the last result.
+        steps = good_steps
+        answer = problem.answer + rng.choice([-10, -1, 1, 10])
+        labels = [True] * len(steps) + [False]
+    else:
+        raise ValueError(f"unknown flaw kind {kind!r}; expected one of {FLAW_KINDS}")
+    if answer == problem.answer:
+        # A skipped `+x-x` pair or a slip that cancels can land on the right answer;
+        # such a solution is not a clean negative, so fall back to a wrong final answer.
+        return flawed_solution(problem, rng, "answer")
+    return format_solution(steps, answer), labels
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+def extract_answer(completion: str) -> int | None:
+    """The integer after the first ``answer``, or None when there is none."""
+    match = _ANSWER_RE.search(completion)
+    return int(match.group(1)) if match else None
+
+
+def is_correct(completion: str, answer: int | str) -> bool:
+    """Exact answer check: the number after ``answer`` equals `answer`. For a non-numeric
+    reference answer (user suites), the text after ``answer`` (or the last line) must
+    equal it, ignoring case and surrounding space."""
+    reference = str(answer).strip()
+    if _INT_RE.match(reference):
+        predicted = extract_answer(completion)
+        return predicted is not None and predicted == int(reference)
+    match = _ANSWER_TEXT_RE.search(completion)
+    stated = match.group(1) if match else (completion.strip().splitlines() or [""])[-1]
+    return stated.strip().lower() == reference.lower()
+
+
+def is_well_formatted(completion: str) -> bool:
+    """Steps ``a+b=c`` separated by ``; `` and a final ``answer N`` — nothing else."""
+    return bool(_FORMAT_RE.match(completion.strip()))
+
+
+def split_steps(completion: str) -> list[str]:
+    """The steps of a solution, the final answer line included."""
+    return [part for part in completion.strip().split(STEP_SEPARATOR) if part]
+
+
+def check_steps(prompt: str, completion: str) -> list[bool]:
+    """Math-Shepherd labels for each step of `completion` against the problem in `prompt`:
+    a step is good when its arithmetic is right, it continues from the previous result, it
+    applies the next operation of the problem, and every earlier step was good."""
+    problem = parse_prompt(prompt)
+    pairs = list(zip(problem.ops, problem.operands[1:]))
+    labels, value, ok = [], problem.operands[0], True
+    steps = split_steps(completion)
+    for index, step in enumerate(steps):
+        if step.startswith(ANSWER_PREFIX):
+            ok = ok and index == len(pairs) and step == f"{ANSWER_PREFIX}{value}"
+            labels.append(ok)
+            continue
+        match = _STEP_PARSE_RE.match(step)
+        if not ok or match is None or index >= len(pairs):
+            ok = False
+        else:
+            left, op, right, result = int(match[1]), match[2], int(match[3]), int(match[4])
+            expected = _apply(value, *pairs[index])
+            ok = (left, op, right) == (value, *pairs[index]) and result == expected
+            value = expected
+        labels.append(ok)
+    return labels
+
+
+def parse_prompt(prompt: str) -> Problem:
+    tokens = re.findall(r"\d+|[+-]", prompt.strip())
+    if len(tokens) < 3 or len(tokens) % 2 == 0:
+        raise ValueError(f"not a built-in task prompt: {prompt!r}")
+    operands = tuple(int(t) for t in tokens[0::2])
+    ops = tuple(tokens[1::2])
+    return Problem(operands, ops)
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+@dataclass(frozen=True)
+class TaskSizes:
+    """How many rows of each data contract the generator writes."""
+
+    sft: int = 20000
+    prefs: int = 4000
+    prefs_eval: int = 500
+    unpaired: int = 4000
+    prm: int = 4000
+    prm_eval: int = 500
+    prompts: int = 2000
+    eval_heldout: int = 500
+
+
+def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, list[dict]]:
+    """Every data contract of the built-in task, as rows keyed by contract file name.
+
+    Evaluation problems are drawn first and every training split excludes them, so the
+    held-out numbers measure generalisation, not recall.
+    """
+    rng = random.Random(seed)
+    seen: set[str] = set()
+
+    def fresh_problems(count: int) -> list[Problem]:
+        problems: list[Problem] = []
+        attempts = 0
+        while len(problems) < count:
+            attempts += 1
+            if attempts > 50 * count + 1000:
+                raise ValueError(
+                    f"the task spec {spec} has too few distinct problems for {count} more rows; "
+                    "raise prepare.builtin.max_value or max_operands, or ask for fewer rows"
+                )
+            problem = sample_problem(rng, spec)
+            if problem.prompt not in seen:
+                seen.add(problem.prompt)
+                problems.append(problem)
+        return problems
+
+    def prompt_rows(problems: list[Problem]) -> list[dict]:
+        return [{"prompt": p.prompt, "answer": str(p.answer)} for p in problems]
+
+    def pair_rows(problems: list[Problem]) -> list[dict]:
+        return [
+            {"prompt": p.prompt, "chosen": p.solution(), "rejected": flawed_solution(p, rng)[0]}
+            for p in problems
+        ]
+
+    def prm_rows(problems: list[Problem]) -> list[dict]:
+        rows = []
+        for p in problems:
+            # Half correct, half flawed, so the step labels are not all one class.
+            if rng.random() < 0.5:
+                text, labels = p.solution(), [True] * (len(p.steps()) + 1)
+            else:
+                text, labels = flawed_solution(p, rng)
+            rows.append({"prompt": p.prompt, "completions": split_steps(text), "labels": labels})
+        return rows
+
+    # Held-out suites first, so no training split can contain them.
+    eval_heldout = prompt_rows(fresh_problems(sizes.eval_heldout))
+    prefs_eval = pair_rows(fresh_problems(sizes.prefs_eval))
+    prm_eval = prm_rows(fresh_problems(sizes.prm_eval))
+
+    sft = [{"prompt": p.prompt, "completion": p.solution()} for p in fresh_problems(sizes.sft)]
+    prefs = pair_rows(fresh_problems(sizes.prefs))
+    unpaired = []
+    for p in fresh_problems(sizes.unpaired):
+        good = rng.random() < 0.5
+        text = p.solution() if good else flawed_solution(p, rng)[0]
+        unpaired.append({"prompt": p.prompt, "completion": text, "label": good})
+    prm = prm_rows(fresh_problems(sizes.prm))
+    prompts = prompt_rows(fresh_problems(sizes.prompts))
+    return {
+        "sft": sft,
+        "prefs": prefs,
+        "prefs_eval": prefs_eval,
+        "unpaired": unpaired,
+        "prm": prm,
+        "prm_eval": prm_eval,
+        "prompts": prompts,
+        "eval_heldout": eval_heldout,
+    }

@@ -1,0 +1,153 @@
+"""MLflow tracking shared by the stages and the flow.
+
+Embedded default: a sqlite store ``mlflow.db`` and an ``mlartifacts/`` folder in the project
+root, so the UI and the model registry work without a server (``mlflow ui
+--backend-store-uri sqlite:///mlflow.db``). ``MLFLOW_TRACKING_URI`` points elsewhere.
+
+A stage run is nested under the pipeline's parent run when ``RLHF_PARENT_RUN_ID`` is set
+(the Prefect flow sets it for every ``dvc repro`` it launches; nested runs started in
+another process need the explicit ``parent_run_id``). Every run is tagged with the git
+commit and its DVC stage address; the flow adds the hash of the stage's dvc.lock entry
+once DVC has written it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import yaml
+from mlflow.tracking import MlflowClient
+
+EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
+DEFAULT_EXPERIMENT = "rlhf-pipeline"
+PARENT_RUN_ENV = "RLHF_PARENT_RUN_ID"
+STAGE_TAG = "rlhf.stage"
+COMMIT_TAG = "mlflow.source.git.commit"
+LOCK_HASH_TAG = "dvc.lock_hash"
+
+
+def project_root() -> Path:
+    return Path(os.environ.get("DVC_ROOT", os.getcwd())).resolve()
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
+
+
+def setup_experiment(name: str | None = None) -> str:
+    """Point MLflow at the project's store and return the experiment id, creating the
+    experiment with an explicit artifact location (so artifacts never land in the cwd)."""
+    mlflow.set_tracking_uri(tracking_uri())
+    name = name or os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment is None:
+        artifacts = os.environ.get("RLHF_ARTIFACT_ROOT") or (project_root() / "mlartifacts").as_uri()
+        experiment_id = mlflow.create_experiment(name, artifact_location=artifacts)
+    else:
+        experiment_id = experiment.experiment_id
+    mlflow.set_experiment(experiment_id=experiment_id)
+    # transformers' MLflowCallback reads the experiment from the environment.
+    os.environ[EXPERIMENT_ENV] = name
+    return experiment_id
+
+
+def git_commit(root: Path | None = None) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root or project_root(), capture_output=True, text=True, check=True
+        )
+        commit = out.stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root or project_root(),
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    return {
+        key.replace("@", "_"): float(value)
+        for key, value in flatten(metrics).items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+
+
+@contextmanager
+def stage_run(stage: str, config: Any, tags: Mapping[str, str] | None = None) -> Iterator[mlflow.ActiveRun]:
+    """An MLflow run for one stage: resolved config logged as params, tags set, nested under
+    the pipeline run when there is one. Exceptions propagate (the run ends FAILED)."""
+    setup_experiment()
+    parent = os.environ.get(PARENT_RUN_ENV) or None
+    address = os.environ.get("DVC_STAGE", stage)
+    run_tags = {STAGE_TAG: address, COMMIT_TAG: git_commit(), **(tags or {})}
+    with mlflow.start_run(run_name=address, parent_run_id=parent, nested=parent is not None, tags=run_tags) as run:
+        params = flatten(config.model_dump(mode="json")) if hasattr(config, "model_dump") else flatten(config)
+        mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})
+        yield run
+
+
+def lock_entry_hash(stage_address: str, lock_path: str | Path = "dvc.lock") -> str | None:
+    """md5 of the stage's entry in dvc.lock (cmd, deps, params and outs hashes): the
+    fingerprint of the exact code, data and params that produced a number."""
+    path = Path(lock_path)
+    if not path.exists():
+        return None
+    stages = (yaml.safe_load(path.read_text()) or {}).get("stages", {})
+    entry = stages.get(stage_address)
+    if entry is None:
+        return None
+    return hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+
+
+def tag_stage_runs_with_lock(parent_run_id: str, lock_path: str | Path = "dvc.lock") -> dict[str, str]:
+    """Tag each nested stage run of `parent_run_id` with its dvc.lock entry hash."""
+    client = MlflowClient(tracking_uri())
+    runs = client.search_runs(
+        experiment_ids=[client.get_run(parent_run_id).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+    )
+    tagged = {}
+    for run in runs:
+        address = run.data.tags.get(STAGE_TAG)
+        digest = lock_entry_hash(address, lock_path) if address else None
+        if digest:
+            client.set_tag(run.info.run_id, LOCK_HASH_TAG, digest)
+            tagged[address] = digest
+    return tagged
+
+
+@contextmanager
+def nested_trainer_runs() -> Iterator[None]:
+    """Make transformers' MLflowCallback log into a new run nested in the active one."""
+    previous = os.environ.get("MLFLOW_NESTED_RUN")
+    os.environ["MLFLOW_NESTED_RUN"] = "TRUE"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("MLFLOW_NESTED_RUN", None)
+        else:
+            os.environ["MLFLOW_NESTED_RUN"] = previous

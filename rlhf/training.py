@@ -1,0 +1,150 @@
+"""What every training stage shares: the training params block, the LoRA block, TRL
+config construction, checkpoint/resume, and saving a trained model as a plain model.
+
+TRL configs default to bf16 and gradient checkpointing; on a CPU (and for the tiny
+built-in model) both cost more than they save, so they are chosen explicitly here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from transformers.trainer_utils import get_last_checkpoint
+
+from rlhf.params import StageConfig
+
+CHECKPOINT_ROOT = Path("checkpoints")
+
+
+class TrainingParams(StageConfig):
+    """Optimisation settings shared by the training stages (a TRL config subset)."""
+
+    max_steps: int = Field(300, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(32, gt=0, description="examples per step per device")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
+    lr_scheduler_type: str = Field("cosine", description="transformers scheduler name")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of steps spent warming up")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+    max_length: int = Field(128, gt=0, description="tokens per sequence (longer ones are truncated)")
+    logging_steps: int = Field(10, gt=0, description="log loss every N steps")
+    save_steps: int = Field(100, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
+    seed: int = Field(0, description="data order and initialisation seed")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    bf16: bool = Field(False, description="bf16 mixed precision (GPU only)")
+    gradient_checkpointing: bool = Field(False, description="trade compute for memory (large models)")
+
+
+class LoraParams(StageConfig):
+    """A peft LoRA adapter; merged into the base weights when the model is saved."""
+
+    enabled: bool = Field(False, description="train a LoRA adapter instead of all weights")
+    r: int = Field(8, gt=0, description="adapter rank")
+    alpha: int = Field(16, gt=0, description="scaling numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: str | list[str] = Field("all-linear", description="modules to adapt")
+
+    def peft_config(self, task_type: str = "CAUSAL_LM"):
+        if not self.enabled:
+            return None
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=self.target_modules,
+            task_type=task_type,
+        )
+
+
+def use_cpu(params: TrainingParams) -> bool:
+    return params.device == "cpu" or (params.device == "auto" and not torch.cuda.is_available())
+
+
+def trl_config(config_cls, params: TrainingParams, output_dir: Path, **extra: Any):
+    """A TRL `*Config` from our params, with CPU-safe precision and checkpointing."""
+    return config_cls(
+        output_dir=str(output_dir),
+        max_steps=params.max_steps,
+        per_device_train_batch_size=params.per_device_train_batch_size,
+        gradient_accumulation_steps=params.gradient_accumulation_steps,
+        learning_rate=params.learning_rate,
+        lr_scheduler_type=params.lr_scheduler_type,
+        warmup_steps=params.warmup_ratio,
+        weight_decay=params.weight_decay,
+        max_grad_norm=params.max_grad_norm,
+        logging_steps=params.logging_steps,
+        save_strategy="steps",
+        save_steps=params.save_steps,
+        save_total_limit=1,
+        seed=params.seed,
+        data_seed=params.seed,
+        use_cpu=use_cpu(params),
+        bf16=params.bf16,
+        fp16=False,
+        gradient_checkpointing=params.gradient_checkpointing,
+        report_to=["mlflow"],
+        dataloader_num_workers=0,
+        **extra,
+    )
+
+
+def fingerprint(config: Any, inputs: list[str | Path]) -> str:
+    """A key for checkpoints: the resolved config and the identity (size, mtime) of every
+    input file. A restarted run with the same key resumes; any change starts afresh."""
+    digest = hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode())
+    for root in inputs:
+        root = Path(root)
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        for path in files:
+            stat = path.stat()
+            digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def checkpoint_dir(stage: str, key: str) -> Path:
+    """Where a stage keeps its checkpoints: outside DVC's outputs (DVC deletes those before a
+    stage runs), one folder per fingerprint."""
+    return CHECKPOINT_ROOT / stage.replace("@", "-") / key
+
+
+def last_checkpoint(directory: Path) -> str | None:
+    return get_last_checkpoint(str(directory)) if directory.is_dir() else None
+
+
+def discard_checkpoints(stage: str) -> None:
+    shutil.rmtree(CHECKPOINT_ROOT / stage.replace("@", "-"), ignore_errors=True)
+
+
+def merged_model(model):
+    """The plain model behind a trainer's model: a peft adapter is merged into its base."""
+    if hasattr(model, "merge_and_unload"):
+        return model.merge_and_unload()
+    return model
+
+
+def train_resumable(trainer, stage: str, key: str) -> str | None:
+    """Train, resuming from the stage's last checkpoint for this fingerprint if one exists.
+    Returns the checkpoint resumed from (None for a fresh start)."""
+    resume = last_checkpoint(Path(trainer.args.output_dir))
+    if resume:
+        print(f"{stage}: resuming from {resume}")
+    trainer.train(resume_from_checkpoint=resume)
+    return resume
+
+
+def log_history_rows(history: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history if any(k in h for k in keys)]
+
+
+def last_logged(history: list[dict], key: str) -> float | None:
+    values = [h[key] for h in history if key in h]
+    return float(values[-1]) if values else None

@@ -1,0 +1,88 @@
+"""Stage `base`: the model every later stage starts from.
+
+In:  params `base.model` — `builtin:<size>` (a small Llama-style model and a character-level
+     tokenizer built here from a seed; sizes in rlhf.modeling.BUILTIN_SIZES) or the path of
+     a local Hugging Face causal-LM directory.
+Out: models/base — the built model, or for a user directory a `pointer.json` naming it
+     (a multi-GB model is not copied into DVC's cache). Downstream stages resolve both
+     through `rlhf.modeling.resolve_model_dir`.
+
+A user directory is checked for config, safetensors weights and tokenizer files before
+anything is loaded; a model that needs custom code loads only with `trust_remote_code`.
+After editing a user model in place, `dvc repro -f base` picks up the change.
+
+    python -m stages.base
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+from pydantic import Field, field_validator
+
+from rlhf.artifacts import atomic_dir, write_json
+from rlhf.modeling import (
+    BUILTIN_PREFIX,
+    BUILTIN_SIZES,
+    POINTER_FILE,
+    build_tiny_model,
+    build_tokenizer,
+    check_model_dir,
+    count_parameters,
+    load_causal_lm,
+    save_model,
+)
+from rlhf.params import StageConfig
+from rlhf.tracking import stage_run
+from stages import load_config
+
+OUT_DIR = Path("models/base")
+
+
+class Config(StageConfig):
+    model: str = Field("builtin:tiny", description="builtin:<size> or a local Hugging Face model directory")
+    seed: int = Field(0, description="initialisation seed of a built-in model")
+    max_length: int = Field(256, gt=8, description="context length of a built-in model")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code from the model directory")
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str) -> str:
+        if value.startswith(BUILTIN_PREFIX):
+            size = value[len(BUILTIN_PREFIX) :]
+            if size not in BUILTIN_SIZES:
+                raise ValueError(f"unknown built-in model {value!r}; use one of {[BUILTIN_PREFIX + s for s in BUILTIN_SIZES]}")
+        else:
+            try:
+                check_model_dir(value, "base.model")
+            except OSError as error:  # pydantic reports ValueErrors with the key's name
+                raise ValueError(str(error)) from error
+        return value
+
+
+def run(config: Config, out_dir: Path) -> dict:
+    """Write the base model (or a pointer to the user's) into `out_dir`; return its facts."""
+    if config.model.startswith(BUILTIN_PREFIX):
+        tokenizer = build_tokenizer()
+        model = build_tiny_model(config.model[len(BUILTIN_PREFIX) :], tokenizer, config.seed, config.max_length)
+        save_model(model, tokenizer, out_dir)
+        return {"parameters": count_parameters(model), "vocab_size": len(tokenizer), "source": config.model}
+    path = Path(config.model).resolve()
+    # Load once so that a broken model fails here, in the stage that names it.
+    model = load_causal_lm(path, config.trust_remote_code, what="base.model")
+    write_json(out_dir / POINTER_FILE, {"path": str(path)})
+    return {"parameters": count_parameters(model), "source": str(path)}
+
+
+def main() -> None:
+    config = load_config("base")
+    with stage_run("base", config):
+        with atomic_dir(OUT_DIR) as tmp:
+            facts = run(config, tmp)
+        mlflow.log_metrics({k: v for k, v in facts.items() if isinstance(v, int)})
+        print(f"base: {facts}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Stage `policy@<method>`: policy optimisation of the SFT model, one DVC stage per method.
+
+In:  models/sft (policy init and reference), data/prepared/prefs.parquet.
+Out: models/policy/<method> (a plain model: LoRA adapters are merged on save),
+     metrics/policy/<method>.json, plots/policy/<method>.csv.
+
+dvc.yaml expands `policy.methods` with `foreach`, so each method is its own stage with its
+own params section (`policy.<method>`): changing DPO's beta reruns DPO alone, and
+`evaluate` compares every candidate on the same held-out suite.
+
+Methods (a dict from name to function, `METHODS`):
+
+* dpo — TRL's `DPOTrainer`. `loss_type` sigmoid (Rafailov et al. 2023), ipo (Azar et al.
+  2023), hinge (SLiC), or any other TRL loss type; the reference is the SFT model.
+
+    python -m stages.policy dpo
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from datasets import Dataset
+from pydantic import Field, field_validator
+from trl import DPOConfig, DPOTrainer
+
+from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
+from rlhf.params import StageConfig
+from rlhf.tracking import numeric_metrics, stage_run
+from rlhf.training import (
+    LoraParams,
+    TrainingParams,
+    checkpoint_dir,
+    discard_checkpoints,
+    fingerprint,
+    last_logged,
+    log_history_rows,
+    merged_model,
+    train_resumable,
+    trl_config,
+)
+from stages import load_config
+
+SFT_DIR = Path("models/sft")
+PREFS = Path("data/prepared/prefs.parquet")
+OUT_ROOT = Path("models/policy")
+METRICS_ROOT = Path("metrics/policy")
+PLOTS_ROOT = Path("plots/policy")
+
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
+
+
+class DPOParams(TrainingParams):
+    """Direct preference optimisation: -log sigmoid(beta * (log-ratio chosen - log-ratio rejected))."""
+
+    loss_type: str | list[str] = Field("sigmoid", description="sigmoid | ipo | hinge | any TRL DPO loss type")
+    beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO: assumed label noise")
+    max_steps: int = Field(150, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
+    learning_rate: float = Field(5e-5, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+
+    @field_validator("loss_type")
+    @classmethod
+    def _check_loss(cls, value):
+        names = [value] if isinstance(value, str) else value
+        unknown = [n for n in names if n not in DPO_LOSS_TYPES]
+        if unknown:
+            raise ValueError(f"unknown DPO loss type(s) {unknown}; use one of {list(DPO_LOSS_TYPES)}")
+        return value
+
+
+class Config(StageConfig):
+    methods: list[str] = Field(["dpo"], min_length=1, description="methods to train, one DVC stage each")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code")
+    dpo: DPOParams = Field(default_factory=DPOParams, description="params of method dpo")
+
+    @field_validator("methods")
+    @classmethod
+    def _check_methods(cls, value):
+        unknown = [m for m in value if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; available: {sorted(METHODS)}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"methods are listed twice: {value}")
+        return value
+
+
+def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
+    model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
+    dataset = Dataset.from_pandas(pd.read_parquet(PREFS), preserve_index=False)
+    key = fingerprint(params, [SFT_DIR, PREFS])
+    args = trl_config(
+        DPOConfig,
+        params,
+        checkpoint_dir(stage, key),
+        loss_type=[params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type),
+        beta=params.beta,
+        label_smoothing=params.label_smoothing,
+        max_length=params.max_length,
+    )
+    trainer = DPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=params.lora.peft_config(),
+    )
+    resumed = train_resumable(trainer, stage, key)
+    history = trainer.state.log_history
+    save_model(merged_model(trainer.model), tokenizer, out_dir)
+    metrics = {
+        "train_loss": last_logged(history, "loss"),
+        "reward_accuracy": last_logged(history, "rewards/accuracies"),
+        "reward_margin": last_logged(history, "rewards/margins"),
+        "steps": trainer.state.global_step,
+        "resumed": bool(resumed),
+    }
+    curve = log_history_rows(history, ("loss", "rewards/margins", "rewards/accuracies"))
+    return metrics, curve
+
+
+METHODS: dict[str, Callable] = {"dpo": train_dpo}
+
+
+def run(config: Config, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
+    stage = f"policy@{method}"
+    start = time.perf_counter()
+    metrics, curve = METHODS[method](config, getattr(config, method), out_dir, stage)
+    discard_checkpoints(stage)
+    return {**metrics, "method": method, "train_seconds": time.perf_counter() - start}, curve
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    config = load_config("policy")
+    if len(argv) != 1 or argv[0] not in config.methods:
+        raise SystemExit(f"usage: python -m stages.policy METHOD, with METHOD one of policy.methods {config.methods}")
+    method = argv[0]
+    with stage_run(f"policy@{method}", config.model_dump(include={"methods", method})):
+        with atomic_dir(OUT_ROOT / method) as tmp:
+            metrics, curve = run(config, method, tmp)
+        write_json(METRICS_ROOT / f"{method}.json", metrics)
+        write_csv(PLOTS_ROOT / f"{method}.csv", curve)
+        mlflow.log_metrics(numeric_metrics(metrics))
+        mlflow.log_artifact(str(PLOTS_ROOT / f"{method}.csv"))
+
+
+if __name__ == "__main__":
+    main()

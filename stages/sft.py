@@ -1,0 +1,113 @@
+"""Stage `sft`: supervised fine-tuning of the base model on demonstrations.
+
+In:  models/base, data/prepared/sft.parquet (prompt/completion or messages).
+Out: models/sft (a plain model: a LoRA adapter is merged on save), metrics/sft.json,
+     plots/sft/loss.csv.
+
+TRL's `SFTTrainer` with loss on the completion only (prompt-completion data) or on the
+assistant turns only (conversational data, through the chat template's generation
+markers). Checkpoints go to checkpoints/sft/<fingerprint>/ every `save_steps`; a killed
+run restarted with the same params and inputs (`dvc repro` again) resumes from the last one.
+
+    python -m stages.sft
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from datasets import Dataset
+from pydantic import Field
+from trl import SFTConfig, SFTTrainer
+
+from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
+from rlhf.tracking import numeric_metrics, stage_run
+from rlhf.training import (
+    LoraParams,
+    TrainingParams,
+    checkpoint_dir,
+    discard_checkpoints,
+    fingerprint,
+    last_logged,
+    log_history_rows,
+    merged_model,
+    train_resumable,
+    trl_config,
+)
+from stages import load_config
+
+BASE_DIR = Path("models/base")
+DATA = Path("data/prepared/sft.parquet")
+OUT_DIR = Path("models/sft")
+METRICS = Path("metrics/sft.json")
+PLOT = Path("plots/sft/loss.csv")
+CURVE_KEYS = ("loss", "mean_token_accuracy", "learning_rate")
+
+
+class Config(TrainingParams):
+    max_steps: int = Field(600, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(64, gt=0, description="examples per step per device")
+    learning_rate: float = Field(3e-3, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(64, gt=0, description="tokens per example (longer ones are truncated)")
+    loss_on: str = Field("completion", pattern="^(completion|all)$", description="completion only, or every token")
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+
+def run(config: Config, base_dir: Path, data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
+    """Fine-tune, save the model into `out_dir`; return metrics and the loss curve."""
+    stage = "sft"
+    tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
+    model = load_causal_lm(base_dir, config.trust_remote_code, what="models/base")
+    dataset = Dataset.from_pandas(pd.read_parquet(data), preserve_index=False)
+    conversational = "messages" in dataset.column_names
+    only_target = config.loss_on == "completion"
+    key = fingerprint(config, [base_dir, data])
+    args = trl_config(
+        SFTConfig,
+        config,
+        checkpoint_dir(stage, key),
+        max_length=config.max_length,
+        completion_only_loss=only_target and not conversational,
+        assistant_only_loss=only_target and conversational,
+        packing=False,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=config.lora.peft_config(),
+    )
+    start = time.perf_counter()
+    resumed = train_resumable(trainer, stage, key)
+    history = trainer.state.log_history
+    save_model(merged_model(trainer.model), tokenizer, out_dir)
+    discard_checkpoints(stage)
+    metrics = {
+        "train_loss": last_logged(history, "loss"),
+        "mean_token_accuracy": last_logged(history, "mean_token_accuracy"),
+        "steps": trainer.state.global_step,
+        "train_seconds": time.perf_counter() - start,
+        "resumed": bool(resumed),
+    }
+    return metrics, log_history_rows(history, CURVE_KEYS)
+
+
+def main() -> None:
+    config = load_config("sft")
+    with stage_run("sft", config):
+        with atomic_dir(OUT_DIR) as tmp:
+            metrics, curve = run(config, BASE_DIR, DATA, tmp)
+        write_json(METRICS, metrics)
+        write_csv(PLOT, curve)
+        mlflow.log_metrics(numeric_metrics(metrics))
+        mlflow.log_artifact(str(PLOT))
+
+
+if __name__ == "__main__":
+    main()
