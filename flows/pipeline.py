@@ -130,7 +130,7 @@ def pipeline(force: list[str] | None = None, root: str | None = None) -> dict:
         tag_stage_runs_with_lock(parent.info.run_id, ROOT / "dvc.lock")
         metrics = read_metrics(ROOT)
         for r in results:
-            mlflow.set_tag(f"stage.{r['stage']}", r["status"])
+            mlflow.set_tag(f"stage.{r['stage'].replace('@', ':')}", r["status"])
         if metrics["gate"]:
             mlflow.set_tags({"gate.promoted": str(metrics["gate"]["promoted"]), "gate.champion": str(metrics["gate"]["champion"])})
         markdown = summary_markdown(results, metrics)

@@ -163,7 +163,9 @@ def validate_contract(
                 )
     if problems:
         raise DataValidationError(path, problems)
-    return pd.DataFrame(normalised)
+    # object columns keep the normalised Python values: pandas >= 3 would otherwise infer a
+    # string dtype and turn a missing answer (None) into NaN.
+    return pd.DataFrame({c: pd.Series(values, dtype=object) for c, values in normalised.items()})
 
 
 # ----------------------------------------------------------------------------- field checks

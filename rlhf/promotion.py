@@ -65,7 +65,9 @@ def run_test(test, candidate: dict, reference: dict, champion: dict | None) -> T
         if baseline is None:
             return result(True, f"champion has no recorded {test.metric!r} on {test.suite!r}: not compared")
     bound = baseline + test.threshold
-    passed = OPS[test.op](value, bound)
+    # Rounded so that float noise in `baseline + threshold` (0.40 - 0.05 = 0.35000000000000003)
+    # does not fail a candidate that sits exactly on the bound.
+    passed = OPS[test.op](round(value, 9), round(bound, 9))
     reason = f"{value:.4f} {test.op} {bound:.4f}" + ("" if passed else " fails")
     return result(passed, reason, baseline, bound)
 

@@ -32,6 +32,7 @@ _ANSWER_TEXT_RE = re.compile(r"answer[:\s]+(.+?)\s*$", re.IGNORECASE | re.MULTIL
 _INT_RE = re.compile(r"^-?\d+$")
 _STEP_RE = r"\d+[+-]\d+=-?\d+"
 _FORMAT_RE = re.compile(rf"^({_STEP_RE}; )+answer -?\d+$")
+_PROMPT_RE = re.compile(r"\d+(?:\s*[+-]\s*\d+)+")
 _STEP_PARSE_RE = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
 
 FLAW_KINDS = ("slip", "copy", "skip", "answer")
@@ -146,7 +147,11 @@ def flawed_solution(problem: Problem, rng: random.Random, kind: str | None = Non
         answer = _apply_all(wrong_left, pairs[at:])
         labels = [True] * at + [False] * (len(steps) - at) + [False]
     elif kind == "skip":
-        # One operation is dropped; the arithmetic of the remaining steps is right.
+        # One operation is dropped; the arithmetic of the remaining steps is right. Dropping
+        # any one of a run of identical operations (`+3+3`) gives the same chain, whose first
+        # wrong step is after the run: drop the run's last one so that step `at` is wrong.
+        while at + 1 < len(pairs) and pairs[at + 1] == pairs[at]:
+            at += 1
         kept = pairs[:at] + pairs[at + 1 :]
         steps = _steps_from(problem.operands[0], kept)
         answer = _apply_all(problem.operands[0], kept)
@@ -223,9 +228,9 @@ def check_steps(prompt: str, completion: str) -> list[bool]:
 
 
 def parse_prompt(prompt: str) -> Problem:
-    tokens = re.findall(r"\d+|[+-]", prompt.strip())
-    if len(tokens) < 3 or len(tokens) % 2 == 0:
+    if not _PROMPT_RE.fullmatch(prompt.strip()):
         raise ValueError(f"not a built-in task prompt: {prompt!r}")
+    tokens = re.findall(r"\d+|[+-]", prompt)
     operands = tuple(int(t) for t in tokens[0::2])
     ops = tuple(tokens[1::2])
     return Problem(operands, ops)

@@ -140,14 +140,11 @@ def tag_stage_runs_with_lock(parent_run_id: str, lock_path: str | Path = "dvc.lo
 
 
 @contextmanager
-def nested_trainer_runs() -> Iterator[None]:
-    """Make transformers' MLflowCallback log into a new run nested in the active one."""
-    previous = os.environ.get("MLFLOW_NESTED_RUN")
-    os.environ["MLFLOW_NESTED_RUN"] = "TRUE"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("MLFLOW_NESTED_RUN", None)
-        else:
-            os.environ["MLFLOW_NESTED_RUN"] = previous
+def nested_run(name: str) -> Iterator[mlflow.ActiveRun]:
+    """A run nested in the active one; a trainer inside logs its curves there.
+
+    We open the nested run ourselves rather than through MLflowCallback's
+    MLFLOW_NESTED_RUN: the callback's __del__ ends whatever run is active when the trainer
+    is garbage-collected, which would end the stage's own run."""
+    with mlflow.start_run(run_name=name, nested=True) as run:
+        yield run

@@ -90,7 +90,7 @@ def trl_config(config_cls, params: TrainingParams, output_dir: Path, **extra: An
         use_cpu=use_cpu(params),
         bf16=params.bf16,
         fp16=False,
-        gradient_checkpointing=params.gradient_checkpointing,
+        activation_checkpointing=params.gradient_checkpointing,
         report_to=["mlflow"],
         dataloader_num_workers=0,
         **extra,

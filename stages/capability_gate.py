@@ -94,6 +94,14 @@ def promote(config: Config, verdict: dict, run_id: str) -> dict:
     return record
 
 
+def keep_champion_dir(champion_dir: Path) -> None:
+    """Before the first promotion, models/champion is a folder that says so (DVC expects
+    the stage's declared output to exist); afterwards it is left exactly as it is."""
+    if not champion_dir.exists():
+        with atomic_dir(champion_dir) as staging:
+            (staging / "README.md").write_text("No candidate has passed the capability gate yet.\n")
+
+
 def main() -> None:
     config = load_config("gate")
     report = read_json(REPORT)
@@ -106,6 +114,7 @@ def main() -> None:
             print(f"gate: promoted {record['candidate']} (registry version {record['model_version']})")
         else:
             verdict["champion"] = verdict["previous_champion"]
+            keep_champion_dir(CHAMPION_DIR)
             for name, result in verdict["candidates"].items():
                 print(f"gate: rejected {name}: " + "; ".join(result["failures"]))
         verdict["promoted"] = verdict["promote"] is not None

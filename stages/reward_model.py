@@ -32,7 +32,7 @@ from trl import RewardConfig, RewardTrainer
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.modeling import load_tokenizer, resolve_model_dir, save_model
 from rlhf.reward_ensemble import MEMBER_PREFIX, RewardEnsemble, pairwise_accuracy
-from rlhf.tracking import nested_trainer_runs, numeric_metrics, stage_run
+from rlhf.tracking import nested_run, numeric_metrics, stage_run
 from rlhf.training import (
     LoraParams,
     TrainingParams,
@@ -95,7 +95,7 @@ def train_member(config: Config, index: int, init: Path, train: Dataset, tokeniz
     )
     # Each member logs its curves to a run nested in the stage's run (the members' training
     # arguments differ, and MLflow params of one run cannot change).
-    with nested_trainer_runs():
+    with nested_run(f"rm-member-{index}"):
         train_resumable(trainer, f"rm member {index}", str(member_root))
     save_model(merged_model(trainer.model), tokenizer, final)
     return [{**row, "member": index} for row in log_history_rows(trainer.state.log_history, ("loss", "accuracy"))]

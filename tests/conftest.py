@@ -1,0 +1,119 @@
+"""Shared fixtures: a tiny copy of the project (real git + DVC repo, tiny params) and a
+temporary MLflow sqlite store.
+
+The tiny params keep the real stages and trainers but shrink the model (`builtin:micro`),
+the data and the step counts so that a whole pipeline runs in about two minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import rlhf  # noqa: F401  (offline environment for every test)
+
+REPO = Path(__file__).resolve().parent.parent
+PROJECT_FILES = ["rlhf", "stages", "flows", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/raw"]
+
+TINY_OVERRIDES = {
+    "prepare": {
+        "builtin": {
+            "sizes": {
+                "sft": 400,
+                "prefs": 64,
+                "prefs_eval": 24,
+                "unpaired": 32,
+                "prm": 32,
+                "prm_eval": 16,
+                "prompts": 32,
+                "eval_heldout": 24,
+            }
+        }
+    },
+    "base": {"model": "builtin:micro"},
+    "sft": {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
+    "rm": {"max_steps": 2, "num_members": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
+    "policy": {"dpo": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8}},
+    "evaluate": {"kl_prompts": 8, "max_new_tokens": 24, "samples": 2},
+    # The micro model writes gibberish: test the plumbing, not the quality bar.
+    "gate": {
+        "tests": [
+            {"metric": "accuracy", "relative_to": "sft", "op": ">=", "threshold": -1.0},
+            {"metric": "kl_to_ref", "relative_to": "absolute", "op": "<=", "threshold": 1000.0},
+        ]
+    },
+}
+
+
+def deep_update(base: dict, overrides: dict) -> dict:
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and key != "sizes":
+            deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def tiny_params(**overrides) -> dict:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    deep_update(params, TINY_OVERRIDES)
+    return deep_update(params, overrides)
+
+
+def write_params(root: Path, params: dict) -> None:
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def make_project(root: Path, params: dict | None = None) -> Path:
+    """A fresh git + DVC repository holding the project's code and tiny params."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in PROJECT_FILES:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name)
+    write_params(root, params or tiny_params())
+    run(["git", "init", "-q"], root)
+    run(["git", "config", "user.email", "test@example.com"], root)
+    run(["git", "config", "user.name", "test"], root)
+    run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], root)
+    run(["git", "add", "-A"], root)
+    run(["git", "commit", "-qm", "tiny project"], root)
+    return root
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A temporary MLflow sqlite store (and artifact root) for one test."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("RLHF_ARTIFACT_ROOT", (tmp_path / "mlartifacts").as_uri())
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"test-{tmp_path.name}")
+    return uri
+
+
+@pytest.fixture
+def in_project(tmp_path, monkeypatch, mlflow_store):
+    """cwd = a fresh tiny project (stages read params.yaml and write outputs relative to it)."""
+    root = make_project(tmp_path / "project")
+    monkeypatch.chdir(root)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    return root

@@ -1,0 +1,300 @@
+"""Data contracts (rlhf.data): every supported format, column mapping, and validation
+that reports every problem of a file in one error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from datasets import Dataset
+
+from rlhf.data import DataValidationError, load_contract
+
+PREFS = [
+    {"prompt": "23+58-17\n", "chosen": "23+58=81; 81-17=64; answer 64", "rejected": "23+58=81; answer 81"},
+    {"prompt": "5+3\n", "chosen": "5+3=8; answer 8", "rejected": "5+3=9; answer 9"},
+    {"prompt": "9-4\n", "chosen": "9-4=5; answer 5", "rejected": "9-4=5; answer 6"},
+]
+PRM = [
+    {"prompt": "5+3+3\n", "completions": ["5+3=8", "8+3=11", "answer 11"], "labels": [True, True, True]},
+    {"prompt": "5+3+3\n", "completions": ["5+3=8", "answer 8"], "labels": [True, False]},
+]
+CONVERSATIONAL = [
+    {
+        "prompt": [{"role": "user", "content": "What is 2+2?"}],
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    },
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}],
+        "chosen": [{"role": "assistant", "content": "Paris"}],
+        "rejected": [{"role": "assistant", "content": "Lyon"}],
+    },
+]
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    """`rows` in the format that `path`'s suffix names (a folder: `save_to_disk`)."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".parquet":
+        pd.DataFrame(rows).to_parquet(path)
+    elif path.suffix == ".csv":
+        encoded = [{k: v if isinstance(v, str) else json.dumps(v) for k, v in row.items()} for row in rows]
+        pd.DataFrame(encoded).to_csv(path, index=False)
+    else:
+        Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def records(frame: pd.DataFrame) -> list[dict]:
+    return frame.to_dict(orient="records")
+
+
+FORMATS = ["prefs.jsonl", "prefs.json", "prefs.parquet", "prefs.csv", "prefs_dataset"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_format_reads_the_same_preference_rows(tmp_path, name):
+    frame = load_contract(write(tmp_path / name, PREFS), "preference")
+    assert list(frame.columns) == ["prompt", "chosen", "rejected"]
+    assert records(frame) == PREFS
+
+
+@pytest.mark.parametrize("name", ["prm.jsonl", "prm.json", "prm.parquet", "prm.csv", "prm_dataset"])
+def test_every_format_reads_the_same_prm_rows(tmp_path, name):
+    """List columns come back as plain lists of str and bool, whatever the storage: numpy
+    arrays from Parquet/Arrow and JSON-encoded strings from CSV are normalised."""
+    frame = load_contract(write(tmp_path / name, PRM), "prm")
+    assert records(frame) == PRM
+    assert all(type(label) is bool for labels in frame["labels"] for label in labels)
+
+
+@pytest.mark.parametrize("name", ["conv.jsonl", "conv.json", "conv.parquet", "conv_dataset"])
+def test_conversational_preference_rows(tmp_path, name):
+    frame = load_contract(write(tmp_path / name, CONVERSATIONAL), "preference")
+    assert records(frame) == CONVERSATIONAL
+
+
+def test_conversational_sft_messages(tmp_path):
+    """An sft file with only `messages` (a whole conversation) is valid on its own."""
+    rows = [
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+        {"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]},
+    ]
+    frame = load_contract(write(tmp_path / "sft.jsonl", rows), "sft")
+    assert records(frame) == rows
+
+
+def test_column_mapping(tmp_path):
+    """`columns` maps contract names to the file's: question -> prompt, good -> chosen."""
+    rows = [{"question": r["prompt"], "good": r["chosen"], "rejected": r["rejected"], "extra": 1} for r in PREFS]
+    frame = load_contract(write(tmp_path / "q.jsonl", rows), "preference", columns={"prompt": "question", "chosen": "good"})
+    assert records(frame) == PREFS  # renamed, and the unmapped `extra` is dropped
+
+
+def test_column_mapping_to_a_missing_column(tmp_path):
+    path = write(tmp_path / "q.jsonl", PREFS)
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "preference", columns={"prompt": "question"})
+    message = str(error.value)
+    assert "'prompt' -> 'question'" in message
+    assert "no column 'question'" in message
+    assert "['prompt', 'chosen', 'rejected']" in message  # what the file has instead
+
+
+def test_unpaired_labels_are_normalised(tmp_path):
+    """`label` accepts booleans, 0/1 and true/false/yes/no/desirable/undesirable strings."""
+    rows = [
+        {"prompt": "a", "completion": "x", "label": True},
+        {"prompt": "b", "completion": "y", "label": 0},
+        {"prompt": "c", "completion": "z", "label": "Yes"},
+        {"prompt": "d", "completion": "w", "label": "undesirable"},
+    ]
+    frame = load_contract(write(tmp_path / "kto.jsonl", rows), "unpaired")
+    assert frame["label"].tolist() == [True, False, True, False]
+
+
+def test_prompts_with_optional_answer(tmp_path):
+    """`answer` is optional; when present it is text, stripped, and a missing one is None."""
+    rows = [{"prompt": "5+3\n", "answer": 8}, {"prompt": "9-4\n", "answer": None}, {"prompt": "1+1\n", "answer": " 2 "}]
+    frame = load_contract(write(tmp_path / "prompts.jsonl", rows), "prompts")
+    assert frame["answer"].tolist() == ["8", None, "2"]
+    frame = load_contract(write(tmp_path / "bare.jsonl", [{"prompt": "5+3\n"}]), "prompts")
+    assert list(frame.columns) == ["prompt"]
+
+
+def test_every_problem_of_a_preference_file_in_one_error(tmp_path):
+    """Row 2 has an empty 'chosen', row 4 has no 'rejected' key, row 5 a whitespace-only
+    'prompt': three problems, all named with file, row and field in one error."""
+    rows = [dict(row) for row in PREFS + PREFS[:2]]  # 5 rows
+    rows[1]["chosen"] = ""
+    del rows[3]["rejected"]
+    rows[4]["prompt"] = "   "
+    path = write(tmp_path / "prefs.jsonl", rows)
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "preference")
+    message = str(error.value)
+    assert message.startswith(f"{path}: 3 problem(s) found:")
+    assert "row 2: 'chosen' is empty" in message
+    assert "row 4: 'rejected' is missing" in message
+    assert "row 5: 'prompt' is empty" in message
+    assert error.value.path == str(path)
+    assert len(error.value.problems) == 3
+
+
+def test_every_problem_of_an_unpaired_file_in_one_error(tmp_path):
+    """Row 2: empty completion; row 3: label 'maybe' is not a boolean; row 4: label 2 is
+    not 0/1 and the prompt is missing (two problems in one row)."""
+    rows = [
+        {"prompt": "a", "completion": "x", "label": True},
+        {"prompt": "b", "completion": "", "label": False},
+        {"prompt": "c", "completion": "z", "label": "maybe"},
+        {"prompt": None, "completion": "w", "label": 2},
+    ]
+    path = write(tmp_path / "kto.json", rows)
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "unpaired")
+    message = str(error.value)
+    assert str(path) in message
+    assert "row 2: 'completion' is empty" in message
+    assert "row 3: 'label' must be a boolean (true/false), got 'maybe'" in message
+    assert "row 4: 'prompt' is missing" in message
+    assert "row 4: 'label' must be a boolean (true/false), got 2" in message
+    assert len(error.value.problems) == 4
+    assert "row 1" not in message
+
+
+def test_missing_column_lists_the_columns(tmp_path):
+    rows = [{"prompt": r["prompt"], "chosen": r["chosen"]} for r in PREFS]
+    path = write(tmp_path / "prefs.parquet", rows)
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "preference")
+    message = str(error.value)
+    assert str(path) in message
+    assert "missing column(s) ['rejected'] for a preference file (columns: ['prompt', 'chosen'])" in message
+
+
+def test_prm_step_and_label_counts_must_agree(tmp_path):
+    """Row 1: 3 steps, 2 labels. Row 2 agrees. Row 3: 1 step, 2 labels."""
+    rows = [
+        {"prompt": "p", "completions": ["a", "b", "c"], "labels": [True, False]},
+        {"prompt": "p", "completions": ["a"], "labels": [True]},
+        {"prompt": "p", "completions": ["a"], "labels": [True, True]},
+    ]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "prm.jsonl", rows), "prm")
+    assert error.value.problems == [
+        "row 1: 'completions' has 3 steps but 'labels' has 2; give one label per step",
+        "row 3: 'completions' has 1 steps but 'labels' has 2; give one label per step",
+    ]
+
+
+def test_prm_csv_with_json_list_columns(tmp_path):
+    """CSV cells hold JSON lists; string booleans inside a list are accepted too."""
+    path = tmp_path / "prm.csv"
+    pd.DataFrame(
+        {
+            "prompt": ["5+3\n", "9-4\n"],
+            "completions": ['["5+3=8", "answer 8"]', '["9-4=5", "answer 6"]'],
+            "labels": ["[true, true]", '["true", "false"]'],
+        }
+    ).to_csv(path, index=False)
+    frame = load_contract(path, "prm")
+    assert frame["completions"].tolist() == [["5+3=8", "answer 8"], ["9-4=5", "answer 6"]]
+    assert frame["labels"].tolist() == [[True, True], [True, False]]
+
+
+def test_prm_bad_list_cells(tmp_path):
+    """Row 1: labels is not JSON; row 2: an empty step and a label 'perhaps'; row 3: no steps."""
+    path = tmp_path / "prm.csv"
+    pd.DataFrame(
+        {
+            "prompt": ["p", "p", "p"],
+            "completions": ['["a"]', '["a", " "]', "[]"],
+            "labels": ["[true", '[true, "perhaps"]', "[]"],
+        }
+    ).to_csv(path, index=False)
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "prm")
+    assert error.value.problems == [
+        "row 1: 'labels' must be a list of booleans, one per step",
+        "row 2: 'completions' has empty or non-string step(s) at [1]",
+        "row 2: 'labels' item 1 must be a boolean (true/false), got 'perhaps'",
+        "row 3: 'completions' is an empty list; give at least one step",
+    ]
+
+
+def test_bad_messages(tmp_path):
+    """Row 1: a message without 'content'; row 2: an empty message list."""
+    rows = [
+        {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
+        {"prompt": [], "chosen": "a", "rejected": "b"},
+    ]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "conv.jsonl", rows), "preference")
+    assert error.value.problems[0].startswith("row 1: 'prompt' message 0 must be a {'role', 'content'} mapping")
+    assert error.value.problems[1] == "row 2: 'prompt' is an empty list of messages"
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("prompt,chosen,rejected\n")
+    with pytest.raises(DataValidationError, match="the file has no rows"):
+        load_contract(path, "preference")
+
+
+def test_unsupported_extension(tmp_path):
+    path = tmp_path / "prefs.txt"
+    path.write_text("prompt\tchosen\trejected\n")
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "preference")
+    message = str(error.value)
+    assert str(path) in message
+    assert "unsupported file type '.txt'" in message
+
+
+def test_folder_that_is_not_a_dataset(tmp_path):
+    folder = tmp_path / "not_a_dataset"
+    folder.mkdir()
+    with pytest.raises(DataValidationError, match="save_to_disk"):
+        load_contract(folder, "preference")
+
+
+def test_unparseable_jsonl(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": \n')
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "preference")
+    assert str(path) in str(error.value)
+    assert "cannot be parsed as .jsonl" in str(error.value)
+
+
+def test_nonexistent_path(tmp_path):
+    path = tmp_path / "nowhere" / "prefs.jsonl"
+    with pytest.raises(FileNotFoundError) as error:
+        load_contract(path, "preference")
+    assert str(path) in str(error.value)
+
+
+def test_unknown_contract(tmp_path):
+    with pytest.raises(ValueError, match="unknown data contract 'pairs'"):
+        load_contract(write(tmp_path / "prefs.jsonl", PREFS), "pairs")
+
+
+def test_error_lists_at_most_25_problems(tmp_path):
+    """30 rows with an empty 'chosen': the message shows 25 and says 5 more; `problems`
+    keeps all 30."""
+    rows = [{"prompt": "p", "chosen": "", "rejected": "r"}] * 30
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "prefs.jsonl", rows), "preference")
+    assert len(error.value.problems) == 30
+    message = str(error.value)
+    assert "30 problem(s) found" in message
+    assert "row 25: 'chosen' is empty" in message
+    assert "row 26:" not in message
+    assert "... and 5 more" in message

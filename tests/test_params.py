@@ -1,0 +1,203 @@
+"""params.yaml validation (rlhf.params) against the real stage Configs (stages.all_configs)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+import stages
+from rlhf.params import ParamsError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def repo_params() -> dict:
+    return yaml.safe_load((REPO / "params.yaml").read_text())
+
+
+def write_params(tmp_path: Path, params: dict, name: str = "params.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return str(path)
+
+
+def params_error(path: str) -> ParamsError:
+    with pytest.raises(ParamsError) as error:
+        stages.load_all(path)
+    return error.value
+
+
+def test_repo_params_validate(repo_params):
+    """The committed params.yaml validates, and every scalar key in it is what the Config
+    holds (nothing silently dropped or defaulted)."""
+    configs = stages.load_all(str(REPO / "params.yaml"))
+    assert set(configs) == set(stages.SECTIONS)
+    for section, values in repo_params.items():
+        for key, value in (values or {}).items():
+            if not isinstance(value, dict | list):
+                assert getattr(configs[section], key) == value, f"{section}.{key}"
+
+
+def test_every_section_has_a_config():
+    configs = stages.all_configs()
+    assert set(configs) == set(stages.SECTIONS)
+    assert all(issubclass(config, BaseModel) for config in configs.values())
+
+
+def test_every_config_field_is_documented():
+    """STYLE: each Config field has its one-line description beside it."""
+
+    def undocumented(model: type[BaseModel], prefix: str) -> list[str]:
+        missing = []
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(f"{prefix}.{name}")
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                missing += undocumented(annotation, f"{prefix}.{name}")
+        return missing
+
+    missing = [key for section, config in stages.all_configs().items() for key in undocumented(config, section)]
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("sft", "learnin_rate", 0.1, "sft.learnin_rate: unknown key"),
+        ("sft", "max_steps", "many", "sft.max_steps: Input should be a valid integer"),
+        ("rm", "num_members", 0, "rm.num_members: Input should be greater than or equal to 1 (got 0)"),
+        ("sft", "loss_on", "prompt", "sft.loss_on: String should match pattern"),
+        ("base", "max_length", 8, "base.max_length: Input should be greater than 8 (got 8)"),
+    ],
+)
+def test_one_bad_key(tmp_path, repo_params, section, key, value, expected):
+    params = copy.deepcopy(repo_params)
+    params[section][key] = value
+    error = params_error(write_params(tmp_path, params))
+    assert len(error.problems) == 1
+    assert error.problems[0].startswith(expected), error.problems[0]
+
+
+def test_every_problem_in_one_error(tmp_path, repo_params):
+    """Seven independent mistakes across five sections and two nesting levels: one
+    ParamsError, one line per mistake, each naming its full dotted key."""
+    params = copy.deepcopy(repo_params)
+    params["sft"]["learnin_rate"] = 0.1  # typo
+    params["sft"]["max_steps"] = "many"  # wrong type
+    params["rm"]["num_members"] = 0  # out of range (1..16)
+    params["policy"]["dpo"]["loss_type"] = "sigmoidd"  # unknown DPO loss
+    params["gate"]["tests"][2]["op"] = "=="  # not a comparison
+    params["prepare"]["builtin"]["min_operands"] = 5  # more than max_operands (4)
+    params["rewards"] = {"k": 1}  # unknown section
+    path = write_params(tmp_path, params)
+    error = params_error(path)
+    message = str(error)
+    assert message.startswith(f"{path}: 7 problem(s):")
+    assert len(error.problems) == 7
+    for expected in [
+        "sft.learnin_rate: unknown key",
+        "sft.max_steps: Input should be a valid integer",
+        "rm.num_members: Input should be greater than or equal to 1 (got 0)",
+        "policy.dpo.loss_type: Value error, unknown DPO loss type(s) ['sigmoidd']",
+        "gate.tests.2.op: Input should be '>=', '<=', '>' or '<' (got '==')",
+        "prepare.builtin: Value error, min_operands (5) is larger than max_operands (4)",
+        "rewards: unknown section (known: prepare, base, sft, rm, policy, evaluate, gate)",
+    ]:
+        assert sum(problem.startswith(expected) for problem in error.problems) == 1, expected
+    assert "(got 'many')" in message  # says what was given
+
+
+def test_unknown_dpo_loss_type_lists_the_known_ones(tmp_path, repo_params):
+    params = copy.deepcopy(repo_params)
+    params["policy"]["dpo"]["loss_type"] = ["sigmoid", "ipo2"]
+    error = params_error(write_params(tmp_path, params))
+    assert len(error.problems) == 1
+    assert error.problems[0].startswith("policy.dpo.loss_type: Value error, unknown DPO loss type(s) ['ipo2']")
+    assert "'hinge'" in error.problems[0]
+
+
+def test_unknown_policy_method(tmp_path, repo_params):
+    params = copy.deepcopy(repo_params)
+    params["policy"]["methods"] = ["dpo", "ppoo"]
+    error = params_error(write_params(tmp_path, params))
+    assert [p.split(":")[0] for p in error.problems] == ["policy.methods"]
+    assert "unknown method(s) ['ppoo']" in error.problems[0]
+
+
+def test_missing_section_takes_defaults(tmp_path, repo_params):
+    """Without `rm` and `evaluate` (and with an empty `sft:`), those sections equal their
+    Configs' defaults; the sections still given keep their values."""
+    params = copy.deepcopy(repo_params)
+    del params["rm"], params["evaluate"]
+    params["sft"] = None
+    configs = stages.load_all(write_params(tmp_path, params))
+    classes = stages.all_configs()
+    for section in ("rm", "evaluate", "sft"):
+        assert configs[section] == classes[section](), section
+    assert configs["gate"].select_metric == repo_params["gate"]["select_metric"]
+
+
+def test_empty_file_is_all_defaults(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("# nothing set\n")
+    configs = stages.load_all(str(path))
+    classes = stages.all_configs()
+    assert all(configs[section] == classes[section]() for section in stages.SECTIONS)
+
+
+def test_section_that_is_not_a_mapping(tmp_path, repo_params):
+    params = copy.deepcopy(repo_params)
+    params["sft"] = [1, 2]
+    params["rm"]["num_members"] = 17  # reported alongside
+    error = params_error(write_params(tmp_path, params))
+    assert error.problems[0] == "sft: must be a mapping of keys, got list"
+    assert error.problems[1].startswith("rm.num_members: Input should be less than or equal to 16")
+
+
+def test_bad_yaml(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("sft:\n  max_steps: [10\n  learning_rate: 0.1\n")
+    error = params_error(str(path))
+    assert str(error).startswith(f"{path}: 1 problem(s):")
+    assert "not valid YAML" in error.problems[0]
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("- sft\n- rm\n")
+    assert params_error(str(path)).problems == ["the top level must be a mapping of stage sections"]
+
+
+def test_missing_params_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere.yaml not found"):
+        stages.load_all(str(tmp_path / "nowhere.yaml"))
+
+
+def test_validation_fails_fast_from_a_cold_start(tmp_path, repo_params):
+    """A typo fails the whole-file check in a fresh interpreter, imports included, in well
+    under 30 s, exiting non-zero with the bad key in stderr."""
+    params = copy.deepcopy(repo_params)
+    params["sft"]["learnin_rate"] = 0.1
+    bad = write_params(tmp_path, params, "BAD.yaml")
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", f"import stages; stages.load_all({bad!r})"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.perf_counter() - start
+    assert result.returncode != 0
+    assert "ParamsError" in result.stderr
+    assert "sft.learnin_rate: unknown key" in result.stderr
+    assert elapsed < 30, f"validation took {elapsed:.1f} s"

@@ -1,0 +1,143 @@
+"""Every stage, run in process on a tiny budget in a fresh project, in DAG order.
+
+The chain runs once per module (a fixture); each test asserts what one stage must have
+written: models whose weights changed, metrics that are present and finite, the gate's
+verdict and the MLflow runs and registry alias that go with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from tests.conftest import make_project
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    return state
+
+
+def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
+    return [k for k in a if k in b and k.startswith(prefix) and not torch.equal(a[k], b[k])]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A tiny project after running every stage's main() in order, with a temporary
+    MLflow store."""
+    import stages.base
+    import stages.capability_gate
+    import stages.evaluate
+    import stages.policy
+    import stages.prepare
+    import stages.reward_model
+    import stages.sft
+
+    root = make_project(tmp_path_factory.mktemp("stages") / "project")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
+        for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
+            mp.delenv(name, raising=False)
+        stages.prepare.main()
+        stages.base.main()
+        stages.sft.main()
+        stages.reward_model.main()
+        stages.policy.main(["dpo"])
+        stages.evaluate.main()
+        stages.capability_gate.main()
+    return root
+
+
+def test_prepare_writes_every_contract(project):
+    manifest = json.loads((project / "data/prepared/manifest.json").read_text())
+    assert manifest["source"] == "builtin"
+    assert manifest["rows"] == {
+        "sft": 400, "prefs": 64, "prefs_eval": 24, "unpaired": 32, "prm": 32, "prm_eval": 16, "prompts": 32,
+        "eval_heldout": 24,
+    }  # fmt: skip
+    for name in manifest["rows"]:
+        assert (project / f"data/prepared/{name}.parquet").is_file()
+
+
+def test_base_builds_a_loadable_model_and_tokenizer(project):
+    from rlhf.modeling import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(project / "models/base")
+    model = load_causal_lm(project / "models/base")
+    ids = tokenizer("12+3\n", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == "12+3\n"  # character-level, lossless
+    assert model.config.vocab_size == len(tokenizer)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}],
+        tokenize=False,
+        return_assistant_tokens_mask=False,
+    )
+    assert rendered == "<|user|>1+1<|end|><|assistant|>2<|end|>"
+
+
+def test_sft_changes_weights_and_reports_a_finite_loss(project):
+    metrics = json.loads((project / "metrics/sft.json").read_text())
+    assert metrics["steps"] == 4 and math.isfinite(metrics["train_loss"])
+    assert changed(weights(project / "models/base"), weights(project / "models/sft"))
+    curve = (project / "plots/sft/loss.csv").read_text().splitlines()
+    assert curve[0].startswith("step,loss") and len(curve) == 1 + 4  # logging_steps=1
+    assert not (project / "checkpoints/sft").exists(), "checkpoints are discarded once the stage succeeds"
+
+
+def test_reward_ensemble_members_differ_and_accuracy_is_reported(project):
+    metrics = json.loads((project / "metrics/rm.json").read_text())
+    assert set(metrics["members"]) == {"member_0", "member_1"}
+    assert 0.0 <= metrics["ensemble_accuracy"] <= 1.0 and metrics["eval_pairs"] == 24
+    w0, w1 = weights(project / "models/rm/member_0"), weights(project / "models/rm/member_1")
+    assert changed(w0, w1, "score"), "members start from different seeds: different score heads"
+
+
+def test_dpo_changes_the_policy(project):
+    metrics = json.loads((project / "metrics/policy/dpo.json").read_text())
+    assert metrics["method"] == "dpo" and metrics["steps"] == 2 and math.isfinite(metrics["train_loss"])
+    assert changed(weights(project / "models/sft"), weights(project / "models/policy/dpo"))
+
+
+def test_evaluate_reports_every_metric_for_reference_and_candidates(project):
+    report = json.loads((project / "reports/eval.json").read_text())
+    assert report["reference"] == "sft" and report["candidates"] == ["dpo"]
+    heldout = report["suites"]["heldout"]
+    for name in ("sft", "dpo"):
+        assert set(heldout[name]) >= {
+            "accuracy", "format_rate", "kl_to_ref", "reward", "reward_std", "win_rate", "distinct_1", "distinct_2",
+        }  # fmt: skip
+    assert heldout["sft"]["kl_to_ref"] == 0.0 and heldout["sft"]["win_rate"] == 0.5
+    assert heldout["dpo"]["kl_to_ref"] >= 0.0
+
+
+def test_gate_promotes_into_models_champion_and_the_registry(project):
+    verdict = json.loads((project / "reports/gate.json").read_text())
+    assert verdict["promoted"] and verdict["champion"] == "dpo"
+    record = json.loads((project / "models/champion/champion.json").read_text())
+    assert record["candidate"] == "dpo"
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    version = client.get_model_version_by_alias("rlhf-policy", "champion")
+    assert str(version.version) == record["model_version"]
+
+
+def test_every_stage_logged_an_mlflow_run_with_params_and_commit(project):
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("stages-test")
+    runs = client.search_runs([experiment.experiment_id])
+    by_stage = {r.data.tags.get("rlhf.stage"): r for r in runs if r.data.tags.get("rlhf.stage")}
+    assert set(by_stage) == {"prepare", "base", "sft", "rm", "policy@dpo", "evaluate", "gate"}
+    sft = by_stage["sft"]
+    assert sft.data.params["max_steps"] == "4"
+    assert "loss" in sft.data.metrics, "training curves come from transformers' MLflow callback"
+    assert len(sft.data.tags["mlflow.source.git.commit"]) >= 40

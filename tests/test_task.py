@@ -1,0 +1,318 @@
+"""The built-in task (rlhf.task): problems, checkers, flawed solutions and the generator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rlhf.task import (
+    FLAW_KINDS,
+    Problem,
+    TaskSizes,
+    TaskSpec,
+    check_steps,
+    extract_answer,
+    flawed_solution,
+    generate_datasets,
+    is_correct,
+    is_well_formatted,
+    parse_prompt,
+    sample_problem,
+    split_steps,
+)
+
+SPEC = TaskSpec(min_operands=3, max_operands=4, max_value=39)  # the difficulty in params.yaml
+SIZES = TaskSizes(sft=200, prefs=60, prefs_eval=30, unpaired=60, prm=60, prm_eval=30, prompts=40, eval_heldout=30)
+EVAL_SPLITS = ("eval_heldout", "prefs_eval", "prm_eval")
+TRAIN_SPLITS = ("sft", "prefs", "unpaired", "prm", "prompts")
+EXAMPLE = Problem(operands=(23, 58, 17), ops=("+", "-"))
+EXAMPLE_SOLUTION = "23+58=81; 81-17=64; answer 64"
+
+
+@pytest.fixture(scope="module")
+def datasets() -> dict[str, list[dict]]:
+    return generate_datasets(SPEC, SIZES, seed=7)
+
+
+def problems(count: int, seed: int) -> list[Problem]:
+    rng = random.Random(seed)
+    return [sample_problem(rng, SPEC) for _ in range(count)]
+
+
+# ----------------------------------------------------------------------------- Problem
+
+
+def test_problem_prompt_solution_answer():
+    """23+58-17: 23+58 = 81, then 81-17 = 64. The prompt is the expression and a newline;
+    the solution writes both steps and then `answer 64`."""
+    assert EXAMPLE.expression == "23+58-17"
+    assert EXAMPLE.prompt == "23+58-17\n"
+    assert EXAMPLE.steps() == ["23+58=81", "81-17=64"]
+    assert EXAMPLE.answer == 64
+    assert EXAMPLE.solution() == EXAMPLE_SOLUTION
+
+
+def test_problem_with_four_operands():
+    """5-5+12-3: 5-5 = 0, 0+12 = 12, 12-3 = 9 (a zero intermediate is written as 0)."""
+    problem = Problem((5, 5, 12, 3), ("-", "+", "-"))
+    assert problem.prompt == "5-5+12-3\n"
+    assert problem.solution() == "5-5=0; 0+12=12; 12-3=9; answer 9"
+    assert problem.answer == 9
+
+
+def test_sample_problem_respects_spec_and_never_goes_negative():
+    """Every sampled chain has 3..4 operands in 1..39, and its running value stays >= 0
+    (a subtraction is only drawn when the running value is at least the right operand)."""
+    for problem in problems(500, seed=3):
+        assert 3 <= len(problem.operands) <= 4
+        assert len(problem.ops) == len(problem.operands) - 1
+        assert all(1 <= value <= 39 for value in problem.operands)
+        value = problem.operands[0]
+        for op, right in zip(problem.ops, problem.operands[1:]):
+            value = value + right if op == "+" else value - right
+            assert value >= 0, problem
+
+
+# ----------------------------------------------------------------------------- checkers
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("23+58=81; 81-17=64; answer 64", 64),
+        ("answer -5", -5),  # a negative answer keeps its sign
+        ("answer 12; answer 13", 12),  # the first `answer` counts
+        ("answer 640", 640),
+        ("the answer is 64", None),  # `answer` must be followed directly by the number
+        ("23+58=81; 81-17=64", None),  # no answer at all
+        ("", None),
+    ],
+)
+def test_extract_answer(completion, expected):
+    """The integer right after the first `answer `, else None."""
+    assert extract_answer(completion) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "expected"),
+    [
+        (EXAMPLE_SOLUTION, 64, True),
+        (EXAMPLE_SOLUTION, "64", True),
+        (EXAMPLE_SOLUTION, " 64 ", True),  # the reference is stripped
+        (EXAMPLE_SOLUTION, 65, False),
+        ("answer 640", 64, False),  # 640 is a different number, not a prefix match
+        ("answer -3", -3, True),
+        ("answer -3", 3, False),
+        ("23+58=81; 81-17=64", 64, False),  # 64 appears, but no answer is stated
+        ("so the answer: Paris", "paris", True),  # user suite: text after `answer`, any case
+        ("the ANSWER Paris  ", "Paris", True),
+        ("I think it is\nParis", "paris", True),  # no `answer`: the last line is compared
+        ("the answer: Lyon", "Paris", False),
+        ("the answer: Paris, France", "Paris", False),  # the whole rest of the line must match
+        ("", "Paris", False),
+    ],
+)
+def test_is_correct(completion, reference, expected):
+    """Integer references compare the number after `answer`; other references compare the
+    text after `answer` (or the last line) case-insensitively."""
+    assert is_correct(completion, reference) is expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        (EXAMPLE_SOLUTION, True),
+        ("  " + EXAMPLE_SOLUTION + "\n", True),  # surrounding space is ignored
+        ("23+58=81; answer -4", True),  # a negative answer is allowed
+        ("23+58=81;81-17=64; answer 64", False),  # separator must be '; '
+        ("answer 64", False),  # at least one step
+        (EXAMPLE_SOLUTION + " extra", False),
+        ("23 + 58 = 81; answer 81", False),
+        ("23+58=81; 81-17=64; answer: 64", False),
+        ("23+58=81\n81-17=64\nanswer 64", False),
+        ("23+58=81; 81-17=64", False),  # no answer
+        ("", False),
+    ],
+)
+def test_is_well_formatted(completion, expected):
+    assert is_well_formatted(completion) is expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        # 23+58=81 and 81-17=64 are right, and 64 is the answer.
+        (EXAMPLE_SOLUTION, [True, True, True]),
+        # Arithmetic slip in step 1 (23+58 is 81, not 80): it and everything after are bad,
+        # even though 80-17=63 is itself right arithmetic.
+        ("23+58=80; 80-17=63; answer 63", [False, False, False]),
+        # Steps right, stated answer 65 is not the last result 64.
+        ("23+58=81; 81-17=64; answer 65", [True, True, False]),
+        # Step 2 starts from 80 instead of the previous result 81.
+        ("23+58=81; 80-17=63; answer 63", [True, False, False]),
+        # Step 2 applies +17 where the problem says -17.
+        ("23+58=81; 81+17=98; answer 98", [True, False, False]),
+        # The -17 is skipped: the answer comes one step early.
+        ("23+58=81; answer 81", [True, False]),
+        # An extra operation beyond the problem.
+        ("23+58=81; 81-17=64; 64+1=65; answer 65", [True, True, False, False]),
+        # Right answer after a wrong step is still bad (Math-Shepherd: the first bad step
+        # makes every later one bad).
+        ("23+58=80; 81-17=64; answer 64", [False, False, False]),
+        # Malformed text is one bad step; an empty completion has no steps.
+        ("hello", [False]),
+        ("23+58 is 81; answer 64", [False, False]),
+        ("", []),
+    ],
+)
+def test_check_steps(completion, expected):
+    assert check_steps(EXAMPLE.prompt, completion) == expected
+
+
+def test_split_steps():
+    assert split_steps(EXAMPLE_SOLUTION) == ["23+58=81", "81-17=64", "answer 64"]
+    assert split_steps("  answer 3\n") == ["answer 3"]
+    assert split_steps("") == []
+
+
+def test_parse_prompt_round_trips():
+    assert parse_prompt("23+58-17\n") == EXAMPLE
+    assert parse_prompt("5-5+12-3") == Problem((5, 5, 12, 3), ("-", "+", "-"))
+    assert parse_prompt(" 7 + 8\n") == Problem((7, 8), ("+",))
+    for problem in problems(50, seed=11):
+        assert parse_prompt(problem.prompt) == problem
+
+
+@pytest.mark.parametrize(
+    "junk",
+    ["", "hello", "12", "12+", "+12", "1 2 3", "1+2=3", "1*2+3", "what is 1+2?", "1+-2", "1++2", "a1+b2"],
+)
+def test_parse_prompt_rejects_junk(junk):
+    """Only `N(+|-)N...` is a task prompt; `1 2 3` used to parse as operands (1, 3) with
+    the 'operator' '2'."""
+    with pytest.raises(ValueError, match="not a built-in task prompt"):
+        parse_prompt(junk)
+
+
+def test_check_steps_rejects_a_junk_prompt():
+    with pytest.raises(ValueError, match="not a built-in task prompt"):
+        check_steps("tell me a joke\n", "answer 1")
+
+
+# ----------------------------------------------------------------------------- flaws
+
+
+@pytest.mark.parametrize("kind", FLAW_KINDS)
+def test_flawed_solution_labels_are_math_shepherd_labels(kind):
+    """For every flaw kind, on 300 random problems: the labels the generator writes are
+    what the independent checker `check_steps` finds, one per step (answer included), at
+    least the last is False, and the stated answer is wrong."""
+    rng = random.Random(kind)
+    for problem in problems(300, seed=len(kind)):
+        text, labels = flawed_solution(problem, rng, kind)
+        assert labels == check_steps(problem.prompt, text), (problem, kind, text)
+        assert len(labels) == len(split_steps(text))
+        assert labels[-1] is False
+        assert not is_correct(text, problem.answer), (problem, kind, text)
+        assert extract_answer(text) is not None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_skip_in_a_run_of_identical_operations(seed):
+    """5+3+3 has pairs (+3, +3). Dropping either gives the same chain `5+3=8; answer 8`.
+    Step 1 (5+3=8) is what the problem asks first, so it is good; the answer 8 comes one
+    step early (the right answer is 11), so it is bad: labels [True, False], whichever of
+    the two operations the generator picked. (Regression: the generator said [False, False]
+    when it dropped the first +3.)"""
+    problem = Problem((5, 3, 3), ("+", "+"))
+    text, labels = flawed_solution(problem, random.Random(seed), "skip")
+    assert text == "5+3=8; answer 8"
+    assert labels == [True, False]
+
+
+def test_answer_flaw_on_the_example():
+    """`answer` keeps both right steps (labels True, True) and states 64 + d for d in
+    {-10, -1, 1, 10}: 54, 63, 65 or 74, labelled False."""
+    text, labels = flawed_solution(EXAMPLE, random.Random(0), "answer")
+    assert text.startswith("23+58=81; 81-17=64; answer ")
+    assert extract_answer(text) in {54, 63, 65, 74}
+    assert labels == [True, True, False]
+
+
+def test_unknown_flaw_kind():
+    with pytest.raises(ValueError, match="unknown flaw kind 'typo'"):
+        flawed_solution(EXAMPLE, random.Random(0), "typo")
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def test_generate_datasets_is_deterministic_per_seed(datasets):
+    assert generate_datasets(SPEC, SIZES, seed=7) == datasets
+    other = generate_datasets(SPEC, SIZES, seed=8)
+    assert other["sft"] != datasets["sft"]
+    assert other["eval_heldout"] != datasets["eval_heldout"]
+
+
+def test_generate_datasets_sizes(datasets):
+    assert set(datasets) == set(TRAIN_SPLITS) | set(EVAL_SPLITS)
+    for name, rows in datasets.items():
+        assert len(rows) == getattr(SIZES, name), name
+
+
+def test_eval_prompts_never_appear_in_training(datasets):
+    """No held-out prompt is in any training split, and no prompt repeats anywhere."""
+    eval_prompts = {row["prompt"] for name in EVAL_SPLITS for row in datasets[name]}
+    for name in TRAIN_SPLITS:
+        train_prompts = {row["prompt"] for row in datasets[name]}
+        assert not eval_prompts & train_prompts, name
+    every = [row["prompt"] for rows in datasets.values() for row in rows]
+    assert len(every) == len(set(every))
+
+
+def test_sft_and_chosen_are_correct_and_rejected_is_not(datasets):
+    demonstrations = [(r["prompt"], r["completion"]) for r in datasets["sft"]]
+    for name in ("prefs", "prefs_eval"):
+        demonstrations += [(r["prompt"], r["chosen"]) for r in datasets[name]]
+        for row in datasets[name]:
+            assert not is_correct(row["rejected"], parse_prompt(row["prompt"]).answer), row
+            assert row["rejected"] != row["chosen"]
+    for prompt, completion in demonstrations:
+        problem = parse_prompt(prompt)
+        assert completion == problem.solution()
+        assert is_correct(completion, problem.answer)
+        assert is_well_formatted(completion)
+        assert all(check_steps(prompt, completion))
+
+
+def test_unpaired_labels_match_correctness(datasets):
+    rows = datasets["unpaired"]
+    for row in rows:
+        assert row["label"] is is_correct(row["completion"], parse_prompt(row["prompt"]).answer)
+    # Desirable and undesirable are both present (each drawn with probability 1/2 over 60 rows).
+    assert {row["label"] for row in rows} == {True, False}
+
+
+def test_prm_rows_carry_checked_labels(datasets):
+    for name in ("prm", "prm_eval"):
+        for row in datasets[name]:
+            text = "; ".join(row["completions"])
+            assert row["labels"] == check_steps(row["prompt"], text)
+    labels = [label for row in datasets["prm"] for label in row["labels"]]
+    assert True in labels and False in labels
+
+
+def test_prompt_rows_carry_the_answer(datasets):
+    for name in ("prompts", "eval_heldout"):
+        for row in datasets[name]:
+            assert row["answer"] == str(parse_prompt(row["prompt"]).answer)
+
+
+def test_generate_datasets_too_few_distinct_problems():
+    """With 2 operands in 1..2 there are only 6 distinct prompts (1+1, 1+2, 2+1, 2+2, 2-1,
+    2-2), so 10 SFT rows cannot be drawn."""
+    spec = TaskSpec(min_operands=2, max_operands=2, max_value=2)
+    sizes = TaskSizes(sft=10, prefs=0, prefs_eval=0, unpaired=0, prm=0, prm_eval=0, prompts=0, eval_heldout=0)
+    with pytest.raises(ValueError, match="too few distinct problems"):
+        generate_datasets(spec, sizes, seed=0)
