@@ -47,7 +47,9 @@ def dag(root: Path = ROOT) -> list[tuple[str, list[str]]]:
     with Repo(str(root)) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
         order = list(reversed(list(nx.topological_sort(graph))))
-        return [(s.addressing, [d.addressing for d in graph.successors(s)]) for s in order if s.addressing != "dvc.yaml"]
+        return [
+            (s.addressing, [d.addressing for d in graph.successors(s)]) for s in order if s.addressing != "dvc.yaml"
+        ]
 
 
 def parse_status(output: str, address: str) -> str:
@@ -59,11 +61,22 @@ def parse_status(output: str, address: str) -> str:
     return "skipped"
 
 
+def stage_environment(parent_run_id: str | None) -> dict:
+    """The environment of a `dvc repro`: this interpreter's bin first on PATH (dvc.yaml's
+    `python -m stages...` must run in the same environment as the flow), and the parent
+    MLflow run for the stages to nest under."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if parent_run_id:
+        env[PARENT_RUN_ENV] = parent_run_id
+    return env
+
+
 @task(name="dvc-stage", retries=0, task_run_name="{address}")
 def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> dict:
     logger = get_run_logger()
-    command = ["dvc", "repro", "--single-item", address] + (["--force"] if force else [])
-    env = {**os.environ, **({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {})}
+    command = [sys.executable, "-m", "dvc", "repro", "--single-item", address] + (["--force"] if force else [])
+    env = stage_environment(parent_run_id)
     start = time.perf_counter()
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
@@ -85,7 +98,12 @@ def read_metrics(root: Path = ROOT) -> dict:
         file = root / path
         return json.loads(file.read_text()) if file.exists() else None
 
-    return {"sft": load("metrics/sft.json"), "rm": load("metrics/rm.json"), "eval": load("reports/eval.json"), "gate": load("reports/gate.json")}
+    return {
+        "sft": load("metrics/sft.json"),
+        "rm": load("metrics/rm.json"),
+        "eval": load("reports/eval.json"),
+        "gate": load("reports/gate.json"),
+    }
 
 
 def summary_markdown(results: list[dict], metrics: dict) -> str:
@@ -95,11 +113,20 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
         lines += ["", f"Reward-model ensemble held-out pairwise accuracy: **{metrics['rm']['ensemble_accuracy']:.3f}**"]
     if metrics["eval"]:
         for suite, models in metrics["eval"]["suites"].items():
-            lines += ["", f"## Eval suite `{suite}`", "", "| model | accuracy | format | KL to ref | reward | win-rate |", "|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"## Eval suite `{suite}`",
+                "",
+                "| model | accuracy | format | KL to ref | reward | win-rate |",
+            ]
+            lines.append("|---|---|---|---|---|---|")
             for name, m in models.items():
                 if isinstance(m, dict):
                     acc = "n/a" if m["accuracy"] is None else f"{m['accuracy']:.3f}"
-                    lines.append(f"| {name} | {acc} | {m['format_rate']:.3f} | {m['kl_to_ref']:.3f} | {m['reward']:.3f} | {m['win_rate']:.3f} |")
+                    lines.append(
+                        f"| {name} | {acc} | {m['format_rate']:.3f} | {m['kl_to_ref']:.3f} | {m['reward']:.3f} "
+                        f"| {m['win_rate']:.3f} |"
+                    )
     gate = metrics["gate"]
     if gate:
         verdict = f"promoted **{gate['promote']}**" if gate["promoted"] else "no promotion"
@@ -123,7 +150,9 @@ def pipeline(force: list[str] | None = None, root: str | None = None) -> dict:
     force = set(force or [])
     setup_experiment()
     run_name = f"pipeline-{flow_run.get_name() or time.strftime('%Y%m%d-%H%M%S')}"
-    with mlflow.start_run(run_name=run_name, tags={"rlhf.stage": "pipeline", "mlflow.source.git.commit": git_commit()}) as parent:
+    with mlflow.start_run(
+        run_name=run_name, tags={"rlhf.stage": "pipeline", "mlflow.source.git.commit": git_commit()}
+    ) as parent:
         results = []
         for address, _upstream in dag(ROOT):
             results.append(run_stage(address, parent.info.run_id, force=address in force))
@@ -132,10 +161,14 @@ def pipeline(force: list[str] | None = None, root: str | None = None) -> dict:
         for r in results:
             mlflow.set_tag(f"stage.{r['stage'].replace('@', ':')}", r["status"])
         if metrics["gate"]:
-            mlflow.set_tags({"gate.promoted": str(metrics["gate"]["promoted"]), "gate.champion": str(metrics["gate"]["champion"])})
+            mlflow.set_tags(
+                {"gate.promoted": str(metrics["gate"]["promoted"]), "gate.champion": str(metrics["gate"]["champion"])}
+            )
         markdown = summary_markdown(results, metrics)
         mlflow.log_text(markdown, "summary.md")
-    create_markdown_artifact(markdown=markdown, key="pipeline-summary", description="stage status, metrics, gate verdict")
+    create_markdown_artifact(
+        markdown=markdown, key="pipeline-summary", description="stage status, metrics, gate verdict"
+    )
     print(markdown)
     return {"stages": results, "metrics": metrics, "mlflow_run_id": parent.info.run_id}
 

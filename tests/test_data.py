@@ -93,7 +93,9 @@ def test_conversational_sft_messages(tmp_path):
 def test_column_mapping(tmp_path):
     """`columns` maps contract names to the file's: question -> prompt, good -> chosen."""
     rows = [{"question": r["prompt"], "good": r["chosen"], "rejected": r["rejected"], "extra": 1} for r in PREFS]
-    frame = load_contract(write(tmp_path / "q.jsonl", rows), "preference", columns={"prompt": "question", "chosen": "good"})
+    frame = load_contract(
+        write(tmp_path / "q.jsonl", rows), "preference", columns={"prompt": "question", "chosen": "good"}
+    )
     assert records(frame) == PREFS  # renamed, and the unmapped `extra` is dropped
 
 

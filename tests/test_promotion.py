@@ -178,7 +178,9 @@ def test_a_better_but_failing_candidate_is_not_promoted():
     sloppy = {"accuracy": 0.70, "format_rate": 0.80, "kl_to_ref": 2.0}
     verdict = decide([ACCURACY_VS_SFT, FORMAT], report_with(sloppy=sloppy, good=GOOD), None, "accuracy", "heldout")
     assert verdict["promote"] == "good"
-    assert verdict["candidates"]["sloppy"]["failures"] == ["format_rate[heldout] >= absolute+0.9: 0.8000 >= 0.9000 fails"]
+    assert verdict["candidates"]["sloppy"]["failures"] == [
+        "format_rate[heldout] >= absolute+0.9: 0.8000 >= 0.9000 fails"
+    ]
 
 
 def test_champion_blocks_a_regression():

@@ -1,0 +1,134 @@
+"""The whole DAG in a real git + DVC repository: first as the Prefect flow (under Prefect's
+test harness, MLflow in the project's sqlite store), then with plain `dvc repro`:
+
+1. the flow runs every stage once, ends with a markdown artifact, and leaves one MLflow
+   parent run with a nested run per stage, each tagged with its dvc.lock entry hash;
+2. `dvc repro` again runs nothing;
+3. changing a policy param reruns exactly that policy stage and the stages after it;
+4. changing it back restores the policy and evaluation outputs from DVC's run-cache
+   without training (the gate reruns: its champion is state, not cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import make_project, run, write_params
+
+pytestmark = pytest.mark.slow
+
+ALL_STAGES = ["prepare", "base", "sft", "rm", "policy@dpo", "evaluate", "gate"]
+
+
+def dvc_repro(root: Path) -> str:
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    return run([sys.executable, "-m", "dvc", "repro"], root, env=env).stdout
+
+
+def ran(output: str) -> list[str]:
+    return re.findall(r"Running stage '([^']+)'", output)
+
+
+def restored(output: str) -> list[str]:
+    return re.findall(r"Stage '([^']+)' is cached - skipping run", output)
+
+
+def tree_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(path).as_posix().encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def flow_run(tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import pipeline
+
+    root = make_project(tmp_path_factory.mktemp("e2e") / "project")
+    cwd = os.getcwd()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID", "RLHF_ARTIFACT_ROOT"):
+            mp.delenv(name, raising=False)
+        try:
+            with prefect_test_harness(server_startup_timeout=120):
+                result = pipeline(root=str(root))
+                artifacts = read_artifacts()
+        finally:
+            os.chdir(cwd)
+    return root, result, artifacts
+
+
+def read_artifacts():
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def fetch():
+        async with get_client() as client:
+            return await client.read_artifacts()
+
+    return asyncio.run(fetch())
+
+
+def test_flow_runs_every_stage_as_a_task_and_summarises(flow_run):
+    root, result, artifacts = flow_run
+    assert [s["stage"] for s in result["stages"]] == ALL_STAGES
+    assert all(s["status"] == "ran" for s in result["stages"])
+    summary = [a for a in artifacts if a.key == "pipeline-summary"]
+    assert summary, "the flow ends with a markdown artifact"
+    markdown = summary[0].data
+    assert "| policy@dpo | ran |" in markdown and "## Gate: promoted **dpo**" in markdown
+
+
+def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
+    from rlhf.tracking import lock_entry_hash
+
+    root, result, _ = flow_run
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    parent = client.get_run(result["mlflow_run_id"])
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_stage = {r.data.tags["rlhf.stage"]: r for r in children}
+    assert set(by_stage) == set(ALL_STAGES)
+    for stage, child in by_stage.items():
+        assert child.data.tags["dvc.lock_hash"] == lock_entry_hash(stage, root / "dvc.lock")
+        assert child.data.tags["mlflow.source.git.commit"] == parent.data.tags["mlflow.source.git.commit"]
+    assert parent.data.tags["gate.promoted"] == "True"
+    assert client.get_model_version_by_alias("rlhf-policy", "champion").tags["candidate"] == "dpo"
+
+
+def test_dvc_reruns_only_what_changed_and_restores_from_run_cache(flow_run):
+    root, _, _ = flow_run
+    # Commit the lock so the repo state is what a user would have after a run.
+    run(["git", "add", "-A"], root)
+    run(["git", "commit", "-qm", "first run"], root)
+
+    output = dvc_repro(root)
+    assert ran(output) == [] and restored(output) == [], output
+
+    policy_before = tree_digest(root / "models/policy/dpo")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    original_beta = params["policy"]["dpo"]["beta"]
+    params["policy"]["dpo"]["beta"] = original_beta * 2
+    write_params(root, params)
+    output = dvc_repro(root)
+    assert ran(output) == ["policy@dpo", "evaluate", "gate"], output
+    assert tree_digest(root / "models/policy/dpo") != policy_before
+
+    params["policy"]["dpo"]["beta"] = original_beta
+    write_params(root, params)
+    output = dvc_repro(root)
+    assert restored(output) == ["policy@dpo", "evaluate"], output
+    assert ran(output) == ["gate"], output
+    assert tree_digest(root / "models/policy/dpo") == policy_before
