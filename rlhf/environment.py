@@ -21,6 +21,8 @@ OFFLINE_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DVC_NO_ANALYTICS": "1",
+    # Prefect's ephemeral server can take 15-20 s to start on a fresh database.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     # Tokenizers fork warnings under DVC/Prefect subprocesses.
     "TOKENIZERS_PARALLELISM": "false",
     # MLflow's git-based run source detection is slow and noisy outside a clean repo.

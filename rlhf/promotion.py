@@ -88,6 +88,13 @@ def decide(tests, report: dict, champion: dict | None, select_metric: str, selec
             "failures": [f"{r.name}: {r.reason}" for r in results if not r.passed],
         }
     passing = [n for n in report["candidates"] if verdicts[n]["passed"]]
+    missing = [n for n in passing if per_model[n].get(select_suite, {}).get(select_metric) is None]
+    if missing:
+        raise ValueError(
+            f"gate.select_metric {select_metric!r} on suite {select_suite!r} is missing for {missing} in the eval "
+            "report; choose a metric every candidate has (see reports/eval.json), e.g. reward or win_rate for a "
+            "suite without answers"
+        )
     best = max(passing, key=lambda n: per_model[n][select_suite][select_metric], default=None)
     return {"promote": best, "candidates": verdicts, "metrics": per_model.get(best) if best else None}
 

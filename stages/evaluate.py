@@ -56,7 +56,8 @@ def candidate_dirs(methods: list[str]) -> dict[str, Path]:
 
 def evaluate_suite(config: Config, models: dict, tokenizer, judge: RewardEnsemble, suite: pd.DataFrame):
     prompts = suite["prompt"].tolist()
-    answers = suite["answer"].tolist() if "answer" in suite else [None] * len(prompts)
+    # Parquet gives NaN/None for a missing answer: those prompts count for every metric but accuracy.
+    answers = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
     completions = {
         name: generate(model, tokenizer, prompts, config.max_new_tokens, config.batch_size)
         for name, model in models.items()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install the project into it. Idempotent: a second run only checks the
+# stamp (the hash of pyproject.toml) and returns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.rlhf-installed"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+# The CPU build of torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e ".[test]"
+echo "$want" > "$stamp"
