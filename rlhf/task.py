@@ -43,8 +43,8 @@ class TaskSpec:
     """How hard the generated problems are."""
 
     min_operands: int = 3
-    max_operands: int = 4
-    max_value: int = 49
+    max_operands: int = 5
+    max_value: int = 29
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ EVAL_PREFIX = "eval_"
 
 class BuiltinTask(StageConfig):
     min_operands: int = Field(3, ge=2, description="fewest numbers in a problem")
-    max_operands: int = Field(4, ge=2, le=8, description="most numbers in a problem")
+    max_operands: int = Field(5, ge=2, le=8, description="most numbers in a problem")
     max_value: int = Field(29, ge=2, le=999, description="largest number in a problem")
     sizes: dict[str, int] = Field(default_factory=dict, description="rows per file, overriding TaskSizes defaults")
 

@@ -49,10 +49,10 @@ CURVE_KEYS = ("loss", "mean_token_accuracy", "learning_rate")
 
 
 class Config(TrainingParams):
-    max_steps: int = Field(600, gt=0, description="optimizer steps")
+    max_steps: int = Field(650, gt=0, description="optimizer steps")
     per_device_train_batch_size: int = Field(64, gt=0, description="examples per step per device")
     learning_rate: float = Field(3e-3, gt=0, lt=1, description="peak learning rate")
-    max_length: int = Field(64, gt=0, description="tokens per example (longer ones are truncated)")
+    max_length: int = Field(96, gt=0, description="tokens per example (longer ones are truncated)")
     loss_on: str = Field("completion", pattern="^(completion|all)$", description="completion only, or every token")
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
