@@ -37,6 +37,7 @@ from prefect.runtime import flow_run
 from rlhf.tracking import PARENT_RUN_ENV, git_commit, setup_experiment, tag_stage_runs_with_lock
 
 ROOT = Path(__file__).resolve().parent.parent
+PROGRESS_RE = re.compile(r"\d+%\|")
 
 
 def dag(root: Path = ROOT) -> list[tuple[str, list[str]]]:
@@ -81,11 +82,19 @@ def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> d
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
-    lines = []
-    for line in process.stdout:  # stream so that progress shows in the Prefect logs
+    lines, last_progress = [], 0.0
+    # Stream so that the stage's progress shows in the Prefect logs. Text mode splits tqdm's
+    # carriage-return updates into lines; log a progress bar at most every 10 s.
+    for line in process.stdout:
         lines.append(line)
-        if line.strip():
-            logger.info(line.rstrip()[-500:])
+        text = line.strip()
+        if not text:
+            continue
+        if PROGRESS_RE.search(text):
+            if time.monotonic() - last_progress < 10:
+                continue
+            last_progress = time.monotonic()
+        logger.info(text[-500:])
     code = process.wait()
     output = "".join(lines)
     if code != 0:
@@ -144,9 +153,6 @@ def pipeline(force: list[str] | None = None, root: str | None = None) -> dict:
     if root:
         ROOT = Path(root).resolve()
     os.chdir(ROOT)
-    from stages import load_all
-
-    load_all()  # whole params.yaml validated before any stage runs
     force = set(force or [])
     setup_experiment()
     run_name = f"pipeline-{flow_run.get_name() or time.strftime('%Y%m%d-%H%M%S')}"

@@ -36,6 +36,10 @@ _PROMPT_RE = re.compile(r"\d+(?:\s*[+-]\s*\d+)+")
 _STEP_PARSE_RE = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
 
 FLAW_KINDS = ("slip", "copy", "skip", "answer")
+# Flaws that keep the number of steps: preference and KTO data use only these, so that a
+# preference optimiser cannot learn "longer is better" from pairs whose rejected side
+# skipped a step (DPO exploits exactly that length signal).
+SAME_LENGTH_FLAWS = ("slip", "copy", "answer")
 
 
 @dataclass(frozen=True)
@@ -116,14 +120,16 @@ def sample_problem(rng: random.Random, spec: TaskSpec) -> Problem:
     return Problem(tuple(operands), tuple(ops))
 
 
-def flawed_solution(problem: Problem, rng: random.Random, kind: str | None = None) -> tuple[str, list[bool]]:
+def flawed_solution(
+    problem: Problem, rng: random.Random, kind: str | None = None, kinds: tuple[str, ...] = FLAW_KINDS
+) -> tuple[str, list[bool]]:
     """A wrong solution of `problem` and the correctness label of each of its steps.
 
     Labels follow Math-Shepherd: a step is good while the chain is still on the way to the
     right answer; the first wrong step and everything after it are bad. The final
     ``answer N`` line counts as a step.
     """
-    kind = kind or rng.choice(FLAW_KINDS)
+    kind = kind or rng.choice(kinds)
     pairs = list(zip(problem.ops, problem.operands[1:]))
     good_steps = problem.steps()
     at = rng.randrange(len(pairs))
@@ -283,7 +289,7 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
 
     def pair_rows(problems: list[Problem]) -> list[dict]:
         return [
-            {"prompt": p.prompt, "chosen": p.solution(), "rejected": flawed_solution(p, rng)[0]}
+            {"prompt": p.prompt, "chosen": p.solution(), "rejected": flawed_solution(p, rng, kinds=SAME_LENGTH_FLAWS)[0]}
             for p in problems
         ]
 
@@ -308,7 +314,7 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
     unpaired = []
     for p in fresh_problems(sizes.unpaired):
         good = rng.random() < 0.5
-        text = p.solution() if good else flawed_solution(p, rng)[0]
+        text = p.solution() if good else flawed_solution(p, rng, kinds=SAME_LENGTH_FLAWS)[0]
         unpaired.append({"prompt": p.prompt, "completion": text, "label": good})
     prm = prm_rows(fresh_problems(sizes.prm))
     prompts = prompt_rows(fresh_problems(sizes.prompts))

@@ -12,6 +12,8 @@ Methods (a dict from name to function, `METHODS`):
 
 * dpo — TRL's `DPOTrainer`. `loss_type` sigmoid (Rafailov et al. 2023), ipo (Azar et al.
   2023), hinge (SLiC), or any other TRL loss type; the reference is the SFT model.
+  `sft_weight` > 0 adds TRL's NLL loss on the chosen response (RPO), which keeps the
+  likelihood of good solutions from falling while the margin grows.
 
     python -m stages.policy dpo
 """
@@ -65,6 +67,7 @@ class DPOParams(TrainingParams):
     loss_type: str | list[str] = Field("sigmoid", description="sigmoid | ipo | hinge | any TRL DPO loss type")
     beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO: assumed label noise")
+    sft_weight: float = Field(0.0, ge=0, description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off")
     max_steps: int = Field(150, gt=0, description="optimizer steps")
     per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
     learning_rate: float = Field(5e-5, gt=0, lt=1, description="peak learning rate")
@@ -102,11 +105,13 @@ def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> t
     model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
     dataset = Dataset.from_pandas(pd.read_parquet(PREFS), preserve_index=False)
     key = fingerprint(params, [SFT_DIR, PREFS])
+    loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
     args = trl_config(
         DPOConfig,
         params,
         checkpoint_dir(stage, key),
-        loss_type=[params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type),
+        loss_type=loss_types + (["sft"] if params.sft_weight else []),
+        loss_weights=[1.0] * len(loss_types) + ([params.sft_weight] if params.sft_weight else []),
         beta=params.beta,
         label_smoothing=params.label_smoothing,
         max_length=params.max_length,

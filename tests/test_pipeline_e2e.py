@@ -25,7 +25,7 @@ from tests.conftest import make_project, run, write_params
 
 pytestmark = pytest.mark.slow
 
-ALL_STAGES = ["prepare", "base", "sft", "rm", "policy@dpo", "evaluate", "gate"]
+ALL_STAGES = ["check_params", "prepare", "base", "sft", "rm", "policy@dpo", "evaluate", "gate"]
 
 
 def dvc_repro(root: Path) -> str:
