@@ -121,18 +121,30 @@ def sample_problem(rng: random.Random, spec: TaskSpec) -> Problem:
 
 
 def flawed_solution(
-    problem: Problem, rng: random.Random, kind: str | None = None, kinds: tuple[str, ...] = FLAW_KINDS
+    problem: Problem,
+    rng: random.Random,
+    kind: str | None = None,
+    kinds: tuple[str, ...] = FLAW_KINDS,
+    last_step: bool = False,
 ) -> tuple[str, list[bool]]:
     """A wrong solution of `problem` and the correctness label of each of its steps.
 
     Labels follow Math-Shepherd: a step is good while the chain is still on the way to the
     right answer; the first wrong step and everything after it are bad. The final
     ``answer N`` line counts as a step.
+
+    A mistake is carried forward: the steps after it continue from the wrong number. With
+    `last_step` the mistake is in the last operation, so the flawed solution differs from the
+    correct one in its last step and answer only. Preference pairs use that form: sequence-
+    level DPO pushes down every token of the rejected text, and after an early mistake those
+    tokens are correct arithmetic on the wrong number, which DPO would then unlearn.
     """
     kind = kind or rng.choice(kinds)
     pairs = list(zip(problem.ops, problem.operands[1:]))
     good_steps = problem.steps()
     at = rng.randrange(len(pairs))
+    if last_step:
+        at = len(pairs) - 1
     if kind == "slip":
         # One step's result is off by a small amount; later steps carry it forward correctly.
         prefix = good_steps[:at]
@@ -289,7 +301,7 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
 
     def pair_rows(problems: list[Problem]) -> list[dict]:
         return [
-            {"prompt": p.prompt, "chosen": p.solution(), "rejected": flawed_solution(p, rng, kinds=SAME_LENGTH_FLAWS)[0]}
+            {"prompt": p.prompt, "chosen": p.solution(), "rejected": flawed_solution(p, rng, kinds=SAME_LENGTH_FLAWS, last_step=True)[0]}
             for p in problems
         ]
 
@@ -314,7 +326,7 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
     unpaired = []
     for p in fresh_problems(sizes.unpaired):
         good = rng.random() < 0.5
-        text = p.solution() if good else flawed_solution(p, rng, kinds=SAME_LENGTH_FLAWS)[0]
+        text = p.solution() if good else flawed_solution(p, rng, kinds=SAME_LENGTH_FLAWS, last_step=True)[0]
         unpaired.append({"prompt": p.prompt, "completion": text, "label": good})
     prm = prm_rows(fresh_problems(sizes.prm))
     prompts = prompt_rows(fresh_problems(sizes.prompts))
@@ -328,3 +340,22 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
         "prompts": prompts,
         "eval_heldout": eval_heldout,
     }
+
+
+def classify_flaw(prompt: str, completion: str) -> str | None:
+    """Which FLAW_KINDS a wrong built-in solution shows (None when it is correct):
+    a missing step, a wrong final answer after right steps, a step that starts from the
+    wrong number, or an arithmetic slip."""
+    problem = parse_prompt(prompt)
+    labels = check_steps(prompt, completion)
+    if all(labels):
+        return None
+    steps = split_steps(completion)
+    if len(steps) != len(problem.ops) + 1:
+        return "skip"
+    first_bad = labels.index(False)
+    if first_bad == len(steps) - 1:
+        return "answer"
+    match = _STEP_PARSE_RE.match(steps[first_bad])
+    expected_left = _apply_all(problem.operands[0], list(zip(problem.ops, problem.operands[1:]))[:first_bad])
+    return "copy" if match is None or int(match[1]) != expected_left else "slip"

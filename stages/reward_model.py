@@ -32,6 +32,7 @@ from trl import RewardConfig, RewardTrainer
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.modeling import load_tokenizer, resolve_model_dir, save_model
 from rlhf.reward_ensemble import MEMBER_PREFIX, RewardEnsemble, pairwise_accuracy
+from rlhf.task import classify_flaw
 from rlhf.tracking import nested_run, numeric_metrics, stage_run
 from rlhf.training import (
     LoraParams,
@@ -101,6 +102,20 @@ def train_member(config: Config, index: int, init: Path, train: Dataset, tokeniz
     return [{**row, "member": index} for row in log_history_rows(trainer.state.log_history, ("loss", "accuracy"))]
 
 
+def accuracy_by_flaw(pairs: pd.DataFrame, chosen, rejected) -> dict[str, float]:
+    """Ensemble accuracy per kind of flaw in the rejected response, for built-in task pairs
+    (empty for user data): which mistakes the reward model can and cannot see."""
+    try:
+        kinds = [classify_flaw(p, r) for p, r in zip(pairs["prompt"], pairs["rejected"])]
+    except ValueError:
+        return {}
+    result = {}
+    for kind in sorted({k for k in kinds if k}):
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        result[kind] = pairwise_accuracy(chosen[rows], rejected[rows])
+    return result
+
+
 def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
     stage = "rm"
     tokenizer = load_tokenizer(init, config.trust_remote_code)
@@ -127,6 +142,7 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
             }
             for i in range(config.num_members)
         },
+        "accuracy_by_flaw": accuracy_by_flaw(held_out, chosen.mean, rejected.mean),
         "mean_margin": float((chosen.mean - rejected.mean).mean()),
         "mean_std": float(((chosen.std + rejected.std) / 2).mean()),
         "eval_pairs": len(held_out),

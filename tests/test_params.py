@@ -96,7 +96,7 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
     params["rm"]["num_members"] = 0  # out of range (1..16)
     params["policy"]["dpo"]["loss_type"] = "sigmoidd"  # unknown DPO loss
     params["gate"]["tests"][2]["op"] = "=="  # not a comparison
-    params["prepare"]["builtin"]["min_operands"] = 5  # more than max_operands (4)
+    params["prepare"]["builtin"]["min_operands"] = 6  # more than max_operands (5)
     params["rewards"] = {"k": 1}  # unknown section
     path = write_params(tmp_path, params)
     error = params_error(path)
@@ -109,7 +109,7 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
         "rm.num_members: Input should be greater than or equal to 1 (got 0)",
         "policy.dpo.loss_type: Value error, unknown DPO loss type(s) ['sigmoidd']",
         "gate.tests.2.op: Input should be '>=', '<=', '>' or '<' (got '==')",
-        "prepare.builtin: Value error, min_operands (5) is larger than max_operands (4)",
+        "prepare.builtin: Value error, min_operands (6) is larger than max_operands (5)",
         "rewards: unknown section (known: prepare, base, sft, rm, policy, evaluate, gate)",
     ]:
         assert sum(problem.startswith(expected) for problem in error.problems) == 1, expected

@@ -4,9 +4,12 @@ test harness, MLflow in the project's sqlite store), then with plain `dvc repro`
 1. the flow runs every stage once, ends with a markdown artifact, and leaves one MLflow
    parent run with a nested run per stage, each tagged with its dvc.lock entry hash;
 2. `dvc repro` again runs nothing;
-3. changing a policy param reruns exactly that policy stage and the stages after it;
+3. changing a policy param reruns exactly that policy stage and the stages after it (and
+   the params check, which every change of params.yaml triggers);
 4. changing it back restores the policy and evaluation outputs from DVC's run-cache
-   without training (the gate reruns: its champion is state, not cache).
+   without training (the gate reruns: its champion is state, not cache);
+5. bad params and a bad data file fail before any compute, naming key / file, row and
+   field, and every output already produced is still there.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import hashlib
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,12 +127,64 @@ def test_dvc_reruns_only_what_changed_and_restores_from_run_cache(flow_run):
     params["policy"]["dpo"]["beta"] = original_beta * 2
     write_params(root, params)
     output = dvc_repro(root)
-    assert ran(output) == ["policy@dpo", "evaluate", "gate"], output
+    assert ran(output) == ["check_params", "policy@dpo", "evaluate", "gate"], output
     assert tree_digest(root / "models/policy/dpo") != policy_before
 
     params["policy"]["dpo"]["beta"] = original_beta
     write_params(root, params)
     output = dvc_repro(root)
-    assert restored(output) == ["policy@dpo", "evaluate"], output
+    assert restored(output) == ["check_params", "policy@dpo", "evaluate"], output
     assert ran(output) == ["gate"], output
     assert tree_digest(root / "models/policy/dpo") == policy_before
+
+
+def test_bad_params_and_bad_data_fail_before_compute_and_lose_nothing(flow_run):
+    root, _, _ = flow_run
+    outputs = ["data/prepared", "models/sft", "models/rm", "models/policy/dpo", "models/champion"]
+    before = {p: tree_digest(root / p) for p in outputs}
+    good = (root / "params.yaml").read_text()
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+    params = yaml.safe_load(good)
+    params["sft"]["learnin_rate"] = 0.1  # typo
+    params["rm"]["num_members"] = 0  # out of range
+    params["policy"]["dpo"]["beta"] = "high"  # wrong type
+    write_params(root, params)
+    start = time.perf_counter()
+    result = run([sys.executable, "-m", "dvc", "repro"], root, check=False, env=env)
+    elapsed = time.perf_counter() - start
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    for key in ("sft.learnin_rate", "rm.num_members", "policy.dpo.beta"):
+        assert key in output, output[-3000:]
+    assert ran(output) == ["check_params"], "no stage after the check may start"
+    assert elapsed < 90, f"bad params took {elapsed:.0f} s to fail"
+
+    raw = root / "data/raw"
+    (raw / "sft.jsonl").write_text('{"prompt": "1+2\\n", "completion": "1+2=3; answer 3"}\n')
+    (raw / "heldout.jsonl").write_text('{"question": "1+2\\n", "solution": "3"}\n')
+    (raw / "pairs.jsonl").write_text(
+        '{"prompt": "1+2\\n", "chosen": "1+2=3; answer 3", "rejected": "1+2=4; answer 4"}\n'
+        '{"prompt": "2+2\\n", "chosen": "", "rejected": "2+2=5; answer 5"}\n'
+        '{"prompt": "3+2\\n", "chosen": "3+2=5; answer 5"}\n'
+    )
+    params = yaml.safe_load(good)
+    params["prepare"]["source"] = "files"
+    params["prepare"]["files"] = {
+        "sft": {"path": "data/raw/sft.jsonl"},
+        "prefs": {"path": "data/raw/pairs.jsonl"},
+        "eval_heldout": {"path": "data/raw/heldout.jsonl", "columns": {"prompt": "question", "answer": "solution"}},
+    }
+    write_params(root, params)
+    result = run([sys.executable, "-m", "dvc", "repro"], root, check=False, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "data/raw/pairs.jsonl" in output and "row 2: 'chosen' is empty" in output, output[-3000:]
+    assert "row 3: 'rejected' is missing" in output, output[-3000:]
+
+    assert {p: tree_digest(root / p) for p in outputs} == before, "a failed run must not lose any output"
+    (root / "params.yaml").write_text(good)
+    for name in ("sft.jsonl", "heldout.jsonl", "pairs.jsonl"):
+        (raw / name).unlink()
+    output = dvc_repro(root)
+    assert set(ran(output)) | set(restored(output)) <= {"check_params"}, output

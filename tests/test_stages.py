@@ -36,6 +36,7 @@ def project(tmp_path_factory):
     MLflow store."""
     import stages.base
     import stages.capability_gate
+    import stages.check_params
     import stages.evaluate
     import stages.policy
     import stages.prepare
@@ -49,6 +50,7 @@ def project(tmp_path_factory):
         mp.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
         for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
             mp.delenv(name, raising=False)
+        stages.check_params.main()
         stages.prepare.main()
         stages.base.main()
         stages.sft.main()
@@ -57,6 +59,10 @@ def project(tmp_path_factory):
         stages.evaluate.main()
         stages.capability_gate.main()
     return root
+
+
+def test_check_params_writes_its_constant_stamp(project):
+    assert (project / "reports/params.ok").read_text() == "params.yaml is valid\n"
 
 
 def test_prepare_writes_every_contract(project):

@@ -316,3 +316,23 @@ def test_generate_datasets_too_few_distinct_problems():
     sizes = TaskSizes(sft=10, prefs=0, prefs_eval=0, unpaired=0, prm=0, prm_eval=0, prompts=0, eval_heldout=0)
     with pytest.raises(ValueError, match="too few distinct problems"):
         generate_datasets(spec, sizes, seed=0)
+
+
+def test_classify_flaw_names_the_kind_of_each_generated_mistake():
+    """Every flaw kind the generator makes is recognised from the text alone (the RM stage
+    reports its accuracy per kind with this), and a correct solution has no flaw."""
+    import random
+
+    from rlhf.task import FLAW_KINDS, Problem, classify_flaw, flawed_solution
+
+    problem = Problem((23, 58, 17), ("+", "-"))
+    assert classify_flaw(problem.prompt, problem.solution()) is None
+    # Hand-written: 23+58=81 is right, then the chain restarts from 80 (a copy error).
+    assert classify_flaw(problem.prompt, "23+58=81; 80-17=63; answer 63") == "copy"
+    assert classify_flaw(problem.prompt, "23+58=82; 82-17=65; answer 65") == "slip"
+    assert classify_flaw(problem.prompt, "23+58=81; 81-17=64; answer 65") == "answer"
+    assert classify_flaw(problem.prompt, "23+58=81; answer 81") == "skip"
+    for seed in range(50):
+        for kind in FLAW_KINDS:
+            text, _ = flawed_solution(problem, random.Random(seed), kind)
+            assert classify_flaw(problem.prompt, text) in {kind, "answer"}  # "answer" is the documented fallback
