@@ -68,9 +68,9 @@ class DPOParams(TrainingParams):
     beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO: assumed label noise")
     sft_weight: float = Field(0.0, ge=0, description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off")
-    max_steps: int = Field(150, gt=0, description="optimizer steps")
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
     per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
-    learning_rate: float = Field(5e-5, gt=0, lt=1, description="peak learning rate")
+    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(96, gt=0, description="tokens per prompt+response")
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
 
