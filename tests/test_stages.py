@@ -147,3 +147,50 @@ def test_every_stage_logged_an_mlflow_run_with_params_and_commit(project):
     assert sft.data.params["max_steps"] == "4"
     assert "loss" in sft.data.metrics, "training curves come from transformers' MLflow callback"
     assert len(sft.data.tags["mlflow.source.git.commit"]) >= 40
+
+
+def test_gate_rejects_a_worse_candidate_and_the_champion_stays(project):
+    """After `dpo` was promoted, a candidate whose held-out accuracy is below the champion's
+    recorded accuracy fails the `relative_to: champion` test: reports/gate.json lists the
+    reason, models/champion is byte-for-byte the same, and the registry alias does not move."""
+    import shutil
+
+    import stages.capability_gate
+    from tests.test_pipeline_e2e import tree_digest
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    alias_before = client.get_model_version_by_alias("rlhf-policy", "champion").version
+    champion_before = tree_digest(project / "models/champion")
+    record = json.loads((project / "models/champion/champion.json").read_text())
+    champion_accuracy = record["metrics"]["heldout"]["accuracy"]
+
+    shutil.copytree(project / "models/sft", project / "models/policy/worse")
+    report = json.loads((project / "reports/eval.json").read_text())
+    worse = dict(report["suites"]["heldout"]["dpo"], accuracy=champion_accuracy - 0.10)
+    report["candidates"] = ["worse"]
+    report["suites"]["heldout"]["worse"] = worse
+    report["suites"]["heldout"]["sft"]["accuracy"] = champion_accuracy - 0.20  # passes the SFT test
+    (project / "reports/eval.json").write_text(json.dumps(report))
+
+    params = project / "params.yaml"
+    original = params.read_text()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(project)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
+        import yaml
+
+        data = yaml.safe_load(original)
+        data["gate"]["tests"].append({"metric": "accuracy", "relative_to": "champion", "op": ">=", "threshold": 0.0})
+        params.write_text(yaml.safe_dump(data))
+        try:
+            stages.capability_gate.main()
+        finally:
+            params.write_text(original)
+
+    verdict = json.loads((project / "reports/gate.json").read_text())
+    assert verdict["promoted"] is False and verdict["champion"] == "dpo"
+    failures = verdict["candidates"]["worse"]["failures"]
+    assert len(failures) == 1 and "champion" in failures[0] and f"{champion_accuracy - 0.10:.4f}" in failures[0]
+    assert tree_digest(project / "models/champion") == champion_before
+    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == alias_before
