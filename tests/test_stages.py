@@ -142,7 +142,7 @@ def test_every_stage_logged_an_mlflow_run_with_params_and_commit(project):
     experiment = client.get_experiment_by_name("stages-test")
     runs = client.search_runs([experiment.experiment_id])
     by_stage = {r.data.tags.get("rlhf.stage"): r for r in runs if r.data.tags.get("rlhf.stage")}
-    assert set(by_stage) == {"prepare", "base", "sft", "rm", "policy@dpo", "evaluate", "gate"}
+    assert set(by_stage) == {"check_params", "prepare", "base", "sft", "rm", "policy@dpo", "evaluate", "gate"}
     sft = by_stage["sft"]
     assert sft.data.params["max_steps"] == "4"
     assert "loss" in sft.data.metrics, "training curves come from transformers' MLflow callback"
