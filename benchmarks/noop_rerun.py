@@ -14,7 +14,6 @@ Runs `dvc repro` in the project first if anything is stale (that run is not time
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -65,17 +64,22 @@ def stage_layout(root: Path) -> list[dict]:
         return layout
 
 
+WRITER = """import pathlib, sys
+for arg in sys.argv[1:]:
+    path = pathlib.Path(arg.rstrip("/"))
+    if arg.endswith("/"):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "x").write_text("{}")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+"""
+
+
 def writer_command(outs: list[dict]) -> str:
     """A command that writes every out as a tiny file, or a folder holding one."""
-    paths = [(o["path"], not Path(o["path"]).suffix) for o in outs]
-    code = (
-        "import pathlib,sys\n"
-        f"for p,d in {paths!r}:\n"
-        "    p=pathlib.Path(p)\n"
-        "    (p if d else p.parent).mkdir(parents=True,exist_ok=True)\n"
-        "    (p/'x' if d else p).write_text('{}')\n"
-    )
-    return f"python -c {json.dumps(code)}"
+    args = [o["path"] + ("/" if not Path(o["path"]).suffix else "") for o in outs]
+    return "python write_outs.py " + " ".join(args)
 
 
 def build_floor(root: Path, floor: Path) -> None:
@@ -94,7 +98,11 @@ def build_floor(root: Path, floor: Path) -> None:
                 else:
                     target.mkdir(parents=True, exist_ok=True)
                     (target / "x").write_text("x")
-        entry: dict = {"cmd": writer_command(stage["outs"]), "deps": stage["deps"]}
+        # Files inside this stage's output folders that other stages depend on must exist.
+        inner = sorted(
+            {d for s in layout for d in s["deps"] for o in stage["outs"] if d.startswith(o["path"] + "/")}
+        )
+        entry: dict = {"cmd": writer_command(stage["outs"]) + "".join(f" {d}" for d in inner), "deps": stage["deps"]}
         if stage["params"]:
             entry["params"] = stage["params"]
         for kind in ("outs", "metrics", "plots"):
@@ -103,6 +111,7 @@ def build_floor(root: Path, floor: Path) -> None:
                 entry[kind] = [{o["path"]: {"cache": o["cache"], "persist": o["persist"]}} for o in items]
         stages[stage["name"]] = entry
     (floor / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (floor / "write_outs.py").write_text(WRITER)
     shutil.copy2(root / "params.yaml", floor / "params.yaml")
     subprocess.run(["git", "init", "-q"], cwd=floor, check=True)
     dvc("init", "-q", cwd=floor)
