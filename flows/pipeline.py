@@ -2,6 +2,7 @@
 
     python -m flows.pipeline                  # run once (ephemeral Prefect, no server needed)
     python -m flows.pipeline --force sft      # rerun sft (and what is stale after it)
+    python -m flows.pipeline --retries 2      # retry a failed stage (e.g. a preempted worker)
     python -m flows.pipeline --serve --cron "0 3 * * *"   # scheduled runs (needs a server:
                                                           #   prefect server start --host 127.0.0.1)
 
@@ -40,17 +41,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRESS_RE = re.compile(r"\d+%\|")
 
 
-def dag(root: Path = ROOT) -> list[tuple[str, list[str]]]:
-    """(stage address, upstream addresses) for every stage of dvc.yaml, in run order."""
+def stage_order(root: Path = ROOT) -> list[str]:
+    """Every stage address of dvc.yaml (foreach expanded), dependencies first."""
     import networkx as nx
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
-        order = list(reversed(list(nx.topological_sort(graph))))
-        return [
-            (s.addressing, [d.addressing for d in graph.successors(s)]) for s in order if s.addressing != "dvc.yaml"
-        ]
+        order = reversed(list(nx.topological_sort(graph)))
+        return [stage.addressing for stage in order if getattr(stage, "cmd", None)]
 
 
 def parse_status(output: str, address: str) -> str:
@@ -147,7 +146,7 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
-def pipeline(force: list[str] | None = None, root: str | None = None) -> dict:
+def pipeline(force: list[str] | None = None, retries: int = 0, root: str | None = None) -> dict:
     """Run every stage of dvc.yaml through DVC; return per-stage status and the metrics."""
     global ROOT
     if root:
@@ -160,8 +159,9 @@ def pipeline(force: list[str] | None = None, root: str | None = None) -> dict:
         run_name=run_name, tags={"rlhf.stage": "pipeline", "mlflow.source.git.commit": git_commit()}
     ) as parent:
         results = []
-        for address, _upstream in dag(ROOT):
-            results.append(run_stage(address, parent.info.run_id, force=address in force))
+        task = run_stage.with_options(retries=retries, retry_delay_seconds=10)
+        for address in stage_order(ROOT):
+            results.append(task(address, parent.info.run_id, force=address in force))
         tag_stage_runs_with_lock(parent.info.run_id, ROOT / "dvc.lock")
         metrics = read_metrics(ROOT)
         for r in results:
@@ -182,13 +182,14 @@ def pipeline(force: list[str] | None = None, root: str | None = None) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="rerun these stages even if unchanged")
+    parser.add_argument("--retries", type=int, default=0, help="retry a failed stage this many times")
     parser.add_argument("--serve", action="store_true", help="serve the flow with a schedule (needs a Prefect server)")
     parser.add_argument("--cron", default="0 3 * * *", help="schedule for --serve")
     args = parser.parse_args(argv)
     if args.serve:
         pipeline.serve(name="scheduled", cron=args.cron)
         return
-    pipeline(force=args.force)
+    pipeline(force=args.force, retries=args.retries)
 
 
 if __name__ == "__main__":

@@ -74,11 +74,6 @@ def read_json(path: str | Path):
     return json.loads(Path(path).read_text())
 
 
-def write_parquet(path: str | Path, frame: pd.DataFrame) -> None:
-    with atomic_file(path) as tmp:
-        frame.to_parquet(tmp, index=False)
-
-
 def write_csv(path: str | Path, rows: list[dict]) -> None:
     """Rows as a CSV (training curves that `dvc plots show` renders)."""
     with atomic_file(path) as tmp:
