@@ -1,6 +1,7 @@
 """Stage `policy@<method>`: policy optimisation of the SFT model, one DVC stage per method.
 
-In:  models/sft (policy init and reference), data/prepared/prefs.parquet.
+In:  models/sft (policy init and reference), data/prepared/prefs.parquet (preference
+     methods) or data/prepared/unpaired.parquet (KTO).
 Out: models/policy/<method> (a plain model: LoRA adapters are merged on save),
      metrics/policy/<method>.json, plots/policy/<method>.csv.
 
@@ -14,8 +15,14 @@ Methods (a dict from name to function, `METHODS`):
   2023), hinge (SLiC), or any other TRL loss type; the reference is the SFT model.
   `sft_weight` > 0 adds TRL's NLL loss on the chosen response (RPO), which keeps the
   likelihood of good solutions from falling while the margin grows.
+* simpo — TRL's `CPOTrainer` with `loss_type="simpo"`, `cpo_alpha=0` (Meng et al. 2024):
+  reference-free, length-normalised margin with a target gap gamma.
+* orpo — TRL's experimental `ORPOTrainer` (Hong et al. 2024): NLL plus an odds-ratio
+  penalty, reference-free.
+* kto — TRL's `KTOTrainer` (Ethayarajh et al. 2024) on unpaired desirable/undesirable
+  samples; needs a batch of at least 2 for its KL estimate.
 
-    python -m stages.policy dpo
+    python -m stages.policy dpo        # or simpo, orpo, kto (listed in policy.methods)
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import mlflow
 import pandas as pd
 from datasets import Dataset
 from pydantic import Field, field_validator
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
@@ -51,6 +58,7 @@ from stages import load_config
 
 SFT_DIR = Path("models/sft")
 PREFS = Path("data/prepared/prefs.parquet")
+UNPAIRED = Path("data/prepared/unpaired.parquet")
 OUT_ROOT = Path("models/policy")
 METRICS_ROOT = Path("metrics/policy")
 PLOTS_ROOT = Path("plots/policy")
@@ -84,10 +92,51 @@ class DPOParams(TrainingParams):
         return value
 
 
+class SimPOParams(TrainingParams):
+    """SimPO (Meng et al. 2024): -log sigmoid(beta/|y| (log pi(y_w) - log pi(y_l)) - gamma), no reference."""
+
+    beta: float = Field(2.0, gt=0, description="scale of the length-normalised log-likelihood margin")
+    gamma: float = Field(0.5, ge=0, description="target reward margin (TRL's simpo_gamma)")
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
+    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+
+
+class ORPOParams(TrainingParams):
+    """ORPO (Hong et al. 2024): NLL(y_w) + lambda * -log sigmoid(log odds(y_w) - log odds(y_l)), no reference."""
+
+    beta: float = Field(0.1, gt=0, description="lambda, weight of the odds-ratio term")
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
+    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+
+
+class KTOParams(TrainingParams):
+    """KTO (Ethayarajh et al. 2024): prospect-theoretic loss on unpaired desirable/undesirable samples."""
+
+    beta: float = Field(0.1, gt=0, description="KL strength")
+    desirable_weight: float = Field(1.0, gt=0, description="loss weight of desirable samples")
+    undesirable_weight: float = Field(1.0, gt=0, description="loss weight of undesirable samples")
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(
+        32, gt=1, description="samples per step (KTO's KL estimate needs a real batch: at least 2)"
+    )
+    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+
+
 class Config(StageConfig):
     methods: list[str] = Field(["dpo"], min_length=1, description="methods to train, one DVC stage each")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
     dpo: DPOParams = Field(default_factory=DPOParams, description="params of method dpo")
+    simpo: SimPOParams = Field(default_factory=SimPOParams, description="params of method simpo")
+    orpo: ORPOParams = Field(default_factory=ORPOParams, description="params of method orpo")
+    kto: KTOParams = Field(default_factory=KTOParams, description="params of method kto")
 
     @field_validator("methods")
     @classmethod
@@ -100,23 +149,21 @@ class Config(StageConfig):
         return value
 
 
-def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+def train_offline(
+    config: Config, params: TrainingParams, data: Path, trl_classes: tuple, trl_args: dict, out_dir: Path, stage: str
+) -> tuple[dict, list[dict]]:
+    """Train the SFT model with one of TRL's offline preference trainers, `trl_classes` =
+    (its config class, its trainer class), on `data`; save the (merged) result into
+    `out_dir`. Returns metrics and the curve of loss and reward margin."""
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
-    dataset = Dataset.from_pandas(pd.read_parquet(PREFS), preserve_index=False)
-    key = fingerprint(params, [SFT_DIR, PREFS])
-    loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
-    args = trl_config(
-        DPOConfig,
-        params,
-        checkpoint_dir(stage, key),
-        loss_type=loss_types + (["sft"] if params.sft_weight else []),
-        loss_weights=[1.0] * len(loss_types) + ([params.sft_weight] if params.sft_weight else []),
-        beta=params.beta,
-        label_smoothing=params.label_smoothing,
-        max_length=params.max_length,
-    )
-    trainer = DPOTrainer(
+    if not data.exists():
+        raise FileNotFoundError(f"{stage} trains on {data}, which prepare did not write; add it to prepare.files")
+    dataset = Dataset.from_pandas(pd.read_parquet(data), preserve_index=False)
+    key = fingerprint(params, [SFT_DIR, data])
+    config_cls, trainer_cls = trl_classes
+    args = trl_config(config_cls, params, checkpoint_dir(stage, key), max_length=params.max_length, **trl_args)
+    trainer = trainer_cls(
         model=model,
         args=args,
         train_dataset=dataset,
@@ -137,7 +184,41 @@ def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> t
     return metrics, curve
 
 
-METHODS: dict[str, Callable] = {"dpo": train_dpo}
+def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
+    trl_args = {
+        "loss_type": loss_types + (["sft"] if params.sft_weight else []),
+        "loss_weights": [1.0] * len(loss_types) + ([params.sft_weight] if params.sft_weight else []),
+        "beta": params.beta,
+        "label_smoothing": params.label_smoothing,
+    }
+    return train_offline(config, params, PREFS, (DPOConfig, DPOTrainer), trl_args, out_dir, stage)
+
+
+def train_simpo(config: Config, params: SimPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    # SimPO is CPO's loss with the behaviour-cloning term switched off (cpo_alpha=0).
+    trl_args = {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": params.beta, "simpo_gamma": params.gamma}
+    return train_offline(config, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
+
+
+def train_orpo(config: Config, params: ORPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    return train_offline(config, params, PREFS, (ORPOConfig, ORPOTrainer), {"beta": params.beta}, out_dir, stage)
+
+
+def train_kto(config: Config, params: KTOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    trl_args = {
+        "beta": params.beta,
+        "desirable_weight": params.desirable_weight,
+        "undesirable_weight": params.undesirable_weight,
+    }
+    return train_offline(config, params, UNPAIRED, (KTOConfig, KTOTrainer), trl_args, out_dir, stage)
+
+
+METHODS: dict[str, Callable] = {"dpo": train_dpo, "simpo": train_simpo, "orpo": train_orpo, "kto": train_kto}
 
 
 def run(config: Config, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
