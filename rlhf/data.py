@@ -255,3 +255,14 @@ def _check_answer(value):
         return None, None
     text = str(value).strip()
     return text, "is empty" if not text else None
+
+
+def read_prepared(path: str | Path, stage: str) -> pd.DataFrame:
+    """A table written by `prepare`, or an error that says how to provide it."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{stage} needs {path}, which prepare did not write: with prepare.source=files, add "
+            f"prepare.files.{path.stem}: {{path: ...}} to params.yaml (or use prepare.source: builtin)"
+        )
+    return pd.read_parquet(path)

@@ -33,12 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlflow
-import pandas as pd
 from datasets import Dataset
 from pydantic import Field, field_validator
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.data import read_prepared
 from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
 from rlhf.params import StageConfig
 from rlhf.tracking import numeric_metrics, stage_run
@@ -157,9 +157,7 @@ def train_offline(
     `out_dir`. Returns metrics and the curve of loss and reward margin."""
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
-    if not data.exists():
-        raise FileNotFoundError(f"{stage} trains on {data}, which prepare did not write; add it to prepare.files")
-    dataset = Dataset.from_pandas(pd.read_parquet(data), preserve_index=False)
+    dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
     key = fingerprint(params, [SFT_DIR, data])
     config_cls, trainer_cls = trl_classes
     args = trl_config(config_cls, params, checkpoint_dir(stage, key), max_length=params.max_length, **trl_args)

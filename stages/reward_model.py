@@ -30,6 +30,7 @@ from pydantic import Field
 from trl import RewardConfig, RewardTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.data import read_prepared
 from rlhf.modeling import load_tokenizer, resolve_model_dir, save_model
 from rlhf.reward_ensemble import MEMBER_PREFIX, RewardEnsemble, pairwise_accuracy
 from rlhf.task import classify_flaw
@@ -119,7 +120,7 @@ def accuracy_by_flaw(pairs: pd.DataFrame, chosen, rejected) -> dict[str, float]:
 def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
     stage = "rm"
     tokenizer = load_tokenizer(init, config.trust_remote_code)
-    train = Dataset.from_pandas(pd.read_parquet(data), preserve_index=False)
+    train = Dataset.from_pandas(read_prepared(data, "rm"), preserve_index=False)
     root = checkpoint_dir(stage, fingerprint(config, [init, data]))
     start = time.perf_counter()
     curve: list[dict] = []
@@ -129,7 +130,7 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
         shutil.copytree(root / f"{MEMBER_PREFIX}{index}" / "final", out_dir / f"{MEMBER_PREFIX}{index}")
     train_seconds = time.perf_counter() - start
 
-    held_out = pd.read_parquet(eval_data)
+    held_out = read_prepared(eval_data, "rm")
     ensemble = RewardEnsemble.load(out_dir, config.trust_remote_code)
     chosen = ensemble.score(held_out["prompt"].tolist(), held_out["chosen"].tolist())
     rejected = ensemble.score(held_out["prompt"].tolist(), held_out["rejected"].tolist())

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import mlflow
-import pandas as pd
 from datasets import Dataset
 from pydantic import Field
 from trl import SFTConfig, SFTTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.data import read_prepared
 from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
 from rlhf.tracking import numeric_metrics, stage_run
 from rlhf.training import (
@@ -63,7 +63,7 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path) -> tuple[dict
     stage = "sft"
     tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
     model = load_causal_lm(base_dir, config.trust_remote_code, what="models/base")
-    dataset = Dataset.from_pandas(pd.read_parquet(data), preserve_index=False)
+    dataset = Dataset.from_pandas(read_prepared(data, "sft"), preserve_index=False)
     conversational = "messages" in dataset.column_names
     only_target = config.loss_on == "completion"
     key = fingerprint(config, [base_dir, data])

@@ -300,3 +300,14 @@ def test_error_lists_at_most_25_problems(tmp_path):
     assert "row 25: 'chosen' is empty" in message
     assert "row 26:" not in message
     assert "... and 5 more" in message
+
+
+def test_read_prepared_says_how_to_provide_a_missing_table(tmp_path):
+    """A stage whose input table prepare did not write (user data without prefs) fails
+    with the path and the params key that would provide it."""
+    from rlhf.data import read_prepared
+
+    with pytest.raises(FileNotFoundError) as error:
+        read_prepared(tmp_path / "prefs.parquet", "rm")
+    message = str(error.value)
+    assert "rm needs" in message and "prefs.parquet" in message and "prepare.files.prefs" in message
