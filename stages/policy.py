@@ -69,18 +69,23 @@ DPO_LOSS_TYPES = (
 )  # fmt: skip
 
 
-class DPOParams(TrainingParams):
+class OfflineParams(TrainingParams):
+    """What every offline preference method shares: its optimisation budget and LoRA block."""
+
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
+    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+
+
+class DPOParams(OfflineParams):
     """Direct preference optimisation: -log sigmoid(beta * (log-ratio chosen - log-ratio rejected))."""
 
     loss_type: str | list[str] = Field("sigmoid", description="sigmoid | ipo | hinge | any TRL DPO loss type")
     beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO: assumed label noise")
     sft_weight: float = Field(0.0, ge=0, description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off")
-    max_steps: int = Field(100, gt=0, description="optimizer steps")
-    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
-    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
-    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
 
     @field_validator("loss_type")
     @classmethod
@@ -92,42 +97,28 @@ class DPOParams(TrainingParams):
         return value
 
 
-class SimPOParams(TrainingParams):
+class SimPOParams(OfflineParams):
     """SimPO (Meng et al. 2024): -log sigmoid(beta/|y| (log pi(y_w) - log pi(y_l)) - gamma), no reference."""
 
     beta: float = Field(2.0, gt=0, description="scale of the length-normalised log-likelihood margin")
     gamma: float = Field(0.5, ge=0, description="target reward margin (TRL's simpo_gamma)")
-    max_steps: int = Field(100, gt=0, description="optimizer steps")
-    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
-    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
-    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
 
 
-class ORPOParams(TrainingParams):
+class ORPOParams(OfflineParams):
     """ORPO (Hong et al. 2024): NLL(y_w) + lambda * -log sigmoid(log odds(y_w) - log odds(y_l)), no reference."""
 
     beta: float = Field(0.1, gt=0, description="lambda, weight of the odds-ratio term")
-    max_steps: int = Field(100, gt=0, description="optimizer steps")
-    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
-    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
-    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
 
 
-class KTOParams(TrainingParams):
+class KTOParams(OfflineParams):
     """KTO (Ethayarajh et al. 2024): prospect-theoretic loss on unpaired desirable/undesirable samples."""
 
     beta: float = Field(0.1, gt=0, description="KL strength")
     desirable_weight: float = Field(1.0, gt=0, description="loss weight of desirable samples")
     undesirable_weight: float = Field(1.0, gt=0, description="loss weight of undesirable samples")
-    max_steps: int = Field(100, gt=0, description="optimizer steps")
     per_device_train_batch_size: int = Field(
         32, gt=1, description="samples per step (KTO's KL estimate needs a real batch: at least 2)"
     )
-    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
-    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
 
 
 class Config(StageConfig):
@@ -150,7 +141,7 @@ class Config(StageConfig):
 
 
 def train_offline(
-    config: Config, params: TrainingParams, data: Path, trl_classes: tuple, trl_args: dict, out_dir: Path, stage: str
+    config: Config, params: OfflineParams, data: Path, trl_classes: tuple, trl_args: dict, out_dir: Path, stage: str
 ) -> tuple[dict, list[dict]]:
     """Train the SFT model with one of TRL's offline preference trainers, `trl_classes` =
     (its config class, its trainer class), on `data`; save the (merged) result into
