@@ -30,7 +30,9 @@ ENV = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), 
 
 
 def dvc(*args: str, cwd: Path) -> str:
-    result = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=ENV, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], check=False, cwd=cwd, env=ENV, capture_output=True, text=True
+    )
     if result.returncode != 0:
         raise SystemExit(f"dvc {' '.join(args)} failed in {cwd}:\n{result.stdout}\n{result.stderr}")
     return result.stdout
@@ -57,7 +59,13 @@ def stage_layout(root: Path) -> list[dict]:
             params = sorted({key for dep in stage.deps if hasattr(dep, "params") for key in dep.params})
             deps = [d.def_path for d in stage.deps if not hasattr(d, "params")]
             outs = [
-                {"path": o.def_path, "cache": o.use_cache, "persist": o.persist, "metric": o.is_metric, "plot": o.is_plot}
+                {
+                    "path": o.def_path,
+                    "cache": o.use_cache,
+                    "persist": o.persist,
+                    "metric": o.is_metric,
+                    "plot": o.is_plot,
+                }
                 for o in stage.outs
             ]
             layout.append({"name": stage.addressing.replace("@", "-"), "deps": deps, "params": params, "outs": outs})
@@ -99,9 +107,7 @@ def build_floor(root: Path, floor: Path) -> None:
                     target.mkdir(parents=True, exist_ok=True)
                     (target / "x").write_text("x")
         # Files inside this stage's output folders that other stages depend on must exist.
-        inner = sorted(
-            {d for s in layout for d in s["deps"] for o in stage["outs"] if d.startswith(o["path"] + "/")}
-        )
+        inner = sorted({d for s in layout for d in s["deps"] for o in stage["outs"] if d.startswith(o["path"] + "/")})
         entry: dict = {"cmd": writer_command(stage["outs"]) + "".join(f" {d}" for d in inner), "deps": stage["deps"]}
         if stage["params"]:
             entry["params"] = stage["params"]

@@ -14,42 +14,21 @@ Needs models/base and data/prepared (runs `dvc repro base prepare` first if miss
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+from scratch import ROOT, ensure_outputs, scratch_project, timed
 
 
-def timed(command: list[str], cwd: Path) -> float:
-    start = time.perf_counter()
-    result = subprocess.run(command, cwd=cwd, env=ENV, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if result.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return elapsed
+def override_steps(steps: int | None):
+    def update(params: dict) -> None:
+        if steps:
+            params["sft"]["max_steps"] = steps
 
-
-def scratch_project(tmp: Path, steps: int | None) -> Path:
-    work = tmp / "project"
-    for name in ("rlhf", "stages", "flows", "dvc.yaml", ".dvcignore"):
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, work / name)
-    for name in ("models/base", "data/prepared"):
-        shutil.copytree(ROOT / name, work / name)
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    if steps:
-        params["sft"]["max_steps"] = steps
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    return work
+    return update
 
 
 def main() -> None:
@@ -57,12 +36,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="override sft.max_steps (default: params.yaml)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    if not (ROOT / "models/base").exists() or not (ROOT / "data/prepared").exists():
-        subprocess.run([sys.executable, "-m", "dvc", "repro", "base", "prepare"], cwd=ROOT, env=ENV, check=True)
+    ensure_outputs("base", "prepare", needed=("models/base", "data/prepared"))
     with tempfile.TemporaryDirectory() as tmp:
-        work = scratch_project(Path(tmp), args.steps)
-        env_tracking = f"sqlite:///{work / 'mlflow.db'}"
-        ENV["MLFLOW_TRACKING_URI"] = env_tracking
+        work = scratch_project(Path(tmp), ("models/base", "data/prepared"), override_steps(args.steps))
         stage, bare = [], []
         for _ in range(args.repeats):
             shutil.rmtree(work / "models/sft", ignore_errors=True)

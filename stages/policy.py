@@ -31,16 +31,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import mlflow
 from datasets import Dataset
-from pydantic import Field, field_validator
-from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+from pydantic import Field, field_validator, model_validator
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RLOOConfig, RLOOTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.data import read_prepared
 from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
 from rlhf.params import StageConfig
+from rlhf.ref_logprobs import with_reference_cache
+from rlhf.rewards import DEFAULT_REWARDS, RewardSpec, build_rewards, model_paths
 from rlhf.tracking import numeric_metrics, stage_run
 from rlhf.training import (
     LoraParams,
@@ -59,9 +62,12 @@ from stages import load_config
 SFT_DIR = Path("models/sft")
 PREFS = Path("data/prepared/prefs.parquet")
 UNPAIRED = Path("data/prepared/unpaired.parquet")
+PROMPTS = Path("data/prepared/prompts.parquet")
 OUT_ROOT = Path("models/policy")
 METRICS_ROOT = Path("metrics/policy")
 PLOTS_ROOT = Path("plots/policy")
+
+OFFLINE_LOGGED = ("loss", "rewards/margins", "rewards/accuracies")
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -86,6 +92,7 @@ class DPOParams(OfflineParams):
     beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO: assumed label noise")
     sft_weight: float = Field(0.0, ge=0, description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off")
+    precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")
 
     @field_validator("loss_type")
     @classmethod
@@ -116,9 +123,68 @@ class KTOParams(OfflineParams):
     beta: float = Field(0.1, gt=0, description="KL strength")
     desirable_weight: float = Field(1.0, gt=0, description="loss weight of desirable samples")
     undesirable_weight: float = Field(1.0, gt=0, description="loss weight of undesirable samples")
+    precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")
     per_device_train_batch_size: int = Field(
         32, gt=1, description="samples per step (KTO's KL estimate needs a real batch: at least 2)"
     )
+
+
+class OnlineParams(TrainingParams):
+    """What the online methods share: sampling, the rewards, the KL strength, LoRA."""
+
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(64, gt=0, description="completions per step (prompts x num_generations)")
+    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
+    num_generations: int = Field(8, ge=2, description="completions sampled per prompt (the group)")
+    max_completion_length: int = Field(48, gt=0, description="new tokens per completion")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the SFT reference (0 = no reference model)")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="PPO-style clipping of the importance ratio")
+    num_iterations: int = Field(1, gt=0, description="optimisation passes per generated batch (mu)")
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: list(DEFAULT_REWARDS), min_length=1, description="weighted rewards (rlhf.rewards)"
+    )
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+
+    @model_validator(mode="after")
+    def _groups_fit(self):
+        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if batch % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size x gradient_accumulation_steps ({batch}) must be a multiple of "
+                f"num_generations ({self.num_generations}): each step holds whole groups"
+            )
+        return self
+
+    def trl_args(self, reward_weights: list[float]) -> dict:
+        return {
+            "num_generations": self.num_generations,
+            "max_completion_length": self.max_completion_length,
+            "temperature": self.temperature,
+            "beta": self.beta,
+            "epsilon": self.epsilon,
+            "num_iterations": self.num_iterations,
+            "reward_weights": reward_weights,
+            "top_p": 1.0,
+            "top_k": 0,
+            "disable_dropout": True,
+            "log_completions": False,
+        }
+
+
+class GRPOParams(OnlineParams):
+    """GRPO (Shao et al. 2024): advantages are rewards normalised within each prompt's group."""
+
+    loss_type: str = Field("dapo", description="grpo | dr_grpo | dapo | bnpo | cispo | sapo | ... (TRL's loss types)")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
+
+
+class RLOOParams(OnlineParams):
+    """RLOO (Ahmadian et al. 2024): each completion's baseline is the mean reward of the
+    other completions of its prompt."""
+
+    beta: float = Field(0.05, ge=0, description="KL coefficient to the SFT reference, in the reward (TRL's default)")
+    normalize_advantages: bool = Field(False, description="normalise advantages per generated batch")
 
 
 class Config(StageConfig):
@@ -128,6 +194,8 @@ class Config(StageConfig):
     simpo: SimPOParams = Field(default_factory=SimPOParams, description="params of method simpo")
     orpo: ORPOParams = Field(default_factory=ORPOParams, description="params of method orpo")
     kto: KTOParams = Field(default_factory=KTOParams, description="params of method kto")
+    grpo: GRPOParams = Field(default_factory=GRPOParams, description="params of method grpo")
+    rloo: RLOOParams = Field(default_factory=RLOOParams, description="params of method rloo")
 
     @field_validator("methods")
     @classmethod
@@ -140,37 +208,48 @@ class Config(StageConfig):
         return value
 
 
-def train_offline(
-    config: Config, params: OfflineParams, data: Path, trl_classes: tuple, trl_args: dict, out_dir: Path, stage: str
+def train_trl(
+    config: Config,
+    params: TrainingParams,
+    data: Path,
+    trl_classes: tuple,
+    trl_args: dict,
+    out_dir: Path,
+    stage: str,
+    logged: tuple[str, ...] = OFFLINE_LOGGED,
+    inputs: tuple[Path, ...] = (),
+    **trainer_kwargs,
 ) -> tuple[dict, list[dict]]:
-    """Train the SFT model with one of TRL's offline preference trainers, `trl_classes` =
-    (its config class, its trainer class), on `data`; save the (merged) result into
-    `out_dir`. Returns metrics and the curve of loss and reward margin."""
+    """Train the SFT model with one of TRL's trainers, `trl_classes` = (its config class,
+    its trainer class), on `data`; save the (merged) result into `out_dir`. Returns metrics
+    (the last logged value of each of `logged`) and the curve of those values. `inputs` are
+    further files the result depends on (reward models), for the checkpoint fingerprint."""
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
     dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
-    key = fingerprint(params, [SFT_DIR, data])
+    key = fingerprint(params, [SFT_DIR, data, *inputs])
     config_cls, trainer_cls = trl_classes
-    args = trl_config(config_cls, params, checkpoint_dir(stage, key), max_length=params.max_length, **trl_args)
+    args = trl_config(config_cls, params, checkpoint_dir(stage, key), **trl_args)
     trainer = trainer_cls(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=params.lora.peft_config(),
+        **trainer_kwargs,
     )
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
     save_model(merged_model(trainer.model), tokenizer, out_dir)
     metrics = {
         "train_loss": last_logged(history, "loss"),
-        "reward_accuracy": last_logged(history, "rewards/accuracies"),
-        "reward_margin": last_logged(history, "rewards/margins"),
+        **{name.replace("/", "_"): last_logged(history, name) for name in logged if name != "loss"},
         "steps": trainer.state.global_step,
         "resumed": bool(resumed),
     }
-    curve = log_history_rows(history, ("loss", "rewards/margins", "rewards/accuracies"))
-    return metrics, curve
+    if hasattr(trainer, "ref_cache_hit"):
+        metrics["ref_logps_cache_hit"] = trainer.ref_cache_hit
+    return metrics, log_history_rows(history, logged)
 
 
 def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -180,8 +259,11 @@ def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> t
         "loss_weights": [1.0] * len(loss_types) + ([params.sft_weight] if params.sft_weight else []),
         "beta": params.beta,
         "label_smoothing": params.label_smoothing,
+        "max_length": params.max_length,
+        "precompute_ref_log_probs": params.precompute_ref_log_probs,
     }
-    return train_offline(config, params, PREFS, (DPOConfig, DPOTrainer), trl_args, out_dir, stage)
+    trainer = with_reference_cache(DPOTrainer) if params.precompute_ref_log_probs else DPOTrainer
+    return train_trl(config, params, PREFS, (DPOConfig, trainer), trl_args, out_dir, stage)
 
 
 def train_simpo(config: Config, params: SimPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -189,13 +271,15 @@ def train_simpo(config: Config, params: SimPOParams, out_dir: Path, stage: str) 
 
     # SimPO is CPO's loss with the behaviour-cloning term switched off (cpo_alpha=0).
     trl_args = {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": params.beta, "simpo_gamma": params.gamma}
-    return train_offline(config, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
+    trl_args["max_length"] = params.max_length
+    return train_trl(config, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
 
 
 def train_orpo(config: Config, params: ORPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    return train_offline(config, params, PREFS, (ORPOConfig, ORPOTrainer), {"beta": params.beta}, out_dir, stage)
+    trl_args = {"beta": params.beta, "max_length": params.max_length}
+    return train_trl(config, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage)
 
 
 def train_kto(config: Config, params: KTOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -203,11 +287,53 @@ def train_kto(config: Config, params: KTOParams, out_dir: Path, stage: str) -> t
         "beta": params.beta,
         "desirable_weight": params.desirable_weight,
         "undesirable_weight": params.undesirable_weight,
+        "max_length": params.max_length,
+        "precompute_ref_log_probs": params.precompute_ref_log_probs,
     }
-    return train_offline(config, params, UNPAIRED, (KTOConfig, KTOTrainer), trl_args, out_dir, stage)
+    trainer = with_reference_cache(KTOTrainer) if params.precompute_ref_log_probs else KTOTrainer
+    return train_trl(config, params, UNPAIRED, (KTOConfig, trainer), trl_args, out_dir, stage)
 
 
-METHODS: dict[str, Callable] = {"dpo": train_dpo, "simpo": train_simpo, "orpo": train_orpo, "kto": train_kto}
+def train_online(
+    config: Config, params: OnlineParams, trl_classes: tuple, trl_args: dict, out_dir: Path, stage: str
+) -> tuple[dict, list[dict]]:
+    """GRPO and RLOO: TRL samples `num_generations` completions per prompt of
+    data/prepared/prompts.parquet and scores them with the configured rewards; the
+    prompt table's other columns (e.g. `answer`) reach the reward functions."""
+    functions, weights = build_rewards(params.rewards, config.trust_remote_code)
+    logged = ("loss", "reward", "reward_std", "kl", "completions/mean_length")
+    return train_trl(
+        config,
+        params,
+        PROMPTS,
+        trl_classes,
+        {**params.trl_args(weights), **trl_args},
+        out_dir,
+        stage,
+        logged=logged + tuple(f"rewards/{f.__name__}/mean" for f in functions),
+        inputs=tuple(model_paths(params.rewards)),
+        reward_funcs=functions,
+    )
+
+
+def train_grpo(config: Config, params: GRPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    trl_args = {"loss_type": params.loss_type, "scale_rewards": params.scale_rewards}
+    return train_online(config, params, (GRPOConfig, GRPOTrainer), trl_args, out_dir, stage)
+
+
+def train_rloo(config: Config, params: RLOOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    trl_args = {"normalize_advantages": params.normalize_advantages}
+    return train_online(config, params, (RLOOConfig, RLOOTrainer), trl_args, out_dir, stage)
+
+
+METHODS: dict[str, Callable] = {
+    "dpo": train_dpo,
+    "simpo": train_simpo,
+    "orpo": train_orpo,
+    "kto": train_kto,
+    "grpo": train_grpo,
+    "rloo": train_rloo,
+}
 
 
 def run(config: Config, method: str, out_dir: Path) -> tuple[dict, list[dict]]:

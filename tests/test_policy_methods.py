@@ -1,4 +1,4 @@
-"""Every offline policy method for 2 steps on the micro model, full fine-tuning and LoRA:
+"""Every TRL-backed policy method for 2 steps on the micro model, full fine-tuning and LoRA:
 the saved candidate is a plain model (adapters merged) whose weights differ from SFT's, and
 the loss is finite."""
 
@@ -17,6 +17,7 @@ from tests.test_stages import changed, weights
 def sft_project(tmp_path_factory):
     import stages.base
     import stages.prepare
+    import stages.reward_model
     import stages.sft
 
     root = make_project(tmp_path_factory.mktemp("methods") / "project")
@@ -28,11 +29,12 @@ def sft_project(tmp_path_factory):
         stages.prepare.main()
         stages.base.main()
         stages.sft.main()
+        stages.reward_model.main()
     return root
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("method", ["dpo", "simpo", "orpo", "kto"])
+@pytest.mark.parametrize("method", ["dpo", "simpo", "orpo", "kto", "grpo", "rloo"])
 def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method, lora):
     import stages.policy
     from stages import load_config
@@ -41,10 +43,15 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{sft_project / 'mlflow.db'}")
     config = load_config("policy")
     updates = {"max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1, "learning_rate": 1e-3}
+    if method in ("grpo", "rloo"):
+        # Two prompts of two completions per step, scored by the (micro) RM ensemble: a
+        # reward that varies continuously, so that the advantages are not all zero.
+        updates |= {"num_generations": 2, "max_completion_length": 8, "rewards": [{"name": "reward_model"}]}
     if lora:
         # LoRA's B starts at zero: a larger step makes the merged change visible at 2 steps.
-        updates["lora"] = getattr(config, method).lora.model_copy(update={"enabled": True, "r": 4})
-    params = getattr(config, method).model_copy(update=updates)
+        updates["lora"] = {"enabled": True, "r": 4}
+    params = getattr(config, method)
+    params = type(params).model_validate({**params.model_dump(), **updates})
     config = config.model_copy(update={"methods": [method], method: params})
 
     out = sft_project / f"models/policy/{method}-{'lora' if lora else 'full'}"
@@ -54,3 +61,43 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
     assert not any(p.name.startswith("adapter") for p in out.iterdir()), "adapters are merged on save"
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert changed(weights(sft_project / "models/sft"), weights(out))
+
+
+def test_reference_logps_are_computed_once_per_reference_and_data(sft_project, monkeypatch, tmp_path):
+    """A beta sweep computes DPO's reference log-probs once: the second run (another beta)
+    loads them; changing the tokenisation (max_length) is a new entry; and recomputing an
+    entry after deleting it gives the same numbers (the key is stable, the values exact)."""
+    import pyarrow.parquet as pq
+
+    import stages.policy
+    from rlhf.ref_logprobs import CACHE_DIR_ENV
+    from stages import load_config
+
+    monkeypatch.chdir(sft_project)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{sft_project / 'mlflow.db'}")
+    cache = tmp_path / "ref-cache"
+    monkeypatch.setenv(CACHE_DIR_ENV, str(cache))
+    config = load_config("policy")
+
+    def run_dpo(**updates):
+        params = config.dpo.model_copy(update={"max_steps": 1, "per_device_train_batch_size": 4, **updates})
+        out = tmp_path / "dpo"
+        metrics, _ = stages.policy.run(config.model_copy(update={"methods": ["dpo"], "dpo": params}), "dpo", out)
+        return metrics
+
+    assert run_dpo(beta=0.1)["ref_logps_cache_hit"] is False
+    entries = sorted(cache.glob("*.parquet"))
+    assert len(entries) == 1
+    first = pq.read_table(entries[0])
+    assert first.column_names == ["ref_chosen_logps", "ref_rejected_logps"]
+    assert first.num_rows == 64  # every preference pair of the tiny project
+
+    assert run_dpo(beta=0.5)["ref_logps_cache_hit"] is True
+    assert sorted(cache.glob("*.parquet")) == entries
+
+    assert run_dpo(beta=0.5, max_length=48)["ref_logps_cache_hit"] is False
+    assert len(list(cache.glob("*.parquet"))) == 2
+
+    entries[0].unlink()
+    assert run_dpo(beta=0.3)["ref_logps_cache_hit"] is False
+    assert pq.read_table(entries[0]).equals(first)

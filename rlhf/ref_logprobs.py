@@ -1,0 +1,79 @@
+"""A persistent, content-keyed cache of reference log-probs for DPO and KTO.
+
+With `precompute_ref_log_probs=True`, TRL's `DPOTrainer` and `KTOTrainer` run the frozen
+reference model once over the training data before training (`_precompute_ref_logps`)
+instead of once per step. TRL keeps the result only in the datasets cache of the current
+dataset object, so every new run, and every point of a sweep over beta or the learning
+rate, computes it again. `with_reference_cache(DPOTrainer)` returns a subclass that keys
+the result by content and keeps it on disk:
+
+    key = sha256(reference weights, tokenised data, trainer, split, tokenisation settings)
+
+so a run whose reference model and data are unchanged loads the columns
+(`ref_chosen_logps`/`ref_rejected_logps`, KTO: `ref_logps`/`ref_KL_logps`) instead of
+computing them. Hyperparameters that do not change the reference log-probs (beta, loss
+type, learning rate, steps) are not part of the key: that is the point of the cache.
+Entries are written atomically; deleting the folder only costs recomputation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from datasets import Dataset, concatenate_datasets
+
+from rlhf.artifacts import atomic_file
+
+CACHE_DIR_ENV = "RLHF_REF_LOGPS_CACHE"
+DEFAULT_CACHE_DIR = Path("cache/ref_logps")
+# Training arguments that change how a row is tokenised or truncated, hence its log-prob.
+_TOKENISATION_ARGS = ("max_length", "max_prompt_length", "max_completion_length", "truncation_mode", "padding_free")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+
+
+def table_digest(table: pa.Table) -> str:
+    """sha256 of an Arrow table's content (its IPC serialisation)."""
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return hashlib.sha256(sink.getvalue()).hexdigest()
+
+
+def cache_key(model_hash: str, dataset: Dataset, trainer: str, split: str, args) -> str:
+    settings = {name: getattr(args, name, None) for name in _TOKENISATION_ARGS}
+    parts = [str(model_hash), table_digest(dataset.data.table), trainer, split, json.dumps(settings, sort_keys=True)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+class ReferenceCacheMixin:
+    """Put in front of a TRL trainer that precomputes reference log-probs."""
+
+    def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
+        key = cache_key(self._precompute_model_hash, dataset, type(self).__name__, name, self.args)
+        path = cache_dir() / f"{key}.parquet"
+        if path.is_file():
+            print(f"reference log-probs for the {name} data: reusing {path}")
+            self.ref_cache_hit = True
+            cached = Dataset(pq.read_table(path))
+            return concatenate_datasets([dataset, cached], axis=1)
+        result = super()._precompute_ref_logps(dataset, name, batch_size)
+        added = [column for column in result.column_names if column not in dataset.column_names]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:
+            pq.write_table(result.select_columns(added).data.table, tmp)
+        self.ref_cache_hit = False
+        return result
+
+
+def with_reference_cache(trainer_cls: type) -> type:
+    """`trainer_cls` (DPOTrainer, KTOTrainer) with its precomputed reference log-probs cached."""
+    return type(f"Cached{trainer_cls.__name__}", (ReferenceCacheMixin, trainer_cls), {})

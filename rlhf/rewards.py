@@ -1,0 +1,252 @@
+"""Rewards for online policy optimisation (GRPO, RLOO, PPO), declared in params as a
+weighted list, as in RLVR setups::
+
+    rewards:
+      - {name: answer_match, weight: 1.0}
+      - {name: format, weight: 0.2}
+      - {name: reward_model, weight: 0.5, uncertainty_penalty: 1.0}
+      - {name: banned, weight: 1.0, words: ["as an AI"]}
+
+Every reward is a plain function of (prompts, completions, row fields) -> one float per
+completion, with TRL's reward-function signature, so the same functions serve TRL's
+`GRPOTrainer`/`RLOOTrainer` (a list plus `reward_weights`) and our PPO (their weighted
+sum, `weighted_sum`). Row fields are the prompt table's other columns (e.g. `answer`),
+repeated for each completion.
+
+Kinds:
+
+* answer_match — 1 when the completion's final answer equals the row's `answer` (exact).
+* numeric_tolerance — 1 when |predicted - answer| <= atol + rtol * |answer|.
+* format — 1 when the completion matches `pattern` (default: the built-in step format).
+* reward_model — the RM ensemble's mean score minus `uncertainty_penalty` * its std.
+* prm — the process reward model's step scores aggregated to one (min, prod or last).
+* length / repetition / banned — constitutional rule checks: 1 when the completion is at
+  most `max_chars` long; 1 minus the share of repeated n-grams; 0 when a banned string
+  appears, else 1.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from rlhf.params import StageConfig
+from rlhf.task import extract_answer, is_correct, is_well_formatted
+
+RewardFn = Callable[..., list[float]]
+
+
+def completion_text(completion) -> str:
+    """The text of a completion: a string, or the content of conversational messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message["content"] for message in completion)
+
+
+def _answers(answer, count: int) -> list:
+    if answer is None:
+        raise ValueError("this reward needs an `answer` column in the prompt data (prompt, answer)")
+    return list(answer) if not isinstance(answer, str) else [answer] * count
+
+
+# ----------------------------------------------------------------------------- functions
+
+
+def answer_match(prompts: Sequence, completions: Sequence, answer=None, **_) -> list[float]:
+    answers = _answers(answer, len(completions))
+    return [float(is_correct(completion_text(c), a)) for c, a in zip(completions, answers)]
+
+
+def numeric_tolerance(
+    prompts: Sequence, completions: Sequence, answer=None, atol: float = 0.0, rtol: float = 0.0, **_
+) -> list[float]:
+    rewards = []
+    for completion, reference in zip(completions, _answers(answer, len(completions))):
+        predicted = extract_answer(completion_text(completion))
+        try:
+            target = float(reference)
+        except (TypeError, ValueError):
+            rewards.append(0.0)
+            continue
+        ok = predicted is not None and abs(predicted - target) <= atol + rtol * abs(target)
+        rewards.append(float(ok))
+    return rewards
+
+
+def format_match(prompts: Sequence, completions: Sequence, pattern: str | None = None, **_) -> list[float]:
+    if pattern is None:
+        return [float(is_well_formatted(completion_text(c))) for c in completions]
+    regex = re.compile(pattern, re.DOTALL)
+    return [float(bool(regex.fullmatch(completion_text(c).strip()))) for c in completions]
+
+
+def length_rule(prompts: Sequence, completions: Sequence, max_chars: int = 200, **_) -> list[float]:
+    return [float(len(completion_text(c)) <= max_chars) for c in completions]
+
+
+def repetition_rule(prompts: Sequence, completions: Sequence, ngram: int = 3, **_) -> list[float]:
+    """1 - (repeated n-grams / all n-grams) over whitespace words, or characters when a
+    completion has fewer than `ngram` words (the built-in task has few spaces)."""
+    rewards = []
+    for completion in completions:
+        text = completion_text(completion)
+        units = text.split()
+        if len(units) < ngram:
+            units = list(text)
+        grams = [tuple(units[i : i + ngram]) for i in range(len(units) - ngram + 1)]
+        rewards.append(1.0 - (len(grams) - len(set(grams))) / len(grams) if grams else 1.0)
+    return rewards
+
+
+def banned_rule(prompts: Sequence, completions: Sequence, words: Sequence[str] = (), **_) -> list[float]:
+    lowered = [w.lower() for w in words]
+    return [0.0 if any(w in completion_text(c).lower() for w in lowered) else 1.0 for c in completions]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+class _Reward(StageConfig):
+    weight: float = Field(1.0, description="weight of this reward in the sum")
+    function: ClassVar[RewardFn]
+
+    def build(self, trust_remote_code: bool = False) -> RewardFn:
+        """The reward function with this entry's options bound."""
+        options = self.model_dump(exclude={"name", "weight"})
+        return partial(type(self).function, **options)
+
+
+class AnswerMatch(_Reward):
+    name: Literal["answer_match"]
+    function = staticmethod(answer_match)
+
+
+class NumericTolerance(_Reward):
+    name: Literal["numeric_tolerance"]
+    atol: float = Field(0.0, ge=0, description="absolute tolerance")
+    rtol: float = Field(0.0, ge=0, description="tolerance relative to |answer|")
+    function = staticmethod(numeric_tolerance)
+
+
+class FormatReward(_Reward):
+    name: Literal["format"]
+    pattern: str | None = Field(None, description="regex the whole completion must match; None = built-in format")
+    function = staticmethod(format_match)
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value):
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as error:
+                raise ValueError(f"not a valid regular expression: {error}") from error
+        return value
+
+
+class RewardModelReward(_Reward):
+    name: Literal["reward_model"]
+    path: str = Field("models/rm", description="the RM ensemble directory (stage rm)")
+    uncertainty_penalty: float = Field(0.0, ge=0, description="k in mean - k * std over the members")
+
+    def build(self, trust_remote_code: bool = False) -> RewardFn:
+        from rlhf.reward_ensemble import RewardEnsemble
+
+        ensemble = RewardEnsemble.load(Path(self.path), trust_remote_code)
+
+        def reward_model(prompts, completions, **_):
+            scores = ensemble.score(prompts, completions)
+            return (scores.mean - self.uncertainty_penalty * scores.std).tolist()
+
+        return reward_model
+
+
+class PRMReward(_Reward):
+    name: Literal["prm"]
+    path: str = Field("models/prm", description="the process reward model directory (stage prm)")
+    aggregate: Literal["min", "prod", "last"] = Field("min", description="step scores -> one score")
+
+    def build(self, trust_remote_code: bool = False) -> RewardFn:
+        from rlhf.prm import ProcessRewardModel
+
+        prm = ProcessRewardModel.load(Path(self.path), trust_remote_code)
+
+        def prm_reward(prompts, completions, **_):
+            return prm.score_completions(list(prompts), [completion_text(c) for c in completions], self.aggregate)
+
+        return prm_reward
+
+
+class LengthRule(_Reward):
+    name: Literal["length"]
+    max_chars: int = Field(200, gt=0, description="longest completion that passes")
+    function = staticmethod(length_rule)
+
+
+class RepetitionRule(_Reward):
+    name: Literal["repetition"]
+    ngram: int = Field(3, gt=0, description="n-gram size whose repeats are penalised")
+    function = staticmethod(repetition_rule)
+
+
+class BannedRule(_Reward):
+    name: Literal["banned"]
+    words: list[str] = Field(..., min_length=1, description="strings that must not appear (case-insensitive)")
+    function = staticmethod(banned_rule)
+
+
+RewardSpec = Annotated[
+    AnswerMatch
+    | NumericTolerance
+    | FormatReward
+    | RewardModelReward
+    | PRMReward
+    | LengthRule
+    | RepetitionRule
+    | BannedRule,
+    Field(discriminator="name"),
+]
+
+DEFAULT_REWARDS = [{"name": "answer_match", "weight": 1.0}, {"name": "format", "weight": 0.1}]
+
+
+class _Named:
+    """A reward function with a `__name__`: TRL logs each reward under its function's name."""
+
+    def __init__(self, name: str, function: RewardFn):
+        self.__name__ = name
+        self.function = function
+
+    def __call__(self, prompts, completions, **fields) -> list[float]:
+        return [float(r) for r in self.function(prompts, completions, **fields)]
+
+
+def build_rewards(specs: Sequence, trust_remote_code: bool = False) -> tuple[list[RewardFn], list[float]]:
+    """The reward functions and their weights, in the order declared. Model-based rewards
+    load their models here, once."""
+    functions = [_Named(f"{i}_{spec.name}", spec.build(trust_remote_code)) for i, spec in enumerate(specs)]
+    return functions, [spec.weight for spec in specs]
+
+
+def model_paths(specs: Sequence) -> list[Path]:
+    """The model directories the rewards read (for fingerprints and checks)."""
+    return [Path(spec.path) for spec in specs if isinstance(spec, (RewardModelReward, PRMReward))]
+
+
+def weighted_sum(functions: Sequence[RewardFn], weights: Sequence[float]) -> RewardFn:
+    """One reward: sum_i w_i * r_i(prompts, completions, **fields)."""
+
+    def total(prompts, completions, **fields) -> list[float]:
+        sums = [0.0] * len(completions)
+        for function, weight in zip(functions, weights):
+            for i, value in enumerate(function(prompts, completions, **fields)):
+                sums[i] += weight * value
+        return sums
+
+    total.__name__ = "weighted_sum"
+    return total
