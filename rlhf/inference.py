@@ -1,0 +1,369 @@
+"""Inference-time compute: spending more generation on a prompt to get a better answer.
+
+Strategies, each a function from prompts to `Answer`s (the chosen completion, the tokens
+generated for it and how many completions were sampled):
+
+* `greedy` — the baseline every other strategy is measured against.
+* `best_of_n` — sample N, return the one a scorer (RM ensemble, PRM, any reward of
+  rlhf.rewards that needs no reference answer) rates highest.
+* `self_consistency` — majority vote over sampled answers (Wang et al. 2023), sampled in
+  rounds with a per-prompt early stop: a prompt stops once its leading answer cannot be
+  overtaken by the samples left, or holds `stop_share` of the votes. Prompts the model is
+  sure of stop after one round; unsure ones get up to `max_samples` (adaptive compute).
+* `mcts` — step-level tree search (PUCT selection, expansion by sampling next steps from
+  the policy, evaluation of each new step by the PRM, backup), returning the best path.
+* `speculative` — a small draft model proposes tokens that the target verifies, through
+  transformers' assisted generation; greedy output is the target's own greedy output.
+* `ensemble_logits` / `ensemble_vote` — several candidates with one tokenizer decoding
+  together by averaging their next-token log-probs, or voting on their greedy answers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhf.generation import format_prompt, generate
+from rlhf.task import ANSWER_PREFIX, STEP_SEPARATOR, extract_answer
+
+Scorer = Callable[[Sequence, Sequence[str]], Sequence[float]]  # (prompts, completions) -> scores
+
+
+@dataclass
+class Answer:
+    completion: str
+    tokens: int  # tokens generated for this prompt, over every sample it took
+    samples: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+def answer_key(completion: str) -> str | None:
+    """What votes compare: the built-in task's integer answer, else the text after
+    ``answer`` or the last non-empty line, normalised."""
+    value = extract_answer(completion)
+    if value is not None:
+        return str(value)
+    match = re.search(r"answer[:\s]+(.+?)\s*$", completion, re.IGNORECASE | re.MULTILINE)
+    lines = [line for line in completion.strip().splitlines() if line.strip()]
+    text = match.group(1) if match else (lines[-1] if lines else "")
+    return text.strip().lower() or None
+
+
+def count_tokens(tokenizer, completions: Sequence[str]) -> list[int]:
+    """Tokens of each completion plus its end-of-sequence token."""
+    return [len(tokenizer(c, add_special_tokens=False)["input_ids"]) + 1 for c in completions]
+
+
+def greedy(model, tokenizer, prompts: Sequence, max_new_tokens: int = 64, batch_size: int = 64) -> list[Answer]:
+    completions = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
+    return [Answer(c, t) for c, t in zip(completions, count_tokens(tokenizer, completions))]
+
+
+def sample(model, tokenizer, prompts: Sequence, n: int, max_new_tokens: int, temperature: float, batch_size: int, seed):
+    """`n` sampled completions per prompt, as one list per prompt."""
+    flat = generate(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // n), True, temperature, n, seed=seed)
+    return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def best_of_n(
+    model,
+    tokenizer,
+    prompts: Sequence,
+    scorer: Scorer,
+    n: int = 8,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> list[Answer]:
+    groups = sample(model, tokenizer, prompts, n, max_new_tokens, temperature, batch_size, seed)
+    flat_prompts = [p for p in prompts for _ in range(n)]
+    scores = list(scorer(flat_prompts, [c for group in groups for c in group]))
+    answers = []
+    for i, group in enumerate(groups):
+        group_scores = scores[i * n : (i + 1) * n]
+        best = max(range(n), key=lambda j: group_scores[j])
+        answers.append(Answer(group[best], sum(count_tokens(tokenizer, group)), n, {"score": group_scores[best]}))
+    return answers
+
+
+def vote_is_decided(counts: Counter, remaining: int, stop_share: float, taken: int) -> bool:
+    """Stop when the leader cannot be overtaken by `remaining` more votes, or already holds
+    `stop_share` of the `taken` votes."""
+    if not counts:
+        return remaining == 0
+    ranked = counts.most_common(2)
+    leader = ranked[0][1]
+    runner_up = ranked[1][1] if len(ranked) > 1 else 0
+    return leader > runner_up + remaining or leader / taken >= stop_share
+
+
+def self_consistency(
+    model,
+    tokenizer,
+    prompts: Sequence,
+    max_samples: int = 16,
+    round_size: int = 4,
+    stop_share: float = 1.0,
+    early_stop: bool = True,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> list[Answer]:
+    """Majority vote over up to `max_samples` sampled answers per prompt, `round_size` at a
+    time. With `early_stop`, a prompt stops sampling once its vote is decided
+    (`vote_is_decided`); without it, every prompt takes `max_samples`. The returned
+    completion is the first sample carrying the winning answer."""
+    votes = [Counter() for _ in prompts]
+    kept: list[dict[str, str]] = [{} for _ in prompts]
+    tokens = [0] * len(prompts)
+    taken = [0] * len(prompts)
+    active = list(range(len(prompts)))
+    round_index = 0
+    while active:
+        n = min(round_size, max_samples - taken[active[0]])
+        groups = sample(
+            model, tokenizer, [prompts[i] for i in active], n, max_new_tokens, temperature, batch_size,
+            seed + round_index,
+        )  # fmt: skip
+        for i, group in zip(active, groups):
+            taken[i] += n
+            tokens[i] += sum(count_tokens(tokenizer, group))
+            for completion in group:
+                key = answer_key(completion)
+                if key is not None:
+                    votes[i][key] += 1
+                    kept[i].setdefault(key, completion)
+        active = [
+            i
+            for i in active
+            if taken[i] < max_samples
+            and not (early_stop and vote_is_decided(votes[i], max_samples - taken[i], stop_share, taken[i]))
+        ]
+        round_index += 1
+    answers = []
+    for i in range(len(prompts)):
+        if votes[i]:
+            key, count = votes[i].most_common(1)[0]
+            answers.append(Answer(kept[i][key], tokens[i], taken[i], {"votes": count, "answer": key}))
+        else:
+            answers.append(Answer("", tokens[i], taken[i], {"votes": 0}))
+    return answers
+
+
+# ----------------------------------------------------------------------------- MCTS
+
+
+@dataclass
+class Node:
+    steps: tuple[str, ...]
+    prior: float = 1.0
+    value: float = 0.0  # the PRM's P(good) of this node's last step
+    visits: int = 0
+    total: float = 0.0
+    terminal: bool = False
+    children: list[Node] = field(default_factory=list)
+
+    @property
+    def q(self) -> float:
+        return self.total / self.visits if self.visits else 0.0
+
+
+def puct(parent: Node, child: Node, c_puct: float) -> float:
+    """AlphaZero's PUCT: Q(s,a) + c * P(s,a) * sqrt(N(s)) / (1 + N(s,a))."""
+    return child.q + c_puct * child.prior * math.sqrt(parent.visits) / (1 + child.visits)
+
+
+def next_steps(
+    model, tokenizer, prompt, steps: tuple[str, ...], k: int, temperature: float, max_step_tokens: int, seed
+):
+    """Sample `k` continuations of a partial solution and cut each at the step separator.
+    Returns (step, is_terminal) pairs, with duplicates merged into counts."""
+    prefix = format_prompt(tokenizer, prompt) + "".join(s + STEP_SEPARATOR for s in steps)
+    texts = generate(model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed)
+    counted: Counter = Counter()
+    for text in texts:
+        step = text.split(STEP_SEPARATOR)[0].strip()
+        if step:
+            counted[step] += 1
+    return counted
+
+
+def mcts(
+    model,
+    tokenizer,
+    prompt,
+    step_scorer,
+    simulations: int = 16,
+    expand: int = 4,
+    c_puct: float = 1.0,
+    temperature: float = 1.0,
+    max_depth: int = 8,
+    max_step_tokens: int = 16,
+    seed: int = 0,
+) -> Answer:
+    """Step-level MCTS for one prompt. `step_scorer(prompts, steps_lists)` returns P(good)
+    per step (rlhf.prm.ProcessRewardModel.score_steps); a node's value is the score of its
+    last step, which under Math-Shepherd labels estimates P(the chain so far leads to the
+    right answer). The answer is the highest-valued terminal path (ties: most visited);
+    without one, the most visited path, completed greedily."""
+    root = Node(steps=(), visits=1)
+    tokens = 0
+    for simulation in range(simulations):
+        path, node = [root], root
+        while node.children and not node.terminal:
+            node = max(node.children, key=lambda child, parent=node: puct(parent, child, c_puct))
+            path.append(node)
+        if not node.terminal and len(node.steps) < max_depth:
+            counted = next_steps(
+                model, tokenizer, prompt, node.steps, expand, temperature, max_step_tokens, seed + simulation
+            )
+            tokens += sum(count_tokens(tokenizer, list(counted.elements())))
+            candidates = [node.steps + (step,) for step in counted]
+            if candidates:
+                scores = step_scorer([prompt] * len(candidates), [list(c) for c in candidates])
+                for steps, step_scores in zip(candidates, scores):
+                    child = Node(
+                        steps=steps,
+                        prior=counted[steps[-1]] / expand,
+                        value=float(step_scores[-1]),
+                        terminal=steps[-1].startswith(ANSWER_PREFIX.strip()),
+                    )
+                    child.visits, child.total = 1, child.value
+                    node.children.append(child)
+                value = max(child.value for child in node.children)
+            else:
+                node.terminal, value = True, 0.0
+        else:
+            value = node.value
+        for visited in path:
+            visited.visits += 1
+            visited.total += value
+    best = _best_terminal(root)
+    if best is None:
+        node = root
+        while node.children:
+            node = max(node.children, key=lambda child: child.visits)
+        rest = generate(
+            model, tokenizer, [format_prompt(tokenizer, prompt) + "".join(s + STEP_SEPARATOR for s in node.steps)], 64
+        )[0]
+        tokens += count_tokens(tokenizer, [rest])[0]
+        completion = STEP_SEPARATOR.join([*node.steps, rest]) if node.steps else rest
+        return Answer(completion, tokens, simulations, {"terminal": False})
+    return Answer(STEP_SEPARATOR.join(best.steps), tokens, simulations, {"terminal": True, "value": best.value})
+
+
+def _best_terminal(root: Node) -> Node | None:
+    best, stack = None, [root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.terminal and node.steps and (best is None or (node.value, node.visits) > (best.value, best.visits)):
+            best = node
+    return best
+
+
+# ----------------------------------------------------------------------------- speculative
+
+
+@torch.inference_mode()
+def speculative(
+    target, draft, tokenizer, prompts: Sequence, max_new_tokens: int = 64, num_assistant_tokens: int | None = None
+) -> list[Answer]:
+    """Greedy decoding of `target` with `draft` proposing tokens (transformers' assisted
+    generation, one prompt at a time as it requires). The output equals the target's greedy
+    output; only the number of target forward passes changes."""
+    if num_assistant_tokens is not None:
+        draft.generation_config.num_assistant_tokens = num_assistant_tokens
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+    target.eval()
+    draft.eval()
+    answers = []
+    for prompt in prompts:
+        batch = tokenizer([format_prompt(tokenizer, prompt)], return_tensors="pt", add_special_tokens=False).to(
+            target.device
+        )
+        output = target.generate(
+            **batch,
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        new = output[0, batch["input_ids"].shape[1] :]
+        answers.append(Answer(tokenizer.decode(new, skip_special_tokens=True), len(new)))
+    return answers
+
+
+# ----------------------------------------------------------------------------- ensembles
+
+
+@torch.inference_mode()
+def ensemble_logits(models: Sequence, tokenizer, prompts: Sequence, max_new_tokens: int = 64) -> list[Answer]:
+    """Greedy decoding from the mean of the models' next-token log-probs (one tokenizer,
+    one vocabulary). Each model keeps its own KV cache."""
+    for model in models:
+        model.eval()
+    tokenizer.padding_side = "left"
+    batch = tokenizer(
+        [format_prompt(tokenizer, p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False
+    )
+    device = models[0].device
+    input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    caches = [None] * len(models)
+    step_ids = input_ids
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    generated = []
+    for _ in range(max_new_tokens):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+        log_probs = 0
+        for index, model in enumerate(models):
+            out = model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=caches[index],
+                use_cache=True,
+            )
+            caches[index] = out.past_key_values
+            log_probs = log_probs + out.logits[:, -1].float().log_softmax(-1)
+        next_ids = (log_probs / len(models)).argmax(-1)
+        # Finished rows keep emitting padding, which the attention mask then hides.
+        next_ids = torch.where(finished, torch.full_like(next_ids, tokenizer.pad_token_id), next_ids)
+        generated.append(next_ids)
+        mask = torch.cat([mask, (~finished).long()[:, None]], 1)
+        finished = finished | (next_ids == tokenizer.eos_token_id)
+        if finished.all():
+            break
+        step_ids = next_ids[:, None]
+    tokens = torch.stack(generated, 1)
+    completions = tokenizer.batch_decode(tokens, skip_special_tokens=True)
+    return [Answer(c, t) for c, t in zip(completions, count_tokens(tokenizer, completions))]
+
+
+def ensemble_vote(models: Sequence, tokenizer, prompts: Sequence, max_new_tokens: int = 64) -> list[Answer]:
+    """Each model answers greedily; the most common answer wins (ties: the earlier model)."""
+    per_model = [greedy(model, tokenizer, prompts, max_new_tokens) for model in models]
+    answers = []
+    for i in range(len(prompts)):
+        candidates = [answers_of[i] for answers_of in per_model]
+        keys = [answer_key(a.completion) for a in candidates]
+        counts = Counter(k for k in keys if k is not None)
+        winner = max(counts, key=lambda k: (counts[k], -keys.index(k))) if counts else None
+        chosen = candidates[keys.index(winner)] if winner is not None else candidates[0]
+        answers.append(
+            Answer(
+                chosen.completion,
+                sum(a.tokens for a in candidates),
+                len(models),
+                {"votes": counts[winner] if winner else 0},
+            )
+        )
+    return answers
