@@ -25,12 +25,19 @@ import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from rlhf.generation import format_prompt, generate
+from rlhf.modeling import load_causal_lm
+from rlhf.params import StageConfig
+from rlhf.prm import ProcessRewardModel
+from rlhf.rewards import RewardSpec, build_rewards, weighted_sum
 from rlhf.task import ANSWER_PREFIX, STEP_SEPARATOR, extract_answer
 
+STRATEGIES = ("greedy", "best_of_n", "self_consistency", "mcts", "speculative", "ensemble")
 Scorer = Callable[[Sequence, Sequence[str]], Sequence[float]]  # (prompts, completions) -> scores
 
 
@@ -367,3 +374,101 @@ def ensemble_vote(models: Sequence, tokenizer, prompts: Sequence, max_new_tokens
             )
         )
     return answers
+
+
+# ----------------------------------------------------------------------------- settings and dispatch
+
+
+class BestOfN(StageConfig):
+    n: int = Field(8, ge=1, description="samples per problem")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [{"name": "prm", "aggregate": "min"}],
+        validate_default=True,
+        min_length=1,
+        description="scorer: weighted rewards that need no reference answer (rlhf.rewards)",
+    )
+
+
+class SelfConsistency(StageConfig):
+    max_samples: int = Field(16, ge=1, description="largest vote per problem (the full vote's size)")
+    round_size: int = Field(4, ge=1, description="samples drawn per round before checking the vote")
+    stop_share: float = Field(0.75, gt=0, le=1, description="stop once the leader holds this share of the votes")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+
+
+class MCTS(StageConfig):
+    simulations: int = Field(12, ge=1, description="selection-expansion-backup rounds per problem")
+    expand: int = Field(4, ge=1, description="next steps sampled per expansion")
+    c_puct: float = Field(1.0, ge=0, description="exploration weight of PUCT")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of expansions")
+    max_depth: int = Field(8, ge=1, description="most steps in a path")
+
+
+class Speculative(StageConfig):
+    draft: str | None = Field(None, description="draft model directory (smaller, same tokenizer)")
+    num_assistant_tokens: int = Field(5, ge=1, description="tokens the draft proposes per verification")
+
+
+class Ensemble(StageConfig):
+    members: list[str] = Field(default_factory=list, description="model directories of the members")
+    mode: Literal["logits", "vote"] = Field("logits", description="average log-probs, or vote on answers")
+
+
+class Strategies(StageConfig):
+    """Every strategy's settings (params.yaml `infer`, or the `generate` command's flags)."""
+
+    max_new_tokens: int = Field(64, gt=0, description="generation budget per completion")
+    seed: int = Field(0, description="sampling seed")
+    best_of_n: BestOfN = Field(default_factory=BestOfN, description="best-of-n settings")
+    self_consistency: SelfConsistency = Field(default_factory=SelfConsistency, description="self-consistency")
+    mcts: MCTS = Field(default_factory=MCTS, description="tree-search settings")
+    speculative: Speculative = Field(default_factory=Speculative, description="speculative decoding settings")
+    ensemble: Ensemble = Field(default_factory=Ensemble, description="ensemble settings")
+    prm: str = Field("models/prm", description="process reward model directory (mcts)")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+
+def run_strategy(
+    name: str, settings: Strategies, model, tokenizer, prompts: list, early_stop: bool = True
+) -> list[Answer]:
+    """Run strategy `name` on `prompts`. Ensemble members are model directories."""
+    budget, seed, trust = settings.max_new_tokens, settings.seed, settings.trust_remote_code
+    if name == "greedy":
+        return greedy(model, tokenizer, prompts, budget)
+    if name == "best_of_n":
+        options = settings.best_of_n
+        scorer = weighted_sum(*build_rewards(options.rewards, trust))
+        return best_of_n(model, tokenizer, prompts, scorer, options.n, budget, options.temperature, seed=seed)
+    if name == "self_consistency":
+        options = settings.self_consistency
+        return self_consistency(
+            model, tokenizer, prompts, options.max_samples, options.round_size, options.stop_share,
+            early_stop, budget, options.temperature, seed=seed,
+        )  # fmt: skip
+    if name == "mcts":
+        options = settings.mcts
+        prm = ProcessRewardModel.load(settings.prm, trust)
+        return [
+            mcts(
+                model,
+                tokenizer,
+                prompt,
+                prm.score_steps,
+                options.simulations,
+                options.expand,
+                options.c_puct,
+                options.temperature,
+                options.max_depth,
+                seed=seed + i,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+    if name == "speculative":
+        draft = load_causal_lm(settings.speculative.draft, trust, what="speculative draft")
+        return speculative(model, draft, tokenizer, prompts, budget, settings.speculative.num_assistant_tokens)
+    if name == "ensemble":
+        members = [load_causal_lm(path, trust, what=f"ensemble member {path}") for path in settings.ensemble.members]
+        combine = ensemble_logits if settings.ensemble.mode == "logits" else ensemble_vote
+        return combine(members, tokenizer, prompts, budget)
+    raise ValueError(f"unknown strategy {name!r}; expected one of {STRATEGIES}")

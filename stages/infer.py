@@ -1,0 +1,105 @@
+"""Stage `infer`: inference-time compute strategies on the held-out suite.
+
+In:  the candidate named by `infer.candidate` (sft, a policy method, or merged), models/prm
+     and models/rm (scorers), data/prepared/eval_<suite>.parquet.
+Out: reports/infer.json (DVC metrics): per strategy, accuracy, generated tokens per problem,
+     samples per problem and wall time, on the first `limit` problems of the suite.
+
+Strategies (rlhf.inference): greedy (the baseline), best_of_n (rerank N samples with the
+configured rewards, which must not need the reference answer), self_consistency (majority
+vote with early stop, reported beside the full vote of the same budget), mcts (PRM-guided
+step-level search), speculative (a draft model proposing tokens, when `speculative.draft`
+names one) and ensemble (several candidates, logit averaging or voting).
+
+    python -m stages.infer
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal
+
+import mlflow
+import pandas as pd
+from pydantic import Field, model_validator
+
+from rlhf.artifacts import write_json
+from rlhf.inference import STRATEGIES, Answer, Strategies, run_strategy
+from rlhf.modeling import load_causal_lm, load_tokenizer
+from rlhf.task import is_correct
+from rlhf.tracking import numeric_metrics, stage_run
+from stages import load_config
+
+DATA_DIR = Path("data/prepared")
+REPORT = Path("reports/infer.json")
+
+
+class Config(Strategies):
+    candidate: str = Field("sft", description="model the strategies run on: sft, a policy method, or merged")
+    suite: str = Field("heldout", description="eval suite (data/prepared/eval_<suite>.parquet)")
+    limit: int = Field(200, ge=1, description="problems evaluated (the first ones of the suite)")
+    strategies: list[Literal[STRATEGIES]] = Field(
+        ["greedy", "best_of_n", "self_consistency", "mcts"], min_length=1, description="strategies to run"
+    )
+
+    @model_validator(mode="after")
+    def _strategy_inputs(self):
+        if "speculative" in self.strategies and not self.speculative.draft:
+            raise ValueError("strategy speculative needs speculative.draft: a smaller model with the same tokenizer")
+        if "ensemble" in self.strategies and len(self.ensemble.members) < 2:
+            raise ValueError("strategy ensemble needs at least two ensemble.members (candidate names)")
+        return self
+
+
+def model_dir(name: str) -> Path:
+    """A candidate's directory: models/sft, models/merged, or models/policy/<method>."""
+    return Path("models") / name if name in ("sft", "base", "merged") else Path("models/policy") / name
+
+
+def summarise(answers: list[Answer], references: list, seconds: float) -> dict:
+    return {
+        "accuracy": sum(is_correct(a.completion, r) for a, r in zip(answers, references)) / len(answers),
+        "tokens_per_problem": sum(a.tokens for a in answers) / len(answers),
+        "samples_per_problem": sum(a.samples for a in answers) / len(answers),
+        "seconds": seconds,
+    }
+
+
+def run(config: Config) -> dict:
+    path = DATA_DIR / f"eval_{config.suite}.parquet"
+    if not path.exists():
+        raise FileNotFoundError(f"infer.suite {config.suite!r}: {path} not found; check prepare and infer.suite")
+    suite = pd.read_parquet(path).head(config.limit)
+    if "answer" not in suite:
+        raise ValueError(f"{path} has no `answer` column: inference strategies are scored by exact answers")
+    prompts, references = suite["prompt"].tolist(), suite["answer"].tolist()
+    candidate = model_dir(config.candidate)
+    tokenizer = load_tokenizer(candidate, config.trust_remote_code)
+    model = load_causal_lm(candidate, config.trust_remote_code, what=f"infer.candidate {config.candidate}")
+    members = [str(model_dir(name)) for name in config.ensemble.members]
+    config = config.model_copy(update={"ensemble": config.ensemble.model_copy(update={"members": members})})
+    report = {"candidate": config.candidate, "suite": config.suite, "problems": len(prompts), "strategies": {}}
+    for name in config.strategies:
+        start = time.perf_counter()
+        answers = run_strategy(name, config, model, tokenizer, prompts)
+        report["strategies"][name] = summarise(answers, references, time.perf_counter() - start)
+        print(f"infer {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in report["strategies"][name].items()))
+        if name == "self_consistency":
+            # The full vote of the same budget: what early stopping is measured against.
+            start = time.perf_counter()
+            full = run_strategy(name, config, model, tokenizer, prompts, early_stop=False)
+            report["strategies"]["self_consistency_full"] = summarise(full, references, time.perf_counter() - start)
+    return report
+
+
+def main() -> None:
+    config = load_config("infer")
+    with stage_run("infer", config):
+        report = run(config)
+        write_json(REPORT, report)
+        mlflow.log_metrics(numeric_metrics(report["strategies"]))
+
+
+if __name__ == "__main__":
+    main()
