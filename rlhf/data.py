@@ -91,7 +91,9 @@ def read_table(path: str | Path) -> pd.DataFrame:
         raise
     except ValueError as error:
         raise DataValidationError(path, [f"cannot be parsed as {suffix}: {error}"]) from error
-    raise DataValidationError(path, [f"unsupported file type {suffix!r}; use one of {', '.join(FORMATS)} or a save_to_disk folder"])
+    raise DataValidationError(
+        path, [f"unsupported file type {suffix!r}; use one of {', '.join(FORMATS)} or a save_to_disk folder"]
+    )
 
 
 def load_contract(path: str | Path, kind: str, columns: Mapping[str, str] | None = None) -> pd.DataFrame:
@@ -115,7 +117,9 @@ def validate_contract(
     problems: list[str] = []
     for target, source in columns.items():
         if source not in frame.columns:
-            problems.append(f"column mapping {target!r} -> {source!r}: no column {source!r} (columns: {list(frame.columns)})")
+            problems.append(
+                f"column mapping {target!r} -> {source!r}: no column {source!r} (columns: {list(frame.columns)})"
+            )
     frame = frame.rename(columns={source: target for target, source in columns.items() if source != target})
     if kind == "sft" and "messages" in frame.columns and "prompt" not in frame.columns:
         wanted: tuple[str, ...] = ("messages",)

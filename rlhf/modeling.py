@@ -77,7 +77,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(size: str, tokenizer: PreTrainedTokenizerFast, seed: int, max_length: int = 256) -> LlamaForCausalLM:
+def build_tiny_model(
+    size: str, tokenizer: PreTrainedTokenizerFast, seed: int, max_length: int = 256
+) -> LlamaForCausalLM:
     if size not in BUILTIN_SIZES:
         raise ValueError(f"unknown built-in model size {size!r}; expected one of {sorted(BUILTIN_SIZES)}")
     hidden, layers, heads, intermediate = BUILTIN_SIZES[size]

@@ -301,7 +301,11 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
 
     def pair_rows(problems: list[Problem]) -> list[dict]:
         return [
-            {"prompt": p.prompt, "chosen": p.solution(), "rejected": flawed_solution(p, rng, kinds=SAME_LENGTH_FLAWS, last_step=True)[0]}
+            {
+                "prompt": p.prompt,
+                "chosen": p.solution(),
+                "rejected": flawed_solution(p, rng, kinds=SAME_LENGTH_FLAWS, last_step=True)[0],
+            }
             for p in problems
         ]
 

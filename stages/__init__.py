@@ -16,9 +16,12 @@ SECTIONS = {
     "base": "stages.base",
     "sft": "stages.sft",
     "rm": "stages.reward_model",
+    "prm": "stages.process_reward_model",
     "policy": "stages.policy",
+    "merge": "stages.merge",
     "evaluate": "stages.evaluate",
     "gate": "stages.capability_gate",
+    "infer": "stages.infer",
 }
 
 

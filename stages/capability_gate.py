@@ -60,7 +60,9 @@ class Config(StageConfig):
 
 
 def candidate_dir(name: str) -> Path:
-    return Path("models/policy") / name
+    # `merged` is stage merge's output (see stages.evaluate.candidate_dirs); every other
+    # candidate is a policy method's.
+    return Path("models/merged") if name == "merged" else Path("models/policy") / name
 
 
 def run(config: Config, report: dict, champion_dir: Path) -> dict:

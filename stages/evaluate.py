@@ -38,6 +38,7 @@ DATA_DIR = Path("data/prepared")
 RM_DIR = Path("models/rm")
 REPORT = Path("reports/eval.json")
 SAMPLES = Path("reports/samples.json")
+MERGED, MERGED_DIR = "merged", Path("models/merged")
 
 
 class Config(StageConfig):
@@ -50,8 +51,12 @@ class Config(StageConfig):
 
 
 def candidate_dirs(methods: list[str]) -> dict[str, Path]:
-    """The models to compare: the reference first, then every policy candidate."""
-    return {REFERENCE: Path("models") / REFERENCE, **{m: Path("models/policy") / m for m in methods}}
+    """The models to compare: the reference first, then every policy candidate, then the
+    merge of the policies when stage `merge` has written one (models/merged)."""
+    dirs = {REFERENCE: Path("models") / REFERENCE, **{m: Path("models/policy") / m for m in methods}}
+    if (MERGED_DIR / "config.json").is_file():
+        dirs[MERGED] = MERGED_DIR
+    return dirs
 
 
 def evaluate_suite(config: Config, models: dict, tokenizer, judge: RewardEnsemble, suite: pd.DataFrame):
@@ -95,7 +100,7 @@ def run(config: Config, methods: list[str]) -> tuple[dict, dict]:
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
     models = {name: load_causal_lm(path, config.trust_remote_code, what=str(path)) for name, path in dirs.items()}
     judge = RewardEnsemble.load(RM_DIR, config.trust_remote_code)
-    report: dict = {"reference": REFERENCE, "candidates": methods, "suites": {}}
+    report: dict = {"reference": REFERENCE, "candidates": [n for n in dirs if n != REFERENCE], "suites": {}}
     samples: dict = {}
     for suite_name in config.suites:
         path = DATA_DIR / f"eval_{suite_name}.parquet"
@@ -112,7 +117,8 @@ def run(config: Config, methods: list[str]) -> tuple[dict, dict]:
 def main() -> None:
     params = load_all()
     config, methods = params["evaluate"], params["policy"].methods
-    with stage_run("evaluate", config, tags={"candidates": ",".join(methods)}):
+    candidates = [n for n in candidate_dirs(methods) if n != REFERENCE]
+    with stage_run("evaluate", config, tags={"candidates": ",".join(candidates)}):
         report, samples = run(config, methods)
         write_json(REPORT, report)
         write_json(SAMPLES, samples)

@@ -3,7 +3,8 @@
 In:  the candidate named by `infer.candidate` (sft, a policy method, or merged), models/prm
      and models/rm (scorers), data/prepared/eval_<suite>.parquet.
 Out: reports/infer.json (DVC metrics): per strategy, accuracy, generated tokens per problem,
-     samples per problem and wall time, on the first `limit` problems of the suite.
+     samples per problem and wall time, on the first `limit` problems of the suite;
+     reports/infer_samples.json: the first few answers of each strategy, for reading.
 
 Strategies (rlhf.inference): greedy (the baseline), best_of_n (rerank N samples with the
 configured rewards, which must not need the reference answer), self_consistency (majority
@@ -33,10 +34,11 @@ from stages import load_config
 
 DATA_DIR = Path("data/prepared")
 REPORT = Path("reports/infer.json")
+SAMPLES = Path("reports/infer_samples.json")
 
 
 class Config(Strategies):
-    candidate: str = Field("sft", description="model the strategies run on: sft, a policy method, or merged")
+    candidate: str = Field("sft", description="model under models/ the strategies run on: sft, policy/<method>, merged")
     suite: str = Field("heldout", description="eval suite (data/prepared/eval_<suite>.parquet)")
     limit: int = Field(200, ge=1, description="problems evaluated (the first ones of the suite)")
     strategies: list[Literal[STRATEGIES]] = Field(
@@ -48,13 +50,13 @@ class Config(Strategies):
         if "speculative" in self.strategies and not self.speculative.draft:
             raise ValueError("strategy speculative needs speculative.draft: a smaller model with the same tokenizer")
         if "ensemble" in self.strategies and len(self.ensemble.members) < 2:
-            raise ValueError("strategy ensemble needs at least two ensemble.members (candidate names)")
+            raise ValueError("strategy ensemble needs at least two ensemble.members (names under models/)")
         return self
 
 
 def model_dir(name: str) -> Path:
-    """A candidate's directory: models/sft, models/merged, or models/policy/<method>."""
-    return Path("models") / name if name in ("sft", "base", "merged") else Path("models/policy") / name
+    """A candidate's directory, named relative to models/: sft, policy/<method>, merged."""
+    return Path("models") / name
 
 
 def summarise(answers: list[Answer], references: list, seconds: float) -> dict:
@@ -66,7 +68,7 @@ def summarise(answers: list[Answer], references: list, seconds: float) -> dict:
     }
 
 
-def run(config: Config) -> dict:
+def run(config: Config) -> tuple[dict, dict]:
     path = DATA_DIR / f"eval_{config.suite}.parquet"
     if not path.exists():
         raise FileNotFoundError(f"infer.suite {config.suite!r}: {path} not found; check prepare and infer.suite")
@@ -80,24 +82,27 @@ def run(config: Config) -> dict:
     members = [str(model_dir(name)) for name in config.ensemble.members]
     config = config.model_copy(update={"ensemble": config.ensemble.model_copy(update={"members": members})})
     report = {"candidate": config.candidate, "suite": config.suite, "problems": len(prompts), "strategies": {}}
+    samples = {}
     for name in config.strategies:
         start = time.perf_counter()
         answers = run_strategy(name, config, model, tokenizer, prompts)
         report["strategies"][name] = summarise(answers, references, time.perf_counter() - start)
+        samples[name] = [{"prompt": p, "completion": a.completion} for p, a in zip(prompts[:5], answers)]
         print(f"infer {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in report["strategies"][name].items()))
         if name == "self_consistency":
             # The full vote of the same budget: what early stopping is measured against.
             start = time.perf_counter()
             full = run_strategy(name, config, model, tokenizer, prompts, early_stop=False)
             report["strategies"]["self_consistency_full"] = summarise(full, references, time.perf_counter() - start)
-    return report
+    return report, samples
 
 
 def main() -> None:
     config = load_config("infer")
     with stage_run("infer", config):
-        report = run(config)
+        report, samples = run(config)
         write_json(REPORT, report)
+        write_json(SAMPLES, samples)
         mlflow.log_metrics(numeric_metrics(report["strategies"]))
 
 

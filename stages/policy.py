@@ -42,8 +42,10 @@ from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.data import read_prepared
 from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
 from rlhf.params import StageConfig
+from rlhf.ppo import PPOParams, load_value_model, train_ppo
 from rlhf.ref_logprobs import with_reference_cache
-from rlhf.rewards import DEFAULT_REWARDS, RewardSpec, build_rewards, model_paths
+from rlhf.reward_ensemble import member_dirs
+from rlhf.rewards import DEFAULT_REWARDS, RewardSpec, build_rewards, model_paths, weighted_sum
 from rlhf.tracking import numeric_metrics, stage_run
 from rlhf.training import (
     LoraParams,
@@ -63,11 +65,13 @@ SFT_DIR = Path("models/sft")
 PREFS = Path("data/prepared/prefs.parquet")
 UNPAIRED = Path("data/prepared/unpaired.parquet")
 PROMPTS = Path("data/prepared/prompts.parquet")
+RM_DIR = Path("models/rm")
 OUT_ROOT = Path("models/policy")
 METRICS_ROOT = Path("metrics/policy")
 PLOTS_ROOT = Path("plots/policy")
 
 OFFLINE_LOGGED = ("loss", "rewards/margins", "rewards/accuracies")
+PPO_LOGGED = ("score", "kl", "kl_coef", "value_loss", "clipfrac", "approx_kl", "entropy", "response_length")
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -129,21 +133,27 @@ class KTOParams(OfflineParams):
     )
 
 
+REWARDS_FIELD = Field(
+    default_factory=lambda: list(DEFAULT_REWARDS),
+    validate_default=True,
+    min_length=1,
+    description="weighted rewards (rlhf.rewards)",
+)
+
+
 class OnlineParams(TrainingParams):
     """What the online methods share: sampling, the rewards, the KL strength, LoRA."""
 
     max_steps: int = Field(100, gt=0, description="optimizer steps")
     per_device_train_batch_size: int = Field(64, gt=0, description="completions per step (prompts x num_generations)")
-    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
+    learning_rate: float = Field(3e-5, gt=0, lt=1, description="peak learning rate")
     num_generations: int = Field(8, ge=2, description="completions sampled per prompt (the group)")
-    max_completion_length: int = Field(48, gt=0, description="new tokens per completion")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    max_completion_length: int = Field(64, gt=0, description="new tokens per completion")
+    temperature: float = Field(0.7, gt=0, description="sampling temperature (below 1: rollouts closer to greedy)")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the SFT reference (0 = no reference model)")
     epsilon: float = Field(0.2, gt=0, lt=1, description="PPO-style clipping of the importance ratio")
     num_iterations: int = Field(1, gt=0, description="optimisation passes per generated batch (mu)")
-    rewards: list[RewardSpec] = Field(
-        default_factory=lambda: list(DEFAULT_REWARDS), min_length=1, description="weighted rewards (rlhf.rewards)"
-    )
+    rewards: list[RewardSpec] = REWARDS_FIELD
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
 
     @model_validator(mode="after")
@@ -187,6 +197,12 @@ class RLOOParams(OnlineParams):
     normalize_advantages: bool = Field(False, description="normalise advantages per generated batch")
 
 
+class PPOMethodParams(PPOParams):
+    """PPO (ours, rlhf/ppo.py) on the prompts, with the same weighted rewards as GRPO/RLOO."""
+
+    rewards: list[RewardSpec] = REWARDS_FIELD
+
+
 class Config(StageConfig):
     methods: list[str] = Field(["dpo"], min_length=1, description="methods to train, one DVC stage each")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
@@ -196,6 +212,7 @@ class Config(StageConfig):
     kto: KTOParams = Field(default_factory=KTOParams, description="params of method kto")
     grpo: GRPOParams = Field(default_factory=GRPOParams, description="params of method grpo")
     rloo: RLOOParams = Field(default_factory=RLOOParams, description="params of method rloo")
+    ppo: PPOMethodParams = Field(default_factory=PPOMethodParams, description="params of method ppo")
 
     @field_validator("methods")
     @classmethod
@@ -326,6 +343,49 @@ def train_rloo(config: Config, params: RLOOParams, out_dir: Path, stage: str) ->
     return train_online(config, params, (RLOOConfig, RLOOTrainer), trl_args, out_dir, stage)
 
 
+def train_ppo_method(config: Config, params: PPOMethodParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    """PPO with a value model: ours (rlhf/ppo.py), as TRL 1.16 has none. The reference is a
+    frozen copy of the SFT model; the value model starts from SFT or from the first RM
+    member (`value_init`)."""
+    tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
+    policy = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
+    reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
+    value_init = SFT_DIR if params.value_init == "sft" else member_dirs(RM_DIR)[0]
+    value_model = load_value_model(value_init, config.trust_remote_code)
+    table = read_prepared(PROMPTS, stage)
+    functions, weights = build_rewards(params.rewards, config.trust_remote_code)
+    key = fingerprint(params, [SFT_DIR, PROMPTS, value_init, *model_paths(params.rewards)])
+
+    def log(metrics: dict, step: int) -> None:
+        mlflow.log_metrics(numeric_metrics(metrics), step=step)
+
+    history = train_ppo(
+        policy,
+        reference,
+        value_model,
+        tokenizer,
+        table["prompt"].tolist(),
+        {column: table[column].tolist() for column in table.columns if column != "prompt"},
+        weighted_sum(functions, weights),
+        params,
+        checkpoint_dir(stage, key),
+        log_fn=log,
+    )
+    save_model(policy, tokenizer, out_dir)
+    first, last = history[0], history[-1]
+    window = history[-max(1, len(history) // 10) :]
+    metrics = {
+        "train_loss": last["policy_loss"],
+        "value_loss": last["value_loss"],
+        "score_first": first["score"],
+        "score_last_10pct": sum(row["score"] for row in window) / len(window),
+        "kl": last["kl"],
+        "steps": len(history),
+    }
+    curve = [{"step": row["step"], "loss": row["policy_loss"], **{k: row[k] for k in PPO_LOGGED}} for row in history]
+    return metrics, curve
+
+
 METHODS: dict[str, Callable] = {
     "dpo": train_dpo,
     "simpo": train_simpo,
@@ -333,6 +393,7 @@ METHODS: dict[str, Callable] = {
     "kto": train_kto,
     "grpo": train_grpo,
     "rloo": train_rloo,
+    "ppo": train_ppo_method,
 }
 
 

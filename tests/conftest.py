@@ -39,8 +39,19 @@ TINY_OVERRIDES = {
     "base": {"model": "builtin:micro"},
     "sft": {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
     "rm": {"max_steps": 2, "num_members": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
-    "policy": {"dpo": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8}},
+    "prm": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
+    "policy": {
+        "methods": ["dpo"],
+        "dpo": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
+    },
     "evaluate": {"kl_prompts": 8, "max_new_tokens": 24, "samples": 2},
+    "infer": {
+        "limit": 4,
+        "max_new_tokens": 16,
+        "best_of_n": {"n": 2},
+        "self_consistency": {"max_samples": 4, "round_size": 2},
+        "mcts": {"simulations": 2, "expand": 2, "max_depth": 2},
+    },
     # The micro model writes gibberish: test the plumbing, not the quality bar.
     "gate": {
         "tests": [

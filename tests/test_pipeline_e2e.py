@@ -29,7 +29,7 @@ from tests.conftest import make_project, run, write_params
 
 pytestmark = pytest.mark.slow
 
-ALL_STAGES = ["check_params", "prepare", "base", "sft", "rm", "policy@dpo", "evaluate", "gate"]
+ALL_STAGES = ["check_params", "prepare", "base", "sft", "rm", "prm", "policy@dpo", "merge", "evaluate", "gate", "infer"]
 
 
 def dvc_repro(root: Path) -> str:
@@ -127,13 +127,13 @@ def test_dvc_reruns_only_what_changed_and_restores_from_run_cache(flow_run):
     params["policy"]["dpo"]["beta"] = original_beta * 2
     write_params(root, params)
     output = dvc_repro(root)
-    assert ran(output) == ["check_params", "policy@dpo", "evaluate", "gate"], output
+    assert ran(output) == ["check_params", "policy@dpo", "merge", "evaluate", "gate"], output
     assert tree_digest(root / "models/policy/dpo") != policy_before
 
     params["policy"]["dpo"]["beta"] = original_beta
     write_params(root, params)
     output = dvc_repro(root)
-    assert restored(output) == ["check_params", "policy@dpo", "evaluate"], output
+    assert restored(output) == ["check_params", "policy@dpo", "merge", "evaluate"], output
     assert ran(output) == ["gate"], output
     assert tree_digest(root / "models/policy/dpo") == policy_before
 

@@ -34,7 +34,7 @@ def sft_project(tmp_path_factory):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("method", ["dpo", "simpo", "orpo", "kto", "grpo", "rloo"])
+@pytest.mark.parametrize("method", ["dpo", "simpo", "orpo", "kto", "grpo", "rloo", "ppo"])
 def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method, lora):
     import stages.policy
     from stages import load_config
@@ -47,6 +47,8 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
         # Two prompts of two completions per step, scored by the (micro) RM ensemble: a
         # reward that varies continuously, so that the advantages are not all zero.
         updates |= {"num_generations": 2, "max_completion_length": 8, "rewards": [{"name": "reward_model"}]}
+    if method == "ppo":
+        updates |= {"rollout_batch_size": 4, "mini_batch_size": 2, "max_new_tokens": 8, "rewards": [{"name": "reward_model"}]}
     if lora:
         # LoRA's B starts at zero: a larger step makes the merged change visible at 2 steps.
         updates["lora"] = {"enabled": True, "r": 4}

@@ -74,7 +74,7 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
         needed = rlhf_closure(REPO / source) - INFRASTRUCTURE
         assert listed == needed, f"stage {name}: rlhf deps listed {sorted(listed)} but imports {sorted(needed)}"
         expected_params = {"policy.${item}"} if name == "policy" else {name}
-        if name == "evaluate":
+        if name in ("evaluate", "merge"):
             expected_params.add("policy.methods")
         assert set(body["params"]) == expected_params, f"stage {name} params"
 

@@ -38,8 +38,11 @@ def project(tmp_path_factory):
     import stages.capability_gate
     import stages.check_params
     import stages.evaluate
+    import stages.infer
+    import stages.merge
     import stages.policy
     import stages.prepare
+    import stages.process_reward_model
     import stages.reward_model
     import stages.sft
 
@@ -55,9 +58,12 @@ def project(tmp_path_factory):
         stages.base.main()
         stages.sft.main()
         stages.reward_model.main()
+        stages.process_reward_model.main()
         stages.policy.main(["dpo"])
+        stages.merge.main()
         stages.evaluate.main()
         stages.capability_gate.main()
+        stages.infer.main()
     return root
 
 
@@ -117,9 +123,9 @@ def test_dpo_changes_the_policy(project):
 
 def test_evaluate_reports_every_metric_for_reference_and_candidates(project):
     report = json.loads((project / "reports/eval.json").read_text())
-    assert report["reference"] == "sft" and report["candidates"] == ["dpo"]
+    assert report["reference"] == "sft" and report["candidates"] == ["dpo", "merged"]
     heldout = report["suites"]["heldout"]
-    for name in ("sft", "dpo"):
+    for name in ("sft", "dpo", "merged"):
         assert set(heldout[name]) >= {
             "accuracy", "format_rate", "kl_to_ref", "reward", "reward_std", "win_rate", "distinct_1", "distinct_2",
         }  # fmt: skip
@@ -142,7 +148,9 @@ def test_every_stage_logged_an_mlflow_run_with_params_and_commit(project):
     experiment = client.get_experiment_by_name("stages-test")
     runs = client.search_runs([experiment.experiment_id])
     by_stage = {r.data.tags.get("rlhf.stage"): r for r in runs if r.data.tags.get("rlhf.stage")}
-    assert set(by_stage) == {"check_params", "prepare", "base", "sft", "rm", "policy@dpo", "evaluate", "gate"}
+    assert set(by_stage) == {
+        "check_params", "prepare", "base", "sft", "rm", "prm", "policy@dpo", "merge", "evaluate", "gate", "infer",
+    }  # fmt: skip
     sft = by_stage["sft"]
     assert sft.data.params["max_steps"] == "4"
     assert "loss" in sft.data.metrics, "training curves come from transformers' MLflow callback"
@@ -194,3 +202,24 @@ def test_gate_rejects_a_worse_candidate_and_the_champion_stays(project):
     assert len(failures) == 1 and "champion" in failures[0] and f"{champion_accuracy - 0.10:.4f}" in failures[0]
     assert tree_digest(project / "models/champion") == champion_before
     assert client.get_model_version_by_alias("rlhf-policy", "champion").version == alias_before
+
+
+def test_merge_of_one_candidate_is_that_candidate(project):
+    """A linear merge of the one policy (weight 1, normalised) is the policy itself."""
+    merged, dpo = weights(project / "models/merged"), weights(project / "models/policy/dpo")
+    assert set(merged) == set(dpo) and all(torch.allclose(merged[k], dpo[k], atol=1e-6) for k in dpo)
+    assert json.loads((project / "metrics/merge.json").read_text())["members"] == ["dpo"]
+
+
+def test_infer_reports_every_strategy(project):
+    """Each strategy's accuracy is a fraction of the tiny suite; sampling strategies draw
+    their budgets (best-of-n: n; full vote: max_samples; early stop: at most that)."""
+    report = json.loads((project / "reports/infer.json").read_text())
+    strategies = report["strategies"]
+    assert set(strategies) == {"greedy", "best_of_n", "self_consistency", "self_consistency_full", "mcts"}
+    assert all(0.0 <= s["accuracy"] <= 1.0 and s["tokens_per_problem"] > 0 for s in strategies.values())
+    assert strategies["greedy"]["samples_per_problem"] == 1 and strategies["best_of_n"]["samples_per_problem"] == 2
+    assert strategies["self_consistency_full"]["samples_per_problem"] == 4
+    assert strategies["self_consistency"]["samples_per_problem"] <= 4
+    samples = json.loads((project / "reports/infer_samples.json").read_text())
+    assert set(samples) == set(strategies) - {"self_consistency_full"}

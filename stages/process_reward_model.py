@@ -1,0 +1,123 @@
+"""Stage `prm`: a process reward model that scores every step of a solution.
+
+In:  models/sft (or models/base), data/prepared/prm.parquet and prm_eval.parquet (prompt,
+     completions = the steps, labels = one bool per step; the final `answer N` line is a step).
+Out: models/prm (a two-label token classifier, 1 = good step, with prm.json naming its step
+     separator; a LoRA adapter is merged on save), metrics/prm.json, plots/prm/loss.csv.
+
+Labels follow Math-Shepherd (Wang et al., 2024): a step is good while the chain is still on
+the way to the right answer; the first wrong step and everything after it are bad. The label
+of a step sits on the last token of the separator that follows it (rlhf.prm), so one forward
+pass scores every prefix. Departures from the paper: labels are exact (the built-in task
+checks each step) instead of estimated from Monte-Carlo rollouts, and the loss is a two-class
+cross-entropy at the step positions through transformers' `Trainer` (TRL has no PRM trainer).
+
+Metrics on the held-out rows: step accuracy, F1 of the bad and of the good steps (f1_bad is
+the headline), first-error accuracy, and outcome accuracy of each aggregation (min, prod,
+last). Checkpoints go to checkpoints/prm/<fingerprint>/; a killed run resumes from the last.
+
+    python -m stages.process_reward_model
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal
+
+import mlflow
+import transformers
+from pydantic import Field
+
+from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.data import read_prepared, validate_contract
+from rlhf.modeling import load_tokenizer
+from rlhf.prm import ProcessRewardModel, build_dataset, load_prm_model, prm_metrics, prm_trainer, save_prm
+from rlhf.task import STEP_SEPARATOR
+from rlhf.tracking import numeric_metrics, stage_run
+from rlhf.training import (
+    LoraParams,
+    TrainingParams,
+    checkpoint_dir,
+    discard_checkpoints,
+    fingerprint,
+    last_logged,
+    log_history_rows,
+    merged_model,
+    train_resumable,
+)
+from stages import load_config
+
+DATA = Path("data/prepared/prm.parquet")
+EVAL_DATA = Path("data/prepared/prm_eval.parquet")
+OUT_DIR = Path("models/prm")
+METRICS = Path("metrics/prm.json")
+PLOT = Path("plots/prm/loss.csv")
+CURVE_KEYS = ("loss", "learning_rate")
+
+
+class Config(TrainingParams):
+    init: Literal["sft", "base"] = Field("sft", description="model the PRM starts from")
+    max_steps: int = Field(400, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(32, gt=0, description="solutions per step")
+    learning_rate: float = Field(1e-3, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per row (longer rows keep the whole steps that fit)")
+    step_separator: str = Field(STEP_SEPARATOR, min_length=1, description="text between steps (the label's position)")
+    score_batch_size: int = Field(64, gt=0, description="rows per forward pass when scoring the held-out set")
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+
+def init_dir(config: Config) -> Path:
+    return Path("models") / config.init
+
+
+def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
+    """Train a PRM from `init` on `data`, save it into `out_dir`, score `eval_data`."""
+    stage = "prm"
+    # Both tables are checked before any model is loaded: a bad row fails in a second.
+    rows = validate_contract(read_prepared(data, stage), "prm", data)
+    held_out = validate_contract(read_prepared(eval_data, stage), "prm", eval_data)
+    tokenizer = load_tokenizer(init, config.trust_remote_code)
+    train = build_dataset(tokenizer, rows, config.step_separator, config.max_length)
+    transformers.set_seed(config.seed)  # the new head's initialisation
+    model = load_prm_model(init, config.trust_remote_code, what=f"models/{config.init}")
+    key = fingerprint(config, [init, data])
+    trainer = prm_trainer(config, model, tokenizer, train, checkpoint_dir(stage, key), config.lora)
+    start = time.perf_counter()
+    resumed = train_resumable(trainer, stage, key)
+    train_seconds = time.perf_counter() - start
+    history = trainer.state.log_history
+    save_prm(merged_model(trainer.model), tokenizer, out_dir, config.step_separator)
+
+    prm = ProcessRewardModel.load(out_dir, config.trust_remote_code)
+    scores = prm.score_steps(held_out["prompt"].tolist(), held_out["completions"].tolist(), config.score_batch_size)
+    metrics = {
+        **prm_metrics(scores, held_out["labels"].tolist()),
+        "train_loss": last_logged(history, "loss"),
+        "train_rows": len(train),
+        "steps_trained": trainer.state.global_step,
+        "train_seconds": train_seconds,
+        "resumed": bool(resumed),
+    }
+    discard_checkpoints(stage)
+    return metrics, log_history_rows(history, CURVE_KEYS)
+
+
+def main() -> None:
+    config = load_config("prm")
+    with stage_run("prm", config):
+        with atomic_dir(OUT_DIR) as tmp:
+            metrics, curve = run(config, init_dir(config), DATA, EVAL_DATA, tmp)
+        write_json(METRICS, metrics)
+        write_csv(PLOT, curve)
+        mlflow.log_metrics(numeric_metrics(metrics))
+        mlflow.log_artifact(str(PLOT))
+        print(
+            f"prm: held-out step accuracy {metrics['step_accuracy']:.3f}, bad-step F1 {metrics['f1_bad']:.3f}, "
+            f"first-error accuracy {metrics['first_error_accuracy'] or 0:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

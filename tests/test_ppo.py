@@ -1,0 +1,377 @@
+"""PPO (rlhf.ppo): every step against numbers worked out by hand, the log-prob and value
+alignment against an unpadded computation, and the trainer for 2-3 iterations on the micro
+model (full, LoRA, killed-and-resumed), plus one slow run that must raise a learnable reward."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from rlhf.generation import format_prompt
+from rlhf.modeling import build_tiny_model, build_tokenizer, load_causal_lm, save_model
+from rlhf.ppo import (
+    AdaptiveKLController,
+    FixedKLController,
+    PPOParams,
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae_advantages,
+    generate_rollouts,
+    kl_adjusted_rewards,
+    latest_checkpoint,
+    load_value_model,
+    per_token_kl,
+    response_mask,
+    score_completions,
+    td_errors,
+    token_logprobs,
+    token_values,
+    train_ppo,
+    value_returns,
+    whiten,
+)
+from rlhf.task import TaskSpec, sample_problem
+from tests.test_stages import changed
+
+T = torch.tensor
+LOG_1_5 = math.log(1.5)
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- rewards and KL
+
+
+def test_per_token_kl_is_the_k1_log_ratio():
+    close(per_token_kl(T([[-1.0, -2.0]]), T([[-1.5, -1.0]])), [[0.5, -1.0]])
+
+
+def test_kl_adjusted_rewards_penalise_every_token_and_add_the_score_at_the_last():
+    """kl = [0.2, -0.1, 0.3], beta = 0.1, score 2: r = [-0.02, 0.01, -0.03 + 2 = 1.97].
+    Row 2 has 2 real tokens (mask [1, 1, 0]), kl = [0.2, 0.4, 5], score 1:
+    r = [-0.02, -0.04 + 1 = 0.96, 0] (the padding's KL and the score never land on padding)."""
+    kl = T([[0.2, -0.1, 0.3], [0.2, 0.4, 5.0]])
+    mask = T([[1, 1, 1], [1, 1, 0]])
+    close(kl_adjusted_rewards(T([2.0, 1.0]), kl, 0.1, mask), [[-0.02, 0.01, 1.97], [-0.02, 0.96, 0.0]])
+
+
+def test_fixed_kl_controller_never_moves():
+    controller = FixedKLController(0.05)
+    controller.update(100.0, 64)
+    assert controller.value == 0.05
+
+
+def test_adaptive_kl_controller_follows_ziegler_et_al():
+    """target 6, horizon 10000, 64 responses:
+    KL 6.6 -> e = 0.1,  beta = 0.1 * (1 + 0.1 * 64/10000) = 0.1 * 1.00064 = 0.100064;
+    KL 9   -> e = 0.5 clipped to 0.2:  beta *= 1 + 0.2 * 0.0064 = 1.00128;
+    KL 3   -> e = -0.5 clipped to -0.2: beta *= 1 - 0.00128 = 0.99872 (the same step down)."""
+    controller = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    controller.update(6.6, 64)
+    assert controller.value == pytest.approx(0.100064)
+    up = AdaptiveKLController(0.1, 6.0, 10000)
+    up.update(9.0, 64)
+    down = AdaptiveKLController(0.1, 6.0, 10000)
+    down.update(3.0, 64)
+    assert up.value == pytest.approx(0.100128) and down.value == pytest.approx(0.099872)
+
+
+# ----------------------------------------------------------------------------- advantages
+
+REWARDS, VALUES = T([[0.0, 0.0, 1.0]]), T([[0.5, 0.2, 0.4]])
+
+
+def test_td_errors_bootstrap_from_the_next_value_and_zero_after_the_end():
+    """delta_0 = 0 + 0.2 - 0.5 = -0.3; delta_1 = 0 + 0.4 - 0.2 = 0.2; delta_2 = 1 + 0 - 0.4 = 0.6.
+    With gamma = 0.5: delta_0 = 0.1 - 0.5 = -0.4, delta_1 = 0.2 - 0.2 = 0, delta_2 = 0.6."""
+    close(td_errors(REWARDS, VALUES, torch.ones(1, 3), gamma=1.0), [[-0.3, 0.2, 0.6]])
+    close(td_errors(REWARDS, VALUES, torch.ones(1, 3), gamma=0.5), [[-0.4, 0.0, 0.6]])
+
+
+def test_gae_sums_discounted_td_errors_backwards():
+    """gamma = 1, lam = 0.5, deltas [-0.3, 0.2, 0.6] (above):
+    A_2 = 0.6; A_1 = 0.2 + 0.5 * 0.6 = 0.5; A_0 = -0.3 + 0.5 * 0.5 = -0.05.
+    Returns A + V = [0.45, 0.7, 1.0]."""
+    mask = torch.ones(1, 3)
+    advantages = gae_advantages(REWARDS, VALUES, mask, gamma=1.0, lam=0.5)
+    close(advantages, [[-0.05, 0.5, 0.6]])
+    close(value_returns(advantages, VALUES, mask), [[0.45, 0.7, 1.0]])
+
+
+def test_gae_ignores_a_padding_position():
+    """The same response with a padding position whose value (9) and reward (5) are garbage:
+    mask [1, 1, 1, 0] gives the same A as above and 0 at the padding (V_3 is not bootstrapped)."""
+    rewards, values = T([[0.0, 0.0, 1.0, 5.0]]), T([[0.5, 0.2, 0.4, 9.0]])
+    mask = T([[1, 1, 1, 0]])
+    advantages = gae_advantages(rewards * mask, values, mask, gamma=1.0, lam=0.5)
+    close(advantages, [[-0.05, 0.5, 0.6, 0.0]])
+    close(value_returns(advantages, values, mask), [[0.45, 0.7, 1.0, 0.0]])
+
+
+def test_returns_with_lambda_one_are_the_discounted_reward_to_go():
+    """lam = 1: the deltas telescope, R_t = sum_l gamma^l r_{t+l} whatever V is.
+    gamma = 0.9, r = [0, 0, 1]: R = [0.81, 0.9, 1]."""
+    advantages = gae_advantages(REWARDS, VALUES, torch.ones(1, 3), gamma=0.9, lam=1.0)
+    close(value_returns(advantages, VALUES, torch.ones(1, 3)), [[0.81, 0.9, 1.0]])
+
+
+def test_whiten_over_masked_positions():
+    """x = [1, 2, 3 | 100 masked]: mean 2, variance (1 + 0 + 1) / 3 = 2/3, so
+    whitened = [-1, 0, 1] / sqrt(2/3) = [-1.2247, 0, 1.2247], 0 at the padding; without the
+    mean shift, 2 is added back: [0.7753, 2, 3.2247]."""
+    x, mask = T([[1.0, 2.0], [3.0, 100.0]]), T([[1, 1], [1, 0]])
+    out = whiten(x, mask)
+    close(out, [[-1.224745, 0.0], [1.224745, 0.0]])
+    real = out[mask.bool()]
+    assert real.mean().abs() < 1e-6 and (real**2).mean() == pytest.approx(1.0, abs=1e-5)
+    close(whiten(x, mask, shift_mean=False), [[0.775255, 2.0], [3.224745, 0.0]])
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def test_policy_loss_clips_when_the_ratio_overshoots_in_the_advantage_direction():
+    """ratio = 1.5, A = +1, eps 0.2: min(1.5, 1.2) = 1.2 -> loss -1.2, clipped, and no gradient
+    (the clipped term is constant in log pi). approx_kl = 0.5 * ln(1.5)^2 = 0.0822."""
+    logprobs = T([[LOG_1_5]], requires_grad=True)
+    loss, clipfrac, approx_kl = clipped_policy_loss(logprobs, T([[0.0]]), T([[1.0]]), T([[1]]), cliprange=0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2) and clipfrac.item() == 1.0
+    assert approx_kl.item() == pytest.approx(0.5 * LOG_1_5**2)
+    assert logprobs.grad.item() == 0.0
+
+
+def test_policy_loss_does_not_clip_against_the_advantage_and_averages_over_tokens():
+    """Token 1: ratio 1.5, A = -1: min(-1.5, -1.2) = -1.5, unclipped -> +1.5 with gradient
+    -A * ratio = 1.5 / 3 tokens = 0.5. Token 2: ratio 1, A = 2 -> -2 (gradient -2/3).
+    Token 3 is padding (its huge ratio would clip). Loss = (1.5 - 2) / 2 = -0.25, clipfrac 0."""
+    logprobs = T([[LOG_1_5, 0.0, 5.0]], requires_grad=True)
+    loss, clipfrac, approx_kl = clipped_policy_loss(
+        logprobs, torch.zeros(1, 3), T([[-1.0, 2.0, 1.0]]), T([[1, 1, 0]]), cliprange=0.2
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.25) and clipfrac.item() == 0.0
+    assert approx_kl.item() == pytest.approx(0.25 * LOG_1_5**2)
+    close(logprobs.grad, [[0.75, -1.0, 0.0]])
+
+
+def test_value_loss_takes_the_larger_of_clipped_and_unclipped_errors():
+    """eps 0.2. Token 1: V_old 1, V 2, R 2: unclipped 0, clipped V = 1.2 -> 0.64: the clipped
+    branch is the max. Token 2: V_old 1, V 0.5, R 2: unclipped 2.25, clipped V = 0.8 -> 1.44:
+    unclipped is the max. Loss = 0.5 * (0.64 + 2.25) / 2 = 0.7225, clipfrac 1/2."""
+    loss, clipfrac = clipped_value_loss(T([[2.0, 0.5]]), T([[1.0, 1.0]]), T([[2.0, 2.0]]), T([[1, 1]]), 0.2)
+    assert loss.item() == pytest.approx(0.7225) and clipfrac.item() == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def test_params_name_the_keys_of_an_impossible_batch_split():
+    with pytest.raises(ValidationError, match=r"rollout_batch_size \(10\).*mini_batch_size \(4\)"):
+        PPOParams(rollout_batch_size=10, mini_batch_size=4)
+    with pytest.raises(ValidationError, match="max_new_tokens"):
+        PPOParams(max_new_tokens=200, max_length=128)
+    with pytest.raises(ValidationError, match="cliprange"):
+        PPOParams(cliprange=0)
+    params = PPOParams()
+    assert params.value_learning_rate is None and not params.lora.enabled and params.value_init == "sft"
+
+
+# ----------------------------------------------------------------------------- the micro model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tokenizer = build_tokenizer()
+    path = tmp_path_factory.mktemp("ppo") / "sft"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def task_prompts(n: int, seed: int = 0) -> tuple[list[str], dict[str, list[str]]]:
+    rng = random.Random(seed)
+    problems = [sample_problem(rng, TaskSpec()) for _ in range(n)]
+    return [p.prompt for p in problems], {"answer": [str(p.answer) for p in problems]}
+
+
+def digit_share(prompts, completions, answer, **kwargs) -> list[float]:
+    """A reward the micro model can learn from scratch: the share of digits in a completion."""
+    assert len(answer) == len(completions) == len(prompts)
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def test_value_model_loads_from_a_causal_lm_with_a_zero_head_or_from_a_reward_model_keeping_its_head(
+    model_dir, tokenizer, tmp_path
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from_sft = load_value_model(model_dir)
+    assert from_sft.config.num_labels == 1 and not from_sft.score.weight.any() and not from_sft.score.bias.any()
+    reward_model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1)
+    save_model(reward_model, tokenizer, tmp_path / "rm")
+    from_rm = load_value_model(tmp_path / "rm")
+    assert torch.equal(from_rm.score.weight, reward_model.score.weight) and from_rm.score.weight.any()
+    ids = T([[5, 6, 7]])
+    assert from_rm(ids).logits.shape == (1, 3, 1)
+
+
+def test_response_mask_keeps_the_first_eos_and_masks_what_follows():
+    eos, pad = 2, 0
+    ids = T([[5, 6, eos, pad, pad], [5, eos, eos, eos, eos], [5, 6, 7, 8, 9]])
+    expected = [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]  # row 2: pad id == EOS id
+    assert response_mask(ids, eos).tolist() == expected
+    assert response_mask(ids, [eos, 99]).tolist() == expected
+
+
+def test_logprobs_and_values_of_a_left_padded_batch_match_each_sequence_alone(model_dir, tokenizer):
+    """The response token at column Q + t is scored by the logits and the value at Q + t - 1
+    (the state before it): recompute both from each sequence alone, with no padding."""
+    policy, value_model = load_causal_lm(model_dir).eval(), load_value_model(model_dir).eval()
+    queries, responses = ["1+2\n", "12+34-5\n"], ["3; ans", "41"]
+    q = tokenizer(queries, return_tensors="pt", padding=True, add_special_tokens=False)
+    r_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in responses]
+    r_len = max(map(len, r_ids))
+    response = T([ids + [tokenizer.pad_token_id] * (r_len - len(ids)) for ids in r_ids])
+    mask = T([[1] * len(ids) + [0] * (r_len - len(ids)) for ids in r_ids])
+    input_ids, attention = torch.cat([q["input_ids"], response], 1), torch.cat([q["attention_mask"], mask], 1)
+    start = q["input_ids"].shape[1]
+    with torch.no_grad():
+        logprobs, entropy = token_logprobs(policy, input_ids, attention, start, temperature=0.7, entropy=True)
+        values = token_values(value_model, input_ids, attention, start)
+        for row, (query, ids) in enumerate(zip(queries, r_ids)):
+            alone = T([tokenizer(query, add_special_tokens=False)["input_ids"] + ids])
+            n_query = alone.shape[1] - len(ids)
+            logits = policy(alone).logits[0, n_query - 1 : -1] / 0.7
+            expected = logits.log_softmax(-1).gather(-1, T(ids)[:, None]).squeeze(-1)
+            close(logprobs[row, : len(ids)], expected)
+            close(entropy[row, : len(ids)], torch.distributions.Categorical(logits=logits).entropy())
+            close(values[row, : len(ids)], value_model(alone).logits[0, n_query - 1 : -1, 0])
+
+
+def test_rollouts_mask_after_eos_and_record_the_sampling_logprobs(model_dir, tokenizer):
+    policy = load_causal_lm(model_dir)
+    prompts = ["1+2\n", "12+34-5\n", [{"role": "user", "content": "7-3"}]]
+    torch.manual_seed(0)
+    rollout = generate_rollouts(policy, tokenizer, prompts, max_new_tokens=6, temperature=1.5)
+    assert rollout.query_ids.shape[0] == 3 and rollout.response_ids.shape[1] <= 6
+    mask = rollout.response_mask
+    assert torch.equal(mask, response_mask(rollout.response_ids, tokenizer.eos_token_id))
+    assert (rollout.response_ids[mask == 0] == tokenizer.pad_token_id).all()
+    assert torch.equal(rollout.attention_mask[:, rollout.response_start :], mask)
+    assert rollout.completions == tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+    assert tokenizer.decode(rollout.query_ids[2], skip_special_tokens=False).endswith("<|assistant|>")
+    assert (rollout.logprobs[mask == 1] < 0).all() and (rollout.logprobs[mask == 0] == 0).all()
+
+    # The same draw from `generate` itself: its tempered scores give the same log-probs.
+    torch.manual_seed(0)
+    texts = [format_prompt(tokenizer, p) for p in prompts]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = policy.generate(
+        **batch, do_sample=True, temperature=1.5, top_k=0, top_p=1.0, max_new_tokens=6, output_scores=True,
+        return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    sampled = out.sequences[:, rollout.response_start :]
+    assert torch.equal(sampled * mask, rollout.response_ids * mask)
+    expected = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, sampled[..., None]).squeeze(-1)
+    close(rollout.logprobs, expected * mask)
+
+
+def test_score_completions_passes_row_fields_and_wraps_conversational_completions():
+    seen = {}
+
+    def reward(prompts, completions, answer, **kwargs):
+        seen.update(completions=completions, answer=answer)
+        return [1.0, 0.5]
+
+    conversation = [{"role": "user", "content": "1+1"}]
+    scores = score_completions(reward, [conversation, conversation], ["2", "3"], {"answer": ["2", "2"]})
+    close(scores, [1.0, 0.5])
+    assert seen["completions"][0] == [{"role": "assistant", "content": "2"}] and seen["answer"] == ["2", "2"]
+    with pytest.raises(ValueError, match="returned 2 scores for 3 completions"):
+        score_completions(reward, ["a", "b", "c"], ["x", "y", "z"], {"answer": ["1"] * 3})
+
+
+# ----------------------------------------------------------------------------- training
+
+TRAIN = {"rollout_batch_size": 4, "mini_batch_size": 2, "max_new_tokens": 8, "learning_rate": 1e-3, "logging_steps": 1}
+METRICS = ("score", "kl", "kl_coef", "policy_loss", "value_loss", "clipfrac", "approx_kl", "entropy", "response_length")
+
+
+def fresh_models(model_dir):
+    return load_causal_lm(model_dir), load_causal_lm(model_dir), load_value_model(model_dir)
+
+
+def run_ppo(model_dir, tokenizer, checkpoints, models=None, **overrides):
+    policy, ref, value = models or fresh_models(model_dir)
+    prompts, fields = task_prompts(6)
+    logged = []
+    params = PPOParams(**{**TRAIN, "max_steps": 2, **overrides})
+    history = train_ppo(
+        policy, ref, value, tokenizer, prompts, fields, digit_share, params, checkpoints, lambda m, s: logged.append(s)
+    )
+    return history, logged
+
+
+def test_ppo_updates_policy_and_value_and_reports_finite_metrics(model_dir, tokenizer, tmp_path):
+    policy, ref, value = fresh_models(model_dir)
+    before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in zip("prv", (policy, ref, value))}
+    history, logged = run_ppo(model_dir, tokenizer, tmp_path / "ckpt", models=(policy, ref, value))
+    assert [row["step"] for row in history] == logged == [1, 2]
+    assert all(math.isfinite(row[key]) for row in history for key in METRICS)
+    assert all(0 < row["response_length"] <= 8 for row in history)
+    assert changed(before["p"], policy.state_dict()) and changed(before["v"], value.state_dict())
+    assert not changed(before["r"], ref.state_dict()), "the reference stays frozen"
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-2"], "only the last checkpoint is kept"
+
+
+def test_ppo_with_lora_returns_a_merged_plain_policy(model_dir, tokenizer, tmp_path):
+    policy, ref, value = fresh_models(model_dir)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
+    history, _ = run_ppo(model_dir, tokenizer, tmp_path / "ckpt", models=(policy, ref, value), lora=lora)
+    assert len(history) == 2 and all(math.isfinite(row["policy_loss"]) for row in history)
+    assert set(policy.state_dict()) == set(before), "adapters are merged: no lora_ keys remain"
+    assert changed(before, policy.state_dict(), "model.layers")
+
+
+def test_a_resumed_run_continues_from_its_checkpoint_and_reproduces(model_dir, tokenizer, tmp_path):
+    """Run 2 iterations checkpointing every one, then restart with max_steps 3: only iteration
+    3 runs, and it ends where a 3-iteration run that was never stopped ends."""
+    first, _ = run_ppo(model_dir, tokenizer, tmp_path / "resumed", save_steps=1)
+    assert latest_checkpoint(tmp_path / "resumed").name == "step-2"
+    policy, ref, value = fresh_models(model_dir)
+    resumed, logged = run_ppo(model_dir, tokenizer, tmp_path / "resumed", models=(policy, ref, value), max_steps=3)
+    assert logged == [3] and len(resumed) == 3 and resumed[:2] == first
+
+    straight_policy, *rest = fresh_models(model_dir)
+    straight, _ = run_ppo(model_dir, tokenizer, tmp_path / "straight", models=(straight_policy, *rest), max_steps=3)
+    assert resumed[2] == pytest.approx(straight[2])
+    for key, tensor in straight_policy.state_dict().items():
+        torch.testing.assert_close(policy.state_dict()[key], tensor)
+
+
+@pytest.mark.slow
+def test_ppo_raises_mean_reward_on_the_builtin_prompts(model_dir, tokenizer, tmp_path):
+    """From the untrained micro model (about 1 in 10 tokens is a digit), PPO on the share of
+    digits must clearly raise the mean score within 30 iterations."""
+    prompts, fields = task_prompts(64)
+    params = PPOParams(
+        max_steps=30, rollout_batch_size=16, mini_batch_size=8, max_new_tokens=8, learning_rate=3e-3,
+        kl_coef=0.01, logging_steps=5, save_steps=1000,
+    )  # fmt: skip
+    policy, ref, value = fresh_models(model_dir)
+    history = train_ppo(policy, ref, value, tokenizer, prompts, fields, digit_share, params, tmp_path / "ckpt")
+    first = sum(row["score"] for row in history[:5]) / 5
+    last = sum(row["score"] for row in history[-5:]) / 5
+    assert last > first + 0.3, f"mean digit share {first:.3f} -> {last:.3f}"

@@ -1,0 +1,221 @@
+"""The process reward model: input layout, aggregation, metrics, training (full and LoRA),
+resume, and bad data. Training runs use the micro model for 2-4 steps."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.data import DataValidationError
+from rlhf.modeling import build_tiny_model, build_tokenizer, save_model
+from rlhf.prm import (
+    IGNORE,
+    ProcessRewardModel,
+    aggregate,
+    build_dataset,
+    encode_steps,
+    load_prm_model,
+    prm_metrics,
+    prm_trainer,
+    save_prm,
+    truncate_to_steps,
+)
+from rlhf.task import TaskSizes, TaskSpec, generate_datasets
+from rlhf.training import TrainingParams, train_resumable
+
+
+def weights(model_dir) -> dict[str, torch.Tensor]:
+    return {k: v for file in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(file)).items()}
+
+
+def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
+    return [k for k in a if k in b and k.startswith(prefix) and not torch.equal(a[k], b[k])]
+
+
+def test_labels_sit_on_the_last_token_of_each_separator():
+    """Char-level tokens: "1+2\\n" is positions 0-3; "1+2=3" 4-8, "; " 9-10; "answer 3" 11-18,
+    "; " 19-20. Step 1's label is at 10, step 2's at 20; all else is -100."""
+    tokenizer = build_tokenizer()
+    row = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True, False])
+    assert tokenizer.decode(row["input_ids"]) == "1+2\n1+2=3; answer 3; "
+    assert len(row["input_ids"]) == len(row["labels"]) == 21
+    assert {i: label for i, label in enumerate(row["labels"]) if label != IGNORE} == {10: 1, 20: 0}
+    # Scoring (no labels) marks the same positions.
+    unlabelled = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"])
+    assert unlabelled["input_ids"] == row["input_ids"]
+    assert [i for i, label in enumerate(unlabelled["labels"]) if label != IGNORE] == [10, 20]
+    # A conversational prompt goes through the chat template (each chat marker is one token).
+    chat = encode_steps(tokenizer, [{"role": "user", "content": "1+2"}], ["1+2=3"], [True])
+    assert tokenizer.decode(chat["input_ids"]) == "<|user|>1+2<|end|><|assistant|>1+2=3; "
+    assert [i for i, label in enumerate(chat["labels"]) if label != IGNORE] == [len(chat["input_ids"]) - 1]
+    with pytest.raises(ValueError, match="2 steps but 1 labels"):
+        encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True])
+
+
+def test_long_rows_keep_their_whole_steps():
+    """The 21-token row above: within 15 tokens only step 1 (ending at 10) fits, so it is cut
+    to 11 tokens; within 8 tokens not even step 1 fits and the row is dropped."""
+    tokenizer = build_tokenizer()
+    row = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True, False])
+    cut = truncate_to_steps(row, 15)
+    assert len(cut["input_ids"]) == 11 and cut["labels"][-1] == 1 and cut["labels"].count(IGNORE) == 10
+    assert truncate_to_steps(row, 21) is row
+    assert truncate_to_steps(row, 8) is None
+    table = {"prompt": ["1+2\n", "1+2\n"], "completions": [["1+2=3", "answer 3"], ["1+2=3"]], "labels": [[1, 1], [1]]}
+    assert len(build_dataset(tokenizer, table, max_length=15)) == 2
+    with pytest.raises(ValueError, match="max_length=8"):
+        build_dataset(tokenizer, table, max_length=8)
+
+
+def test_aggregation():
+    """Steps scored 0.9, 0.5, 0.8: min 0.5, prod 0.9 * 0.5 * 0.8 = 0.36, last 0.8."""
+    assert aggregate([0.9, 0.5, 0.8], "min") == 0.5
+    assert aggregate([0.9, 0.5, 0.8], "prod") == pytest.approx(0.36)
+    assert aggregate([0.9, 0.5, 0.8], "last") == 0.8
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        aggregate([0.9], "mean")
+    with pytest.raises(ValueError, match="no step scores"):
+        aggregate([], "min")
+
+
+def test_metrics_on_hand_made_predictions():
+    """Predicted good = P > 0.5.
+    A labels TTT, scores .9 .8 .6 -> TTT (3 right); B TFF, .9 .6 .2 -> TTF (2 right);
+    C TTF, .6 .9 .1 -> TTF (3 right): step accuracy 8/9.
+    Bad class: predicted {B3, C3}, actual {B2, B3, C3}: tp 2, fp 0, fn 1 -> F1 4/5.
+    Good class: predicted 7, actual 6, tp 6, fp 1 (B2), fn 0 -> F1 12/13.
+    First error: B's predicted first bad step is 3 (true 2), C's is 3 (true 3) -> 1/2.
+    Outcome (A all good, B and C not): min .6/.2/.1 and last .6/.2/.1 all agree -> 1;
+    prod .432/.108/.054 calls A bad -> 2/3."""
+    scores = [[0.9, 0.8, 0.6], [0.9, 0.6, 0.2], [0.6, 0.9, 0.1]]
+    labels = [[True, True, True], [True, False, False], [True, True, False]]
+    metrics = prm_metrics(scores, labels)
+    assert metrics["step_accuracy"] == pytest.approx(8 / 9)
+    assert metrics["f1_bad"] == pytest.approx(4 / 5)
+    assert metrics["f1_good"] == pytest.approx(12 / 13)
+    assert metrics["first_error_accuracy"] == pytest.approx(1 / 2)
+    assert metrics["outcome_accuracy_min"] == 1.0 and metrics["outcome_accuracy_last"] == 1.0
+    assert metrics["outcome_accuracy_prod"] == pytest.approx(2 / 3)
+    assert metrics["bad_step_fraction"] == pytest.approx(3 / 9)
+    assert (metrics["eval_solutions"], metrics["eval_steps"]) == (3, 9)
+
+
+# ----------------------------------------------------------------------------- with a model
+
+
+@pytest.fixture
+def micro_dir(tmp_path):
+    tokenizer = build_tokenizer()
+    path = tmp_path / "models/sft"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, path)
+    return path
+
+
+def write_prm_tables(root, train_rows: int = 16, eval_rows: int = 8):
+    sizes = TaskSizes(**{**dict.fromkeys(TaskSizes.__dataclass_fields__, 0), "prm": train_rows, "prm_eval": eval_rows})
+    data = generate_datasets(TaskSpec(), sizes, seed=0)
+    folder = root / "data/prepared"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("prm", "prm_eval"):
+        pd.DataFrame(data[name]).to_parquet(folder / f"{name}.parquet")
+    return folder / "prm.parquet", folder / "prm_eval.parquet"
+
+
+def test_prefix_of_k_steps_scores_k_steps_and_batching_changes_nothing(micro_dir):
+    tokenizer = build_tokenizer()
+    save_prm(load_prm_model(micro_dir), tokenizer, micro_dir)
+    prm = ProcessRewardModel.load(micro_dir)
+    steps = ["1+2=3", "3+4=7", "answer 7"]
+    full, prefix, other = prm.score_steps(["1+2+4\n", "1+2+4\n", "5-1\n"], [steps, steps[:2], ["5-1=4"]])
+    assert len(full) == 3 and len(prefix) == 2 and len(other) == 1
+    assert all(0.0 < s < 1.0 for s in full)
+    # Causal attention: a step's score depends only on what precedes it, padding or not.
+    assert prefix == pytest.approx(full[:2], abs=1e-5)
+    assert prm.score_steps(["5-1\n"], [["5-1=4"]])[0] == pytest.approx(other, abs=1e-5)
+    whole = prm.score_completions(["1+2+4\n", "1+2+4\n"], ["1+2=3; 3+4=7; answer 7", ""], how="prod")
+    assert whole == pytest.approx([math.prod(full), 0.0], abs=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, micro_dir, lora):
+    import stages.process_reward_model as stage
+
+    monkeypatch.chdir(tmp_path)
+    write_prm_tables(tmp_path)
+    config = stage.Config(
+        max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2, learning_rate=1e-2,
+        lora={"enabled": lora, "r": 4},
+    )  # fmt: skip
+    monkeypatch.setattr(stage, "load_config", lambda section: config)
+    stage.main()
+
+    metrics = json.loads((tmp_path / "metrics/prm.json").read_text())
+    assert metrics["steps_trained"] == 2 and math.isfinite(metrics["train_loss"])
+    assert metrics["eval_solutions"] == 8 and 0.0 <= metrics["step_accuracy"] <= 1.0
+    assert {f"outcome_accuracy_{how}" for how in ("min", "prod", "last")} <= set(metrics)
+    curve = pd.read_csv(tmp_path / "plots/prm/loss.csv")
+    assert len(curve) == 2 and curve["loss"].map(math.isfinite).all()
+    out = tmp_path / "models/prm"
+    assert not any(p.name.startswith("adapter") for p in out.iterdir()), "adapters are merged on save"
+    trained = weights(out)
+    assert trained["score.weight"].shape == (2, 32)
+    assert changed(weights(micro_dir), trained, "model.layers"), "the body is trained, not only the head"
+    assert not (tmp_path / "checkpoints/prm").exists()
+
+
+def test_a_resumed_run_reproduces_an_uninterrupted_one(tmp_path, monkeypatch, mlflow_store, micro_dir):
+    """Stop after step 2 (checkpoint-2), resume in a fresh trainer to step 4: the weights
+    equal those of a run that was never stopped."""
+    from transformers import TrainerCallback, set_seed
+
+    from rlhf.data import validate_contract
+
+    class StopAt2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    class CountSteps(TrainerCallback):
+        taken = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            CountSteps.taken += 1
+
+    monkeypatch.chdir(tmp_path)
+    data, _ = write_prm_tables(tmp_path)
+    tokenizer = build_tokenizer()
+    train = build_dataset(tokenizer, validate_contract(pd.read_parquet(data), "prm", data))
+    params = TrainingParams(max_steps=4, per_device_train_batch_size=4, save_steps=2, learning_rate=1e-2)
+
+    def trainer(out):
+        set_seed(0)
+        return prm_trainer(params, load_prm_model(micro_dir), tokenizer, train, out)
+
+    straight = trainer(tmp_path / "straight")
+    straight.train()
+    stopped = trainer(tmp_path / "resumed")
+    stopped.add_callback(StopAt2())
+    stopped.train()
+    assert stopped.state.global_step == 2
+    resumed = trainer(tmp_path / "resumed")
+    resumed.add_callback(CountSteps())
+    assert train_resumable(resumed, "prm", "test").endswith("checkpoint-2")
+    assert resumed.state.global_step == 4 and CountSteps.taken == 2, "steps 3 and 4 only"
+    for name, value in straight.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], value)
+
+
+def test_bad_rows_fail_before_training_naming_file_and_row(tmp_path):
+    import stages.process_reward_model as stage
+
+    data, eval_data = write_prm_tables(tmp_path, train_rows=4)
+    frame = pd.read_parquet(data)
+    frame.at[1, "labels"] = [True]  # row 2: fewer labels than steps
+    frame.to_parquet(data)
+    with pytest.raises(DataValidationError) as error:
+        stage.run(stage.Config(), tmp_path / "no-model-needed", data, eval_data, tmp_path / "out")
+    assert str(data) in str(error.value) and "row 2: 'completions' has" in str(error.value)
