@@ -176,7 +176,7 @@ def prm_trainer(
 def save_prm(model, tokenizer, path: str | Path, separator: str = STEP_SEPARATOR) -> None:
     """The model, its tokenizer and the step separator it was trained with."""
     save_model(model, tokenizer, path)
-    (Path(path) / PRM_FILE).write_text(json.dumps({"step_separator": separator}) + "\n")
+    (Path(path) / PRM_FILE).write_text(json.dumps({"kind": "classifier", "step_separator": separator}) + "\n")
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -213,12 +213,19 @@ class ProcessRewardModel:
         self.separator = separator
 
     @classmethod
-    def load(cls, path: str | Path, trust_remote_code: bool = False) -> ProcessRewardModel:
+    def load(cls, path: str | Path, trust_remote_code: bool = False):
+        """The PRM saved in `path`: this class for a classifier PRM, a
+        `rlhf.likelihood_prm.LikelihoodPRM` for a likelihood one (same scoring interface)."""
         path = resolve_model_dir(path)
         settings = Path(path) / PRM_FILE
         if not settings.is_file():
             raise FileNotFoundError(f"{path} has no {PRM_FILE}: it is not a process reward model written by stage prm")
-        separator = json.loads(settings.read_text())["step_separator"]
+        settings = json.loads(settings.read_text())
+        if settings.get("kind") == "likelihood":
+            from rlhf.likelihood_prm import LikelihoodPRM
+
+            return LikelihoodPRM.load(path, settings, trust_remote_code)
+        separator = settings["step_separator"]
         model = load_prm_model(path, trust_remote_code)
         return cls(model, load_tokenizer(path, trust_remote_code), separator)
 

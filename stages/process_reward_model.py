@@ -31,8 +31,9 @@ from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.data import read_prepared, validate_contract
-from rlhf.modeling import load_tokenizer
-from rlhf.prm import ProcessRewardModel, build_dataset, load_prm_model, prm_metrics, prm_trainer, save_prm
+from rlhf.likelihood_prm import FEATURES, LikelihoodPRM
+from rlhf.modeling import load_causal_lm, load_tokenizer
+from rlhf.prm import PRM_FILE, ProcessRewardModel, build_dataset, load_prm_model, prm_metrics, prm_trainer, save_prm
 from rlhf.task import STEP_SEPARATOR
 from rlhf.tracking import numeric_metrics, stage_run
 from rlhf.training import (
@@ -57,7 +58,10 @@ CURVE_KEYS = ("loss", "learning_rate")
 
 
 class Config(TrainingParams):
-    init: Literal["sft", "base"] = Field("sft", description="model the PRM starts from")
+    kind: Literal["likelihood", "classifier"] = Field(
+        "likelihood", description="likelihood: calibrated LM surprise (rlhf.likelihood_prm); classifier: trained head"
+    )
+    init: Literal["sft", "base"] = Field("sft", description="model the PRM starts from (likelihood: the LM it reads)")
     max_steps: int = Field(400, gt=0, description="optimizer steps")
     per_device_train_batch_size: int = Field(32, gt=0, description="solutions per step")
     learning_rate: float = Field(1e-3, gt=0, lt=1, description="peak learning rate")
@@ -79,6 +83,8 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
     rows = validate_contract(read_prepared(data, stage), "prm", data)
     held_out = validate_contract(read_prepared(eval_data, stage), "prm", eval_data)
     tokenizer = load_tokenizer(init, config.trust_remote_code)
+    if config.kind == "likelihood":
+        return run_likelihood(config, init, tokenizer, rows, held_out, out_dir)
     train = build_dataset(tokenizer, rows, config.step_separator, config.max_length)
     transformers.set_seed(config.seed)  # the new head's initialisation
     model = load_prm_model(init, config.trust_remote_code, what=f"models/{config.init}")
@@ -102,6 +108,29 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
     }
     discard_checkpoints(stage)
     return metrics, log_history_rows(history, CURVE_KEYS)
+
+
+def run_likelihood(config: Config, init: Path, tokenizer, rows, held_out, out_dir: Path) -> tuple[dict, list[dict]]:
+    """Fit the likelihood PRM's calibration on the training rows (no gradient steps on the
+    LM: seconds, not minutes) and score the held-out rows."""
+    lm = load_causal_lm(init, config.trust_remote_code, what=f"models/{config.init}")
+    start = time.perf_counter()
+    prm = LikelihoodPRM.fit(
+        lm, tokenizer, rows["prompt"].tolist(), rows["completions"].tolist(), rows["labels"].tolist(),
+        config.step_separator, config.score_batch_size,
+    )  # fmt: skip
+    fit_seconds = time.perf_counter() - start
+    prm.save(out_dir, PRM_FILE)
+    scores = prm.score_steps(held_out["prompt"].tolist(), held_out["completions"].tolist(), config.score_batch_size)
+    metrics = {
+        **prm_metrics(scores, held_out["labels"].tolist()),
+        "kind": config.kind,
+        **{f"weight_{name}": float(w) for name, w in zip(FEATURES, prm.weights)},
+        "bias": prm.bias,
+        "train_rows": len(rows),
+        "train_seconds": fit_seconds,
+    }
+    return metrics, prm.curve
 
 
 def main() -> None:

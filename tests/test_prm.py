@@ -148,7 +148,7 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
     monkeypatch.chdir(tmp_path)
     write_prm_tables(tmp_path)
     config = stage.Config(
-        max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2, learning_rate=1e-2,
+        kind="classifier", max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2, learning_rate=1e-2,
         lora={"enabled": lora, "r": 4},
     )  # fmt: skip
     monkeypatch.setattr(stage, "load_config", lambda section: config)
@@ -219,3 +219,60 @@ def test_bad_rows_fail_before_training_naming_file_and_row(tmp_path):
     with pytest.raises(DataValidationError) as error:
         stage.run(stage.Config(), tmp_path / "no-model-needed", data, eval_data, tmp_path / "out")
     assert str(data) in str(error.value) and "row 2: 'completions' has" in str(error.value)
+
+
+# ----------------------------------------------------------------------------- likelihood PRM
+
+
+def test_likelihood_features_are_the_lms_token_logprobs(micro_dir):
+    """For prompt '1+2\n' and steps ['1+2=3', 'answer 3'], step 1's span is its 5 tokens plus
+    the first separator token ';', step 2's is its 8 tokens plus EOS; each feature is read
+    off log p(token_t | tokens < t) computed here by hand from one forward pass."""
+    from rlhf.likelihood_prm import encode, likelihood_features
+    from rlhf.modeling import load_causal_lm
+
+    tokenizer, lm = build_tokenizer(), load_causal_lm(micro_dir)
+    ids, spans = encode(tokenizer, "1+2\n", ["1+2=3", "answer 3"], "; ")
+    assert spans == [(4, 10), (11, 20)] and ids[9] == tokenizer.convert_tokens_to_ids(";")
+    assert ids[19] == tokenizer.eos_token_id and len(ids) == 20
+    with torch.inference_mode():
+        logps = lm(torch.tensor([ids])).logits[0].log_softmax(-1)
+    token = torch.tensor([float(logps[t - 1, ids[t]]) for t in range(1, len(ids))])  # token[t-1] = log p(ids[t])
+    step1, step2 = token[3:9], token[10:19]
+    expected = torch.tensor(
+        [
+            [step1.min(), step1.min(), step1.mean()],
+            [step2.min(), min(step1.min(), step2.min()), step2.mean()],
+        ]
+    )
+    (features,) = likelihood_features(lm, tokenizer, ["1+2\n"], [["1+2=3", "answer 3"]])
+    assert torch.allclose(features, expected, atol=1e-5)
+
+
+def test_fit_logistic_separates_a_separable_feature():
+    """Labels = (x > 0) on x in [-2, 2]: the fitted P(good) is above 0.9 at x = 2, below
+    0.1 at x = -2, and the loss curve decreases."""
+    from rlhf.likelihood_prm import fit_logistic
+
+    x = torch.linspace(-2, 2, 41)[:, None]
+    weights, bias, curve = fit_logistic(x, (x[:, 0] > 0), l2=0.0)
+    probability = torch.sigmoid(torch.tensor([[2.0], [-2.0]]) @ weights + bias)
+    assert probability[0] > 0.9 and probability[1] < 0.1
+    assert curve[-1]["loss"] < curve[0]["loss"]
+
+
+def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatch, mlflow_store, micro_dir):
+    import stages.process_reward_model as stage
+    from rlhf.likelihood_prm import LikelihoodPRM
+
+    monkeypatch.chdir(tmp_path)
+    write_prm_tables(tmp_path)
+    monkeypatch.setattr(stage, "load_config", lambda section: stage.Config(kind="likelihood"))
+    stage.main()
+    metrics = json.loads((tmp_path / "metrics/prm.json").read_text())
+    assert metrics["kind"] == "likelihood" and 0.0 <= metrics["step_accuracy"] <= 1.0
+    assert pd.read_csv(tmp_path / "plots/prm/loss.csv")["loss"].map(math.isfinite).all()
+    prm = ProcessRewardModel.load(tmp_path / "models/prm")
+    assert isinstance(prm, LikelihoodPRM)
+    (scores,) = prm.score_steps(["1+2+4\n"], [["1+2=3", "3+4=7", "answer 7"]])
+    assert len(scores) == 3 and all(0.0 < s < 1.0 for s in scores)

@@ -1,0 +1,160 @@
+"""A likelihood process reward model: a causal LM's own surprise at each step, calibrated.
+
+The token-classification PRM (rlhf.prm) has to learn to verify a step from its labels. A
+small model trained on a few thousand rows does not learn to check arithmetic that way
+(held-out step accuracy stays at the share of good steps). But the SFT model that wrote the
+solutions already predicts every token: a step whose tokens it finds improbable (a result
+it would not have written, a number not copied from the previous line, an answer that does
+not match the last result) is suspect. This PRM reads three features per step from a
+frozen causal LM's log-probs of the solution's tokens:
+
+    f1 = min_t log p(token_t | prefix)   over the step's tokens and the token ending it
+    f2 = min over steps 1..i of f1        (Math-Shepherd labels: after a bad step, all bad)
+    f3 = mean_t log p(token_t | prefix)  over the same tokens
+
+and fits P(good) = sigmoid(w . f + b) to the PRM data's step labels (logistic regression,
+L-BFGS with a small L2 penalty). The token that ends a step is the first separator token,
+or EOS after the final step: a number cut short ("answer 6" for 64) shows there.
+
+It has the same interface as `ProcessRewardModel` (score_steps, score_completions), so
+best-of-n, MCTS and the PRM reward take either. Saved as the LM (models/prm/) plus
+prm.json holding the kind, the separator and the fitted weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rlhf.generation import format_prompt
+from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
+from rlhf.task import STEP_SEPARATOR
+
+KIND = "likelihood"
+FEATURES = ("step_min_logprob", "running_min_logprob", "step_mean_logprob")
+
+
+def encode(tokenizer, prompt, steps: Sequence[str], separator: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of prompt + steps (each followed by the separator, the last by EOS) and,
+    per step, the span [start, end) of the tokens whose log-probs describe it: the step's
+    own tokens and the first token after it."""
+    ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    separator_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
+    spans = []
+    for index, step in enumerate(steps):
+        step_ids = tokenizer(step, add_special_tokens=False)["input_ids"]
+        tail = [tokenizer.eos_token_id] if index == len(steps) - 1 else separator_ids
+        start = len(ids)
+        ids += step_ids + tail
+        spans.append((start, start + len(step_ids) + 1))
+    return ids, spans
+
+
+@torch.inference_mode()
+def likelihood_features(
+    lm, tokenizer, prompts: Sequence, steps: Sequence[Sequence[str]], separator: str = STEP_SEPARATOR, batch_size=64
+) -> list[torch.Tensor]:
+    """A (steps, 3) feature tensor per row (FEATURES), from one forward pass per batch."""
+    lm.eval()
+    encoded = [encode(tokenizer, p, s, separator) for p, s in zip(prompts, steps)]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    result: list[torch.Tensor] = [torch.empty(0, len(FEATURES))] * len(encoded)
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        width = len(encoded[batch[0]][0])
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, i in enumerate(batch):
+            ids = encoded[i][0]
+            input_ids[j, : len(ids)] = torch.tensor(ids)
+            mask[j, : len(ids)] = 1
+        logits = lm(input_ids=input_ids.to(lm.device), attention_mask=mask.to(lm.device)).logits.float()
+        # log p(token t | tokens < t) sits at logits[t - 1].
+        token_logps = logits[:, :-1].log_softmax(-1).gather(2, input_ids[:, 1:, None].to(lm.device))[..., 0].cpu()
+        for j, i in enumerate(batch):
+            rows, running = [], 0.0
+            for begin, end in encoded[i][1]:
+                span = token_logps[j, begin - 1 : end - 1]
+                step_min = float(span.min())
+                running = min(running, step_min)
+                rows.append([step_min, running, float(span.mean())])
+            result[i] = torch.tensor(rows, dtype=torch.float32).reshape(-1, len(FEATURES))
+    return result
+
+
+def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float = 1e-3, steps: int = 100):
+    """Weights and bias of P(good) = sigmoid(features @ w + b), by L-BFGS on the mean
+    binary cross-entropy plus l2 * |w|^2, and the loss at every evaluation (the curve)."""
+    weights = torch.zeros(features.shape[1], requires_grad=True)
+    bias = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weights, bias], max_iter=steps, line_search_fn="strong_wolfe")
+    targets = labels.float()
+    curve: list[dict] = []
+
+    def closure():
+        optimizer.zero_grad()
+        logits = features @ weights + bias
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets) + l2 * weights.pow(2).sum()
+        loss.backward()
+        curve.append({"step": len(curve) + 1, "loss": float(loss.detach())})
+        return loss
+
+    optimizer.step(closure)
+    return weights.detach(), float(bias.detach()), curve
+
+
+class LikelihoodPRM:
+    """P(good) per step from a frozen causal LM's log-probs (see the module docstring)."""
+
+    def __init__(self, lm, tokenizer, weights: torch.Tensor, bias: float, separator: str = STEP_SEPARATOR):
+        self.model = lm
+        self.tokenizer = tokenizer
+        self.weights = torch.as_tensor(weights, dtype=torch.float32)
+        self.bias = float(bias)
+        self.separator = separator
+
+    @classmethod
+    def fit(cls, lm, tokenizer, prompts, steps, labels, separator: str = STEP_SEPARATOR, batch_size: int = 64):
+        rows = likelihood_features(lm, tokenizer, prompts, steps, separator, batch_size)
+        features = torch.cat(rows)
+        targets = torch.tensor([bool(label) for row in labels for label in row])
+        weights, bias, curve = fit_logistic(features, targets)
+        prm = cls(lm, tokenizer, weights, bias, separator)
+        prm.curve = curve
+        return prm
+
+    def score_steps(self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64) -> list[list[float]]:
+        if len(prompts) != len(steps):
+            raise ValueError(f"{len(prompts)} prompts but {len(steps)} step lists")
+        rows = likelihood_features(self.model, self.tokenizer, prompts, steps, self.separator, batch_size)
+        return [torch.sigmoid(row @ self.weights + self.bias).tolist() for row in rows]
+
+    def score_completions(self, prompts, completions: Sequence[str], how: str = "min", batch_size: int = 64):
+        from rlhf.prm import aggregate, split_completion
+
+        steps = [split_completion(c, self.separator) for c in completions]
+        step_scores = self.score_steps(prompts, steps, batch_size)
+        return [aggregate(s, how) if s else 0.0 for s in step_scores]
+
+    def settings(self) -> dict:
+        return {
+            "kind": KIND,
+            "step_separator": self.separator,
+            "features": list(FEATURES),
+            "weights": self.weights.tolist(),
+            "bias": self.bias,
+        }
+
+    def save(self, path: str | Path, settings_file: str) -> None:
+        save_model(self.model, self.tokenizer, path)
+        (Path(path) / settings_file).write_text(json.dumps(self.settings(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, settings: dict, trust_remote_code: bool = False) -> LikelihoodPRM:
+        lm = load_causal_lm(path, trust_remote_code, what="likelihood process reward model")
+        tokenizer = load_tokenizer(path, trust_remote_code)
+        return cls(lm, tokenizer, torch.tensor(settings["weights"]), settings["bias"], settings["step_separator"])
