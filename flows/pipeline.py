@@ -29,12 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-import rlhf  # noqa: F401  (offline, no-telemetry environment first)
 import mlflow
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
+import rlhf  # noqa: F401  (offline, no-telemetry environment first)
 from rlhf.tracking import PARENT_RUN_ENV, git_commit, setup_experiment, tag_stage_runs_with_lock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +109,9 @@ def read_metrics(root: Path = ROOT) -> dict:
     return {
         "sft": load("metrics/sft.json"),
         "rm": load("metrics/rm.json"),
+        "prm": load("metrics/prm.json"),
         "eval": load("reports/eval.json"),
+        "infer": load("reports/infer.json"),
         "gate": load("reports/gate.json"),
     }
 
@@ -119,6 +121,8 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
     lines += [f"| {r['stage']} | {r['status']} | {r['seconds']:.1f} |" for r in results]
     if metrics["rm"]:
         lines += ["", f"Reward-model ensemble held-out pairwise accuracy: **{metrics['rm']['ensemble_accuracy']:.3f}**"]
+    if metrics.get("prm"):
+        lines += ["", f"Process reward model held-out step accuracy: **{metrics['prm']['step_accuracy']:.3f}**"]
     if metrics["eval"]:
         for suite, models in metrics["eval"]["suites"].items():
             lines += [
@@ -135,6 +139,20 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
                         f"| {name} | {acc} | {m['format_rate']:.3f} | {m['kl_to_ref']:.3f} | {m['reward']:.3f} "
                         f"| {m['win_rate']:.3f} |"
                     )
+    if metrics.get("infer"):
+        infer = metrics["infer"]
+        lines += [
+            "",
+            f"## Inference-time compute on `{infer['candidate']}` ({infer['problems']} problems)",
+            "",
+            "| strategy | accuracy | tokens / problem | samples / problem | seconds |",
+            "|---|---|---|---|---|",
+        ]
+        for name, m in infer["strategies"].items():
+            lines.append(
+                f"| {name} | {m['accuracy']:.3f} | {m['tokens_per_problem']:.1f} | {m['samples_per_problem']:.1f} "
+                f"| {m['seconds']:.1f} |"
+            )
     gate = metrics["gate"]
     if gate:
         verdict = f"promoted **{gate['promote']}**" if gate["promoted"] else "no promotion"

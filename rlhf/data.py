@@ -159,12 +159,11 @@ def validate_contract(
                 problems.append(f"row {index + 1}: {field!r} {problem}")
                 row_ok = False
             normalised[field].append(value)
-        if kind == "prm" and row_ok:
-            if len(normalised["completions"][-1]) != len(normalised["labels"][-1]):
-                problems.append(
-                    f"row {index + 1}: 'completions' has {len(normalised['completions'][-1])} steps but "
-                    f"'labels' has {len(normalised['labels'][-1])}; give one label per step"
-                )
+        if kind == "prm" and row_ok and len(normalised["completions"][-1]) != len(normalised["labels"][-1]):
+            problems.append(
+                f"row {index + 1}: 'completions' has {len(normalised['completions'][-1])} steps but "
+                f"'labels' has {len(normalised['labels'][-1])}; give one label per step"
+            )
     if problems:
         raise DataValidationError(path, problems)
     # object columns keep the normalised Python values: pandas >= 3 would otherwise infer a

@@ -70,6 +70,7 @@ def git_commit(root: Path | None = None) -> str:
             cwd=root or project_root(),
             capture_output=True,
             text=True,
+            check=False,
         ).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

@@ -52,7 +52,9 @@ class Config(StageConfig):
         if value.startswith(BUILTIN_PREFIX):
             size = value[len(BUILTIN_PREFIX) :]
             if size not in BUILTIN_SIZES:
-                raise ValueError(f"unknown built-in model {value!r}; use one of {[BUILTIN_PREFIX + s for s in BUILTIN_SIZES]}")
+                raise ValueError(
+                    f"unknown built-in model {value!r}; use one of {[BUILTIN_PREFIX + s for s in BUILTIN_SIZES]}"
+                )
         else:
             try:
                 check_model_dir(value, "base.model")

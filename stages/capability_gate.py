@@ -125,5 +125,6 @@ def main() -> None:
         write_json(VERDICT, verdict)
         mlflow.log_artifact(str(VERDICT))
 
+
 if __name__ == "__main__":
     main()

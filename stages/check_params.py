@@ -27,9 +27,9 @@ STAMP = Path("reports/params.ok")
 def main() -> None:
     configs = load_all()
     # The run records the whole resolved params.yaml, defaults filled in, once per change.
-    with stage_run("check_params", {name: config.model_dump(mode="json") for name, config in configs.items()}):
-        with atomic_file(STAMP) as tmp:
-            tmp.write_text("params.yaml is valid\n")
+    resolved = {name: config.model_dump(mode="json") for name, config in configs.items()}
+    with stage_run("check_params", resolved), atomic_file(STAMP) as tmp:
+        tmp.write_text("params.yaml is valid\n")
     print("check_params: params.yaml is valid")
 
 

@@ -127,7 +127,10 @@ def main() -> None:
         for suite, results in report["suites"].items():
             for name, metrics in results.items():
                 if isinstance(metrics, dict):
-                    print(f"evaluate[{suite}] {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if v is not None))
+                    print(
+                        f"evaluate[{suite}] {name}: "
+                        + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if v is not None)
+                    )
 
 
 if __name__ == "__main__":

@@ -90,7 +90,9 @@ class Config(StageConfig):
         if "sft" not in self.files:
             problems.append("files.sft: source=files needs at least an sft file")
         if not any(name.startswith(EVAL_PREFIX) for name in self.files):
-            problems.append("files: give at least one eval suite (e.g. eval_heldout: {path: ...}) with prompt and answer")
+            problems.append(
+                "files: give at least one eval suite (e.g. eval_heldout: {path: ...}) with prompt and answer"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

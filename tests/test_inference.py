@@ -74,7 +74,7 @@ def test_vote_is_decided_by_the_rule():
 def test_self_consistency_stops_early_when_the_vote_is_unanimous(models, tokenizer):
     """At a very low temperature every sample is the greedy one: the first round of 4 is
     unanimous, 4 > 0 + 12 is false, but the share 4/4 >= 0.75 stops it."""
-    kwargs = dict(max_samples=16, round_size=4, max_new_tokens=12, temperature=1e-4)
+    kwargs = {"max_samples": 16, "round_size": 4, "max_new_tokens": 12, "temperature": 1e-4}
     early = self_consistency(models[0], tokenizer, PROMPTS, stop_share=0.75, **kwargs)
     full = self_consistency(models[0], tokenizer, PROMPTS, early_stop=False, **kwargs)
     assert [a.samples for a in full] == [16, 16, 16]

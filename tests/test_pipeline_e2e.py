@@ -85,7 +85,7 @@ def read_artifacts():
 
 
 def test_flow_runs_every_stage_as_a_task_and_summarises(flow_run):
-    root, result, artifacts = flow_run
+    _root, result, artifacts = flow_run
     assert [s["stage"] for s in result["stages"]] == ALL_STAGES
     assert all(s["status"] == "ran" for s in result["stages"])
     summary = [a for a in artifacts if a.key == "pipeline-summary"]

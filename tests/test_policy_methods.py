@@ -48,7 +48,12 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
         # reward that varies continuously, so that the advantages are not all zero.
         updates |= {"num_generations": 2, "max_completion_length": 8, "rewards": [{"name": "reward_model"}]}
     if method == "ppo":
-        updates |= {"rollout_batch_size": 4, "mini_batch_size": 2, "max_new_tokens": 8, "rewards": [{"name": "reward_model"}]}
+        updates |= {
+            "rollout_batch_size": 4,
+            "mini_batch_size": 2,
+            "max_new_tokens": 8,
+            "rewards": [{"name": "reward_model"}],
+        }
     if lora:
         # LoRA's B starts at zero: a larger step makes the merged change visible at 2 steps.
         updates["lora"] = {"enabled": True, "r": 4}

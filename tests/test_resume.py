@@ -39,13 +39,21 @@ def test_sft_killed_mid_run_resumes_and_reproduces(in_project):
     import stages.sft
 
     root = in_project
-    write_params(root, tiny_params(sft={"max_steps": 120, "save_steps": 20, "logging_steps": 10, "per_device_train_batch_size": 8}))
+    write_params(
+        root,
+        tiny_params(sft={"max_steps": 120, "save_steps": 20, "logging_steps": 10, "per_device_train_batch_size": 8}),
+    )
     stages.prepare.main()
     stages.base.main()
 
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     process = subprocess.Popen(
-        [sys.executable, "-m", "stages.sft"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "stages.sft"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     checkpoint = wait_for_checkpoint(root, process, minimum_step=40)
     process.send_signal(signal.SIGKILL)
