@@ -119,6 +119,7 @@ class ORPOParams(OfflineParams):
     """ORPO (Hong et al. 2024): NLL(y_w) + lambda * -log sigmoid(log odds(y_w) - log odds(y_l)), no reference."""
 
     beta: float = Field(0.1, gt=0, description="lambda, weight of the odds-ratio term")
+    learning_rate: float = Field(3e-6, gt=0, lt=1, description="peak learning rate")
 
 
 class KTOParams(OfflineParams):
@@ -127,6 +128,7 @@ class KTOParams(OfflineParams):
     beta: float = Field(0.1, gt=0, description="KL strength")
     desirable_weight: float = Field(1.0, gt=0, description="loss weight of desirable samples")
     undesirable_weight: float = Field(1.0, gt=0, description="loss weight of undesirable samples")
+    learning_rate: float = Field(3e-6, gt=0, lt=1, description="peak learning rate")
     precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")
     per_device_train_batch_size: int = Field(
         32, gt=1, description="samples per step (KTO's KL estimate needs a real batch: at least 2)"
