@@ -6,8 +6,7 @@ The target is this checkout's models/sft (`builtin:tiny`, 4 layers of 128). The 
 `builtin:micro` (2 layers of 32) fine-tuned by the project's own sft stage for `--draft-steps`
 steps in a scratch copy, so it shares the tokenizer and has learned the task's format. The
 script checks that both decodings produce identical text, then prints the median times and
-the ratio plain / speculative (above 1: speculative is faster), and the draft tokens
-accepted per target forward pass.
+the ratio plain / speculative (above 1: speculative is faster).
 
     python benchmarks/speculative.py [--prompts 100] [--draft-steps 400] [--assistant-tokens 5]
 

@@ -223,3 +223,25 @@ def test_infer_reports_every_strategy(project):
     assert strategies["self_consistency"]["samples_per_problem"] <= 4
     samples = json.loads((project / "reports/infer_samples.json").read_text())
     assert set(samples) == set(strategies) - {"self_consistency_full"}
+
+
+def test_gate_promotes_the_merged_candidate_when_it_is_best(project):
+    """`merged` is a candidate like any policy: with the best held-out accuracy it passes
+    and is promoted, and models/champion holds models/merged's weights."""
+    import stages.capability_gate
+
+    report = json.loads((project / "reports/eval.json").read_text())
+    heldout = report["suites"]["heldout"]
+    best = max(m["accuracy"] for m in heldout.values() if isinstance(m, dict))
+    report["candidates"] = ["dpo", "merged"]
+    heldout["merged"] = dict(heldout["dpo"], accuracy=best + 0.1)
+    (project / "reports/eval.json").write_text(json.dumps(report))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(project)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
+        stages.capability_gate.main()
+    verdict = json.loads((project / "reports/gate.json").read_text())
+    assert verdict["promoted"] is True and verdict["promote"] == "merged" and verdict["champion"] == "merged"
+    champion, merged = weights(project / "models/champion"), weights(project / "models/merged")
+    assert set(champion) == set(merged) and not changed(champion, merged)
