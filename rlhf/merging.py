@@ -254,6 +254,7 @@ def run_mergekit(
     """Run mergekit on the CPU into `out_dir` (safetensors), then give it the config,
     generation config and tokenizer of `files_from` (the base), and record the mergekit
     configuration in `out_dir`/mergekit_config.yml. `seed` seeds DARE's drops."""
+    from mergekit.io.tasks import LoaderCache
     from mergekit.merge import MergeOptions, run_merge
 
     out_dir, files_from = Path(out_dir), Path(files_from)
@@ -272,6 +273,10 @@ def run_mergekit(
         quiet=True,
     )
     recorded = configuration.to_yaml()  # before run_merge, which rewrites it into slices
+    # mergekit keeps one tensor loader per model path for the whole process (a class-level
+    # dict): a model rewritten at the same path since an earlier merge in this process would
+    # be read stale (found by running the merge tests and the stage tests in one process).
+    LoaderCache().loaders.clear()
     run_merge(configuration, str(out_dir), options)
     (out_dir / MERGEKIT_CONFIG).write_text(recorded + "\n")
     for name in BASE_FILES:

@@ -15,6 +15,7 @@ SECTIONS = {
     "prepare": "stages.prepare",
     "base": "stages.base",
     "sft": "stages.sft",
+    "verifier": "stages.verifier",
     "rm": "stages.reward_model",
     "prm": "stages.process_reward_model",
     "policy": "stages.policy",

@@ -61,7 +61,9 @@ class Config(TrainingParams):
     kind: Literal["likelihood", "classifier"] = Field(
         "likelihood", description="likelihood: calibrated LM surprise (rlhf.likelihood_prm); classifier: trained head"
     )
-    init: Literal["sft", "base"] = Field("sft", description="model the PRM starts from (likelihood: the LM it reads)")
+    init: Literal["verifier", "sft", "base"] = Field(
+        "verifier", description="model the PRM starts from (likelihood: the LM it reads)"
+    )
     max_steps: int = Field(400, gt=0, description="optimizer steps")
     per_device_train_batch_size: int = Field(32, gt=0, description="solutions per step")
     learning_rate: float = Field(1e-3, gt=0, lt=1, description="peak learning rate")

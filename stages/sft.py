@@ -58,11 +58,11 @@ class Config(TrainingParams):
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
 
-def run(config: Config, base_dir: Path, data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
-    """Fine-tune, save the model into `out_dir`; return metrics and the loss curve."""
-    stage = "sft"
+def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = "sft") -> tuple[dict, list[dict]]:
+    """Fine-tune `base_dir`, save the model into `out_dir`; return metrics and the loss
+    curve. `stage` names the checkpoint folder (stage `verifier` trains the same way)."""
     tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
-    model = load_causal_lm(base_dir, config.trust_remote_code, what="models/base")
+    model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir))
     dataset = Dataset.from_pandas(read_prepared(data, "sft"), preserve_index=False)
     conversational = "messages" in dataset.column_names
     only_target = config.loss_on == "completion"

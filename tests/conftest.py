@@ -38,6 +38,7 @@ TINY_OVERRIDES = {
     },
     "base": {"model": "builtin:micro"},
     "sft": {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
+    "verifier": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
     "rm": {"max_steps": 2, "num_members": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
     "prm": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
     "policy": {

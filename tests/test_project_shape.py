@@ -34,12 +34,19 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def rlhf_closure(path: Path) -> set[str]:
-    """rlhf/ files imported by `path`, directly or through other rlhf modules."""
+    """rlhf/ files imported by `path`, directly or through other rlhf modules or through
+    another stage module it reuses (stage `verifier` runs stage `sft`'s trainer)."""
+    return {f for f in code_closure(path) if f.startswith("rlhf/")}
+
+
+def code_closure(path: Path) -> set[str]:
+    """rlhf/ and stages/ module files imported by `path`, transitively (the `stages`
+    package itself, which only validates params, excluded)."""
     seen: set[str] = set()
     todo = [path]
     while todo:
         for name in imported_modules(todo.pop()):
-            if name == "rlhf" or name.startswith("rlhf."):
+            if name.startswith(("rlhf", "stages.")) and name != "rlhf":
                 file = REPO / (name.replace(".", "/") + ".py")
                 rel = file.relative_to(REPO).as_posix()
                 if file.exists() and rel not in seen:
@@ -70,6 +77,8 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
         assert module_of[name] == module, f"stage {name} runs stages.{module}"
         source = f"stages/{module}.py"
         assert source in body["deps"], f"stage {name} must depend on its module {source}"
+        reused = {f for f in code_closure(REPO / source) if f.startswith("stages/")}
+        assert reused <= set(body["deps"]), f"stage {name} must depend on the stage modules it runs: {sorted(reused)}"
         listed = {d for d in body["deps"] if d.startswith("rlhf/")}
         needed = rlhf_closure(REPO / source) - INFRASTRUCTURE
         assert listed == needed, f"stage {name}: rlhf deps listed {sorted(listed)} but imports {sorted(needed)}"

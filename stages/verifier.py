@@ -1,0 +1,53 @@
+"""Stage `verifier`: the language model the likelihood PRM reads, trained further than the policy.
+
+In:  models/sft, data/prepared/sft.parquet.
+Out: models/verifier (a causal LM), metrics/verifier.json, plots/verifier/loss.csv.
+
+A verifier only helps inference-time search and reranking when it catches the policy's own
+mistakes, and a PRM that reads the policy's own log-probs (stage prm, `kind: likelihood`,
+`init: sft`) cannot: the mistakes a model makes are the ones it is confident in. This stage
+continues supervised fine-tuning of the SFT model on the same demonstrations (the sft
+stage's trainer, its own params section) to give the PRM a stronger reader, as verifiers
+in the literature are trained apart from the policy. The policy stages never read it.
+
+    python -m stages.verifier
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+from pydantic import Field
+
+from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.tracking import numeric_metrics, stage_run
+from stages import load_config
+from stages.sft import DATA as SFT_DATA
+from stages.sft import Config as SFTConfig
+from stages.sft import run as run_sft
+
+INIT_DIR = Path("models/sft")
+OUT_DIR = Path("models/verifier")
+METRICS = Path("metrics/verifier.json")
+PLOT = Path("plots/verifier/loss.csv")
+
+
+class Config(SFTConfig):
+    max_steps: int = Field(650, gt=0, description="optimizer steps beyond the SFT model's")
+    learning_rate: float = Field(1e-3, gt=0, lt=1, description="peak learning rate")
+
+
+def main() -> None:
+    config = load_config("verifier")
+    with stage_run("verifier", config):
+        with atomic_dir(OUT_DIR) as tmp:
+            metrics, curve = run_sft(config, INIT_DIR, SFT_DATA, tmp, stage="verifier")
+        write_json(METRICS, metrics)
+        write_csv(PLOT, curve)
+        mlflow.log_metrics(numeric_metrics(metrics))
+        mlflow.log_artifact(str(PLOT))
+
+
+if __name__ == "__main__":
+    main()
