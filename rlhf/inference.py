@@ -175,6 +175,7 @@ class Node:
     visits: int = 0
     total: float = 0.0
     terminal: bool = False
+    expansions: int = 0
     children: list[Node] = field(default_factory=list)
 
     @property
@@ -214,25 +215,36 @@ def mcts(
     max_depth: int = 8,
     max_step_tokens: int = 16,
     seed: int = 0,
+    widen_below: float = 0.0,
+    max_expansions: int = 1,
 ) -> Answer:
     """Step-level MCTS for one prompt. `step_scorer(prompts, steps_lists)` returns P(good)
     per step (rlhf.prm.ProcessRewardModel.score_steps); a node's value is the score of its
     last step, which under Math-Shepherd labels estimates P(the chain so far leads to the
     right answer). The answer is the highest-valued terminal path (ties: most visited);
-    without one, the most visited path, completed greedily."""
+    without one, the most visited path, completed greedily.
+
+    Progressive widening: a node whose children all score below `widen_below` is expanded
+    again (new samples, new seed), up to `max_expansions` times, instead of descending into
+    a child the scorer already rejects: the policy's confident mistakes repeat in every
+    sample of one expansion."""
     root = Node(steps=(), visits=1)
     tokens = 0
     for simulation in range(simulations):
         path, node = [root], root
         while node.children and not node.terminal:
+            if max(c.value for c in node.children) < widen_below and node.expansions < max_expansions:
+                break
             node = max(node.children, key=lambda child, parent=node: puct(parent, child, c_puct))
             path.append(node)
         if not node.terminal and len(node.steps) < max_depth:
             counted = next_steps(
                 model, tokenizer, prompt, node.steps, expand, temperature, max_step_tokens, seed + simulation
             )
+            node.expansions += 1
             tokens += sum(count_tokens(tokenizer, list(counted.elements())))
-            candidates = [node.steps + (step,) for step in counted]
+            known = {child.steps[-1] for child in node.children}
+            candidates = [node.steps + (step,) for step in counted if step not in known]
             if candidates:
                 scores = step_scorer([prompt] * len(candidates), [list(c) for c in candidates])
                 for steps, step_scores in zip(candidates, scores):
@@ -244,6 +256,8 @@ def mcts(
                     )
                     child.visits, child.total = 1, child.value
                     node.children.append(child)
+                value = max(child.value for child in node.children)
+            elif node.children:
                 value = max(child.value for child in node.children)
             else:
                 node.terminal, value = True, 0.0
@@ -262,8 +276,9 @@ def mcts(
         )[0]
         tokens += count_tokens(tokenizer, [rest])[0]
         completion = STEP_SEPARATOR.join([*node.steps, rest]) if node.steps else rest
-        return Answer(completion, tokens, simulations, {"terminal": False})
-    return Answer(STEP_SEPARATOR.join(best.steps), tokens, simulations, {"terminal": True, "value": best.value})
+        return Answer(completion, tokens, simulations, {"terminal": False, "root_expansions": root.expansions})
+    extra = {"terminal": True, "value": best.value, "root_expansions": root.expansions}
+    return Answer(STEP_SEPARATOR.join(best.steps), tokens, simulations, extra)
 
 
 def _best_terminal(root: Node) -> Node | None:
@@ -403,6 +418,8 @@ class MCTS(StageConfig):
     c_puct: float = Field(1.0, ge=0, description="exploration weight of PUCT")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of expansions")
     max_depth: int = Field(8, ge=1, description="most steps in a path")
+    widen_below: float = Field(0.0, ge=0, le=1, description="re-expand a node whose children all score below this")
+    max_expansions: int = Field(1, ge=1, description="expansions per node (progressive widening)")
 
 
 class Speculative(StageConfig):
@@ -461,6 +478,8 @@ def run_strategy(
                 options.temperature,
                 options.max_depth,
                 seed=seed + i,
+                widen_below=options.widen_below,
+                max_expansions=options.max_expansions,
             )
             for i, prompt in enumerate(prompts)
         ]

@@ -121,3 +121,16 @@ def test_mcts_runs_its_simulations_and_returns_a_path(models, tokenizer):
 def test_ensemble_vote_counts_each_models_answer(models, tokenizer):
     answers = ensemble_vote(models, tokenizer, PROMPTS, max_new_tokens=8)
     assert all(a.samples == 2 for a in answers)
+
+
+def test_mcts_widens_a_node_whose_children_all_score_low(models, tokenizer):
+    """A scorer that rejects every step: with widening below 0.5 and at most 3 expansions,
+    the root is expanded 3 times (then the search descends); without widening, once."""
+
+    def reject(prompts, steps_lists):
+        return [[0.0] * len(steps) for steps in steps_lists]
+
+    kwargs = {"simulations": 5, "expand": 2, "max_depth": 2, "max_step_tokens": 6, "temperature": 1.0}
+    widened = mcts(models[0], tokenizer, PROMPTS[0], reject, widen_below=0.5, max_expansions=3, **kwargs)
+    plain = mcts(models[0], tokenizer, PROMPTS[0], reject, **kwargs)
+    assert widened.extra["root_expansions"] == 3 and plain.extra["root_expansions"] == 1
