@@ -32,7 +32,7 @@ from pydantic import Field
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.data import read_prepared, validate_contract
 from rlhf.likelihood_prm import FEATURES, LikelihoodPRM
-from rlhf.modeling import load_causal_lm, load_tokenizer
+from rlhf.modeling import check_model_dir, load_causal_lm, load_tokenizer, resolve_model_dir
 from rlhf.prm import PRM_FILE, ProcessRewardModel, build_dataset, load_prm_model, prm_metrics, prm_trainer, save_prm
 from rlhf.task import STEP_SEPARATOR
 from rlhf.tracking import numeric_metrics, stage_run
@@ -84,6 +84,7 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
     # Both tables are checked before any model is loaded: a bad row fails in a second.
     rows = validate_contract(read_prepared(data, stage), "prm", data)
     held_out = validate_contract(read_prepared(eval_data, stage), "prm", eval_data)
+    check_model_dir(resolve_model_dir(init), f"prm.init {config.init!r} (models/{config.init})")
     tokenizer = load_tokenizer(init, config.trust_remote_code)
     if config.kind == "likelihood":
         return run_likelihood(config, init, tokenizer, rows, held_out, out_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -148,7 +149,7 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
     monkeypatch.chdir(tmp_path)
     write_prm_tables(tmp_path)
     config = stage.Config(
-        kind="classifier", max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2, learning_rate=1e-2,
+        kind="classifier", init="sft", max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2, learning_rate=1e-2,
         lora={"enabled": lora, "r": 4},
     )  # fmt: skip
     monkeypatch.setattr(stage, "load_config", lambda section: config)
@@ -267,7 +268,7 @@ def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatc
 
     monkeypatch.chdir(tmp_path)
     write_prm_tables(tmp_path)
-    monkeypatch.setattr(stage, "load_config", lambda section: stage.Config(kind="likelihood"))
+    monkeypatch.setattr(stage, "load_config", lambda section: stage.Config(kind="likelihood", init="sft"))
     stage.main()
     metrics = json.loads((tmp_path / "metrics/prm.json").read_text())
     assert metrics["kind"] == "likelihood" and 0.0 <= metrics["step_accuracy"] <= 1.0
@@ -276,3 +277,14 @@ def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatc
     assert isinstance(prm, LikelihoodPRM)
     (scores,) = prm.score_steps(["1+2+4\n"], [["1+2=3", "3+4=7", "answer 7"]])
     assert len(scores) == 3 and all(0.0 < s < 1.0 for s in scores)
+
+
+def test_a_missing_reader_model_fails_naming_the_param(tmp_path, monkeypatch, mlflow_store):
+    """prm.init: verifier without models/verifier: one error naming the param and the path,
+    before any model is loaded (no hub lookup)."""
+    import stages.process_reward_model as stage
+
+    monkeypatch.chdir(tmp_path)
+    data, eval_data = write_prm_tables(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"prm.init 'verifier' \(models/verifier\) directory models/verifier"):
+        stage.run(stage.Config(), Path("models/verifier"), data, eval_data, tmp_path / "out")
