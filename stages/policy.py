@@ -271,6 +271,14 @@ def train_trl(
     return metrics, log_history_rows(history, logged)
 
 
+def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:
+    """(config class, trainer class) for a method with a reference model (DPO, KTO): with
+    `precompute_ref_log_probs` the trainer keeps its reference log-probs in the
+    content-keyed cache (rlhf.ref_logprobs). Sets the flag in `trl_args`."""
+    trl_args["precompute_ref_log_probs"] = params.precompute_ref_log_probs
+    return config_cls, with_reference_cache(trainer_cls) if params.precompute_ref_log_probs else trainer_cls
+
+
 def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
     trl_args = {
@@ -279,18 +287,22 @@ def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> t
         "beta": params.beta,
         "label_smoothing": params.label_smoothing,
         "max_length": params.max_length,
-        "precompute_ref_log_probs": params.precompute_ref_log_probs,
     }
-    trainer = with_reference_cache(DPOTrainer) if params.precompute_ref_log_probs else DPOTrainer
-    return train_trl(config, params, PREFS, (DPOConfig, trainer), trl_args, out_dir, stage)
+    classes = reference_trainer(DPOConfig, DPOTrainer, params, trl_args)
+    return train_trl(config, params, PREFS, classes, trl_args, out_dir, stage)
 
 
 def train_simpo(config: Config, params: SimPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     # SimPO is CPO's loss with the behaviour-cloning term switched off (cpo_alpha=0).
-    trl_args = {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": params.beta, "simpo_gamma": params.gamma}
-    trl_args["max_length"] = params.max_length
+    trl_args = {
+        "loss_type": "simpo",
+        "cpo_alpha": 0.0,
+        "beta": params.beta,
+        "simpo_gamma": params.gamma,
+        "max_length": params.max_length,
+    }
     return train_trl(config, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
 
 
@@ -307,10 +319,9 @@ def train_kto(config: Config, params: KTOParams, out_dir: Path, stage: str) -> t
         "desirable_weight": params.desirable_weight,
         "undesirable_weight": params.undesirable_weight,
         "max_length": params.max_length,
-        "precompute_ref_log_probs": params.precompute_ref_log_probs,
     }
-    trainer = with_reference_cache(KTOTrainer) if params.precompute_ref_log_probs else KTOTrainer
-    return train_trl(config, params, UNPAIRED, (KTOConfig, trainer), trl_args, out_dir, stage)
+    classes = reference_trainer(KTOConfig, KTOTrainer, params, trl_args)
+    return train_trl(config, params, UNPAIRED, classes, trl_args, out_dir, stage)
 
 
 def train_online(

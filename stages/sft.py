@@ -98,15 +98,23 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
     return metrics, log_history_rows(history, CURVE_KEYS)
 
 
-def main() -> None:
-    config = load_config("sft")
-    with stage_run("sft", config):
-        with atomic_dir(OUT_DIR) as tmp:
-            metrics, curve = run(config, BASE_DIR, DATA, tmp)
-        write_json(METRICS, metrics)
-        write_csv(PLOT, curve)
+def main(
+    stage: str = "sft",
+    init_dir: Path = BASE_DIR,
+    out_dir: Path = OUT_DIR,
+    metrics_path: Path = METRICS,
+    plot: Path = PLOT,
+) -> None:
+    """Train the model in `init_dir` with params section `stage` (stage `verifier` reuses
+    this with its own section and paths)."""
+    config = load_config(stage)
+    with stage_run(stage, config):
+        with atomic_dir(out_dir) as tmp:
+            metrics, curve = run(config, init_dir, DATA, tmp, stage=stage)
+        write_json(metrics_path, metrics)
+        write_csv(plot, curve)
         mlflow.log_metrics(numeric_metrics(metrics))
-        mlflow.log_artifact(str(PLOT))
+        mlflow.log_artifact(str(plot))
 
 
 if __name__ == "__main__":

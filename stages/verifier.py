@@ -17,15 +17,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlflow
 from pydantic import Field
 
-from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.tracking import numeric_metrics, stage_run
-from stages import load_config
-from stages.sft import DATA as SFT_DATA
 from stages.sft import Config as SFTConfig
-from stages.sft import run as run_sft
+from stages.sft import main as train_with_section
 
 INIT_DIR = Path("models/sft")
 OUT_DIR = Path("models/verifier")
@@ -39,14 +34,7 @@ class Config(SFTConfig):
 
 
 def main() -> None:
-    config = load_config("verifier")
-    with stage_run("verifier", config):
-        with atomic_dir(OUT_DIR) as tmp:
-            metrics, curve = run_sft(config, INIT_DIR, SFT_DATA, tmp, stage="verifier")
-        write_json(METRICS, metrics)
-        write_csv(PLOT, curve)
-        mlflow.log_metrics(numeric_metrics(metrics))
-        mlflow.log_artifact(str(PLOT))
+    train_with_section("verifier", INIT_DIR, OUT_DIR, METRICS, PLOT)
 
 
 if __name__ == "__main__":
