@@ -19,6 +19,15 @@ def format_prompt(tokenizer, prompt) -> str:
     return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
 
 
+def reward_text(tokenizer, prompt, completion) -> str:
+    """The text a reward model reads, exactly as TRL's `RewardTrainer` builds it: prompt +
+    completion + EOS for standard data, the chat template over prompt + completion messages
+    for conversational data."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return prompt + completion + tokenizer.eos_token
+    return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+
+
 @torch.inference_mode()
 def generate(
     model,

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from rlhf.generation import format_prompt
+from rlhf.likelihood import fit_logistic, token_logprobs
 from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
 from rlhf.task import STEP_SEPARATOR
 
@@ -72,9 +73,7 @@ def likelihood_features(
             ids = encoded[i][0]
             input_ids[j, : len(ids)] = torch.tensor(ids)
             mask[j, : len(ids)] = 1
-        logits = lm(input_ids=input_ids.to(lm.device), attention_mask=mask.to(lm.device)).logits.float()
-        # log p(token t | tokens < t) sits at logits[t - 1].
-        token_logps = logits[:, :-1].log_softmax(-1).gather(2, input_ids[:, 1:, None].to(lm.device))[..., 0].cpu()
+        token_logps = token_logprobs(lm, input_ids.to(lm.device), mask.to(lm.device)).cpu()
         for j, i in enumerate(batch):
             rows, running = [], 0.0
             for begin, end in encoded[i][1]:
@@ -84,27 +83,6 @@ def likelihood_features(
                 rows.append([step_min, running, float(span.mean())])
             result[i] = torch.tensor(rows, dtype=torch.float32).reshape(-1, len(FEATURES))
     return result
-
-
-def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float = 1e-3, steps: int = 100):
-    """Weights and bias of P(good) = sigmoid(features @ w + b), by L-BFGS on the mean
-    binary cross-entropy plus l2 * |w|^2, and the loss at every evaluation (the curve)."""
-    weights = torch.zeros(features.shape[1], requires_grad=True)
-    bias = torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weights, bias], max_iter=steps, line_search_fn="strong_wolfe")
-    targets = labels.float()
-    curve: list[dict] = []
-
-    def closure():
-        optimizer.zero_grad()
-        logits = features @ weights + bias
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets) + l2 * weights.pow(2).sum()
-        loss.backward()
-        curve.append({"step": len(curve) + 1, "loss": float(loss.detach())})
-        return loss
-
-    optimizer.step(closure)
-    return weights.detach(), float(bias.detach()), curve
 
 
 class LikelihoodPRM:

@@ -343,7 +343,8 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False):
     """A token-classification model with one output per position (the value head), from a
     causal LM directory (`value_init: sft`: a new head, zero-initialised so that V = 0 at
     the start and the load is deterministic) or a reward-model directory
-    (`value_init: rm`: a Llama-style `score` head carries over; its new bias starts at 0)."""
+    (`value_init: rm`: a classifier member's Llama-style `score` head carries over, its new
+    bias at 0; a likelihood member gives its trained LM body and a new, zeroed head)."""
     path = check_model_dir(resolve_model_dir(path), "value model init")
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code, num_labels=1)
     config.classifier_dropout = 0.0

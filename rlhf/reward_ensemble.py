@@ -1,7 +1,7 @@
 """An ensemble of K outcome reward models, scored together.
 
-Each member is a sequence-classification model with one output, trained by TRL's
-`RewardTrainer` from a different seed. The ensemble's score is the members' mean; their
+Each member is trained by TRL's `RewardTrainer` from a different seed: a sequence-classification
+model with one output, or a likelihood reward model (rlhf.likelihood_rm). The ensemble's score is the members' mean; their
 standard deviation is a cheap uncertainty estimate (reward-model disagreement), which
 rewards may penalise as ``mean - k * std``.
 
@@ -17,15 +17,11 @@ from pathlib import Path
 
 import torch
 
+from rlhf.generation import reward_text
+from rlhf.likelihood_rm import LikelihoodRewardModel, is_likelihood_rm
 from rlhf.modeling import load_reward_model, load_tokenizer
 
 MEMBER_PREFIX = "member_"
-
-
-def reward_text(tokenizer, prompt, completion) -> str:
-    if isinstance(prompt, str) and isinstance(completion, str):
-        return prompt + completion + tokenizer.eos_token
-    return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
 
 
 def member_dirs(root: str | Path) -> list[Path]:
@@ -36,6 +32,13 @@ def member_dirs(root: str | Path) -> list[Path]:
             f"no reward models in {root} (expected {MEMBER_PREFIX}0, {MEMBER_PREFIX}1, ...); run `dvc repro rm` first"
         )
     return members
+
+
+def load_member(path: Path, trust_remote_code: bool = False):
+    what = f"reward model {path.name}"
+    if is_likelihood_rm(path):
+        return LikelihoodRewardModel.load(path, trust_remote_code, what=what)
+    return load_reward_model(path, trust_remote_code, what=what)
 
 
 @torch.inference_mode()
@@ -72,12 +75,18 @@ class RewardEnsemble:
     @classmethod
     def load(cls, root: str | Path, trust_remote_code: bool = False) -> RewardEnsemble:
         dirs = member_dirs(root)
-        models = [load_reward_model(d, trust_remote_code, what=f"reward model {d.name}") for d in dirs]
+        models = [load_member(d, trust_remote_code) for d in dirs]
         return cls(models, load_tokenizer(dirs[0], trust_remote_code))
 
     def score(self, prompts: Sequence, completions: Sequence, batch_size: int = 64) -> EnsembleScores:
         texts = [reward_text(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
-        return EnsembleScores(torch.stack([score_texts(m, self.tokenizer, texts, batch_size) for m in self.models]))
+        scores = [
+            m.score(self.tokenizer, prompts, completions, batch_size)
+            if isinstance(m, LikelihoodRewardModel)
+            else score_texts(m, self.tokenizer, texts, batch_size)
+            for m in self.models
+        ]
+        return EnsembleScores(torch.stack(scores))
 
 
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:

@@ -1,13 +1,21 @@
 """Stage `rm`: an ensemble of K outcome reward models.
 
-In:  models/sft (or models/base), data/prepared/prefs.parquet, data/prepared/prefs_eval.parquet.
-Out: models/rm/member_<i> (sequence classifiers with one output), metrics/rm.json
-     (held-out pairwise accuracy per member and for the ensemble mean), plots/rm/loss.csv.
+In:  models/<rm.init> (sft, verifier or base), data/prepared/prefs.parquet,
+     data/prepared/prefs_eval.parquet.
+Out: models/rm/member_<i>, metrics/rm.json (held-out pairwise accuracy per member and for
+     the ensemble mean, and per kind of flaw), plots/rm/loss.csv.
 
-Each member is TRL's `RewardTrainer` (Bradley-Terry loss, -log sigmoid(r_chosen - r_rejected))
-from the same initial model with a different seed: the seed changes the new score head and
-the data order, which is what makes the members disagree where the data is thin. The
-ensemble mean is the reward; the spread is an uncertainty estimate (rlhf.reward_ensemble).
+Each member is trained by TRL's `RewardTrainer` (Bradley-Terry loss,
+-log sigmoid(r_chosen - r_rejected)) from the same initial model with a different seed, which
+changes the data order (and a classifier's new score head): what makes the members disagree
+where the data is thin. The ensemble mean is the reward; the spread is an uncertainty
+estimate (rlhf.reward_ensemble). Two kinds of member:
+
+* `likelihood` (default): the LM's log-probs of the response, min and mean, through a
+  two-weight head (rlhf.likelihood_rm). The head starts from a Bradley-Terry fit on the
+  frozen LM, fitted once for all members; RewardTrainer then trains LM and head together.
+* `classifier`: TRL's default, a sequence classifier scoring the last token. On the built-in
+  task it stays near chance: a slip in the middle of a solution is not visible to it.
 
 Members are trained one after another to bound memory. A finished member is kept under
 checkpoints/rm/<fingerprint>/ until the stage completes, so a killed run resumes at the
@@ -27,11 +35,19 @@ import mlflow
 import pandas as pd
 from datasets import Dataset
 from pydantic import Field
+from transformers import set_seed
 from trl import RewardConfig, RewardTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.data import read_prepared
-from rlhf.modeling import load_tokenizer, resolve_model_dir, save_model
+from rlhf.likelihood_rm import (
+    LikelihoodRewardModel,
+    LikelihoodRewardTrainer,
+    ResponseMaskCollator,
+    fit_head,
+    pairs_dataset,
+)
+from rlhf.modeling import load_causal_lm, load_tokenizer, resolve_model_dir, save_model
 from rlhf.reward_ensemble import MEMBER_PREFIX, RewardEnsemble, pairwise_accuracy
 from rlhf.task import classify_flaw
 from rlhf.tracking import nested_run, numeric_metrics, stage_run
@@ -57,13 +73,18 @@ PLOT = Path("plots/rm/loss.csv")
 
 
 class Config(TrainingParams):
-    init: Literal["sft", "base"] = Field("sft", description="model the members start from")
+    kind: Literal["likelihood", "classifier"] = Field(
+        "likelihood", description="likelihood (LM log-probs + head) | classifier (sequence-classification head)"
+    )
+    init: Literal["sft", "verifier", "base"] = Field("sft", description="model the members start from")
     num_members: int = Field(3, ge=1, le=16, description="K, reward models in the ensemble")
-    max_steps: int = Field(250, gt=0, description="optimizer steps per member")
+    max_steps: int = Field(60, gt=0, description="optimizer steps per member")
     per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
-    learning_rate: float = Field(1e-3, gt=0, lt=1, description="peak learning rate")
+    learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(96, gt=0, description="tokens per prompt+response (longer pairs are dropped)")
-    center_rewards_coefficient: float | None = Field(0.01, ge=0, description="pull rewards towards 0 (TRL)")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="pull rewards towards 0 (TRL); the likelihood head starts centred"
+    )
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
@@ -72,8 +93,10 @@ def init_dir(config: Config) -> Path:
     return Path("models") / config.init
 
 
-def train_member(config: Config, index: int, init: Path, train: Dataset, tokenizer, root: Path) -> list[dict]:
-    """Train member `index` into root/member_<index>/final (skipped when already there)."""
+def train_member(config: Config, index: int, init: Path, train, tokenizer, root: Path) -> list[dict]:
+    """Train member `index` into root/member_<index>/final (skipped when already there).
+    `train`: the preference rows (classifier) or the fitted head and tokenized pairs
+    (likelihood, see `likelihood_start`)."""
     member_root = root / f"{MEMBER_PREFIX}{index}"
     final = member_root / "final"
     if (final / "config.json").exists():
@@ -87,20 +110,60 @@ def train_member(config: Config, index: int, init: Path, train: Dataset, tokeniz
         max_length=config.max_length,
         center_rewards_coefficient=config.center_rewards_coefficient,
         run_name=f"rm-member-{index}",
+        # The likelihood kind's rows carry where each response starts, for its collator.
+        remove_unused_columns=config.kind == "classifier",
     )
-    trainer = RewardTrainer(
-        model=str(resolve_model_dir(init)),
-        args=args,
-        train_dataset=train,
-        processing_class=tokenizer,
-        peft_config=config.lora.peft_config("SEQ_CLS"),
-    )
+    if config.kind == "classifier":
+        trainer = RewardTrainer(
+            model=str(resolve_model_dir(init)),
+            args=args,
+            train_dataset=train,
+            processing_class=tokenizer,
+            peft_config=config.lora.peft_config("SEQ_CLS"),
+        )
+    else:
+        head, dataset = train
+        set_seed(seed)
+        model = LikelihoodRewardModel(load_lm(config, init), *head)
+        trainer = LikelihoodRewardTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            data_collator=ResponseMaskCollator(pad_token_id=tokenizer.pad_token_id),
+        )
     # Each member logs its curves to a run nested in the stage's run (the members' training
     # arguments differ, and MLflow params of one run cannot change).
     with nested_run(f"rm-member-{index}"):
         train_resumable(trainer, f"rm member {index}", str(member_root))
-    save_model(merged_model(trainer.model), tokenizer, final)
+    if config.kind == "classifier":
+        save_model(merged_model(trainer.model), tokenizer, final)
+    else:
+        trainer.model.save(tokenizer, final, lm=merged_model(trainer.model.lm))
     return [{**row, "member": index} for row in log_history_rows(trainer.state.log_history, ("loss", "accuracy"))]
+
+
+def load_lm(config: Config, init: Path):
+    """The likelihood kind's LM, with a LoRA adapter when configured."""
+    lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})")
+    if config.lora.enabled:
+        from peft import get_peft_model
+
+        lm = get_peft_model(lm, config.lora.peft_config("CAUSAL_LM"))
+    return lm
+
+
+def likelihood_start(config: Config, init: Path, pairs: pd.DataFrame, tokenizer) -> tuple[tuple, Dataset, dict]:
+    """The likelihood kind's shared start: the tokenized pairs and the head fitted on the
+    frozen initial LM (once for all members), with what the fit found."""
+    dataset, dropped = pairs_dataset(tokenizer, pairs, config.max_length)
+    model = LikelihoodRewardModel(load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})"))
+    curve = fit_head(model, dataset, tokenizer.pad_token_id)
+    settings = model.settings()
+    head = (settings["weights"], settings["bias"])
+    fit = {"head_weights": dict(zip(settings["features"], settings["weights"])), "head_fit_loss": curve[-1]["loss"]}
+    print(f"rm: head fitted on the frozen {init.name} model: {fit}; {dropped} pairs over max_length dropped")
+    return head, dataset, {**fit, "dropped_pairs": dropped}
 
 
 def accuracy_by_flaw(pairs: pd.DataFrame, chosen, rejected) -> dict[str, float]:
@@ -120,9 +183,14 @@ def accuracy_by_flaw(pairs: pd.DataFrame, chosen, rejected) -> dict[str, float]:
 def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
     stage = "rm"
     tokenizer = load_tokenizer(init, config.trust_remote_code)
-    train = Dataset.from_pandas(read_prepared(data, "rm"), preserve_index=False)
-    root = checkpoint_dir(stage, fingerprint(config, [init, data]))
+    pairs = read_prepared(data, "rm")
     start = time.perf_counter()
+    if config.kind == "classifier":
+        train, fit = Dataset.from_pandas(pairs, preserve_index=False), {}
+    else:
+        head, dataset, fit = likelihood_start(config, init, pairs, tokenizer)
+        train = (head, dataset)
+    root = checkpoint_dir(stage, fingerprint(config, [init, data]))
     curve: list[dict] = []
     for index in range(config.num_members):
         curve += train_member(config, index, init, train, tokenizer, root)
@@ -147,6 +215,7 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
         "mean_margin": float((chosen.mean - rejected.mean).mean()),
         "mean_std": float(((chosen.std + rejected.std) / 2).mean()),
         "eval_pairs": len(held_out),
+        **fit,
         "train_seconds": train_seconds,
     }
     discard_checkpoints(stage)

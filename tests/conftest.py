@@ -125,6 +125,17 @@ def mlflow_store(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def micro_dir(tmp_path):
+    """models/sft in tmp_path: the untrained micro model and the built-in tokenizer."""
+    from rlhf.modeling import build_tiny_model, build_tokenizer, save_model
+
+    tokenizer = build_tokenizer()
+    path = tmp_path / "models/sft"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, path)
+    return path
+
+
+@pytest.fixture
 def in_project(tmp_path, monkeypatch, mlflow_store):
     """cwd = a fresh tiny project (stages read params.yaml and write outputs relative to it)."""
     root = make_project(tmp_path / "project")

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.data import DataValidationError
-from rlhf.modeling import build_tiny_model, build_tokenizer, save_model
+from rlhf.modeling import build_tokenizer
 from rlhf.prm import (
     IGNORE,
     ProcessRewardModel,
@@ -107,14 +107,6 @@ def test_metrics_on_hand_made_predictions():
 
 
 # ----------------------------------------------------------------------------- with a model
-
-
-@pytest.fixture
-def micro_dir(tmp_path):
-    tokenizer = build_tokenizer()
-    path = tmp_path / "models/sft"
-    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, path)
-    return path
 
 
 def write_prm_tables(root, train_rows: int = 16, eval_rows: int = 8):
@@ -253,7 +245,7 @@ def test_likelihood_features_are_the_lms_token_logprobs(micro_dir):
 def test_fit_logistic_separates_a_separable_feature():
     """Labels = (x > 0) on x in [-2, 2]: the fitted P(good) is above 0.9 at x = 2, below
     0.1 at x = -2, and the loss curve decreases."""
-    from rlhf.likelihood_prm import fit_logistic
+    from rlhf.likelihood import fit_logistic
 
     x = torch.linspace(-2, 2, 41)[:, None]
     weights, bias, curve = fit_logistic(x, (x[:, 0] > 0), l2=0.0)

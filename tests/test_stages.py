@@ -114,7 +114,8 @@ def test_reward_ensemble_members_differ_and_accuracy_is_reported(project):
     assert set(metrics["members"]) == {"member_0", "member_1"}
     assert 0.0 <= metrics["ensemble_accuracy"] <= 1.0 and metrics["eval_pairs"] == 24
     w0, w1 = weights(project / "models/rm/member_0"), weights(project / "models/rm/member_1")
-    assert changed(w0, w1, "score"), "members start from different seeds: different score heads"
+    assert changed(w0, w1, "model.layers"), "members train from different seeds: different data orders"
+    assert (project / "models/rm/member_0/reward_head.json").is_file(), "the default kind is likelihood"
 
 
 def test_dpo_changes_the_policy(project):

@@ -1,0 +1,211 @@
+"""The reward-model stage and the likelihood reward model: response boundaries, features
+checked by hand, the Bradley-Terry head fit, training (full and LoRA), resume, both kinds
+through the stage, and the ensemble loading either kind. Training runs use the micro model
+for 2-4 steps."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.likelihood_rm import (
+    HEAD_FILE,
+    LikelihoodRewardModel,
+    LikelihoodRewardTrainer,
+    ResponseMaskCollator,
+    encode,
+    fit_head,
+    pairs_dataset,
+    response_features,
+)
+from rlhf.modeling import build_tokenizer, load_causal_lm
+from rlhf.reward_ensemble import RewardEnsemble, pairwise_accuracy
+from rlhf.task import TaskSizes, TaskSpec, generate_datasets
+from rlhf.training import TrainingParams, train_resumable, trl_config
+
+
+def weights(model_dir) -> dict[str, torch.Tensor]:
+    return {k: v for file in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(str(file)).items()}
+
+
+def write_pairs(root, train_rows: int = 16, eval_rows: int = 8):
+    sizes = TaskSizes(
+        **{**dict.fromkeys(TaskSizes.__dataclass_fields__, 0), "prefs": train_rows, "prefs_eval": eval_rows}
+    )
+    data = generate_datasets(TaskSpec(), sizes, seed=0)
+    folder = Path(root) / "data/prepared"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("prefs", "prefs_eval"):
+        pd.DataFrame(data[name]).to_parquet(folder / f"{name}.parquet")
+    return folder / "prefs.parquet", folder / "prefs_eval.parquet"
+
+
+def test_the_response_starts_where_the_prompt_ends():
+    """Char-level tokens: "1+2\\n" is positions 0-3, so the response starts at 4; the reward
+    text ends with EOS. A conversational prompt starts it after the assistant marker."""
+    tokenizer = build_tokenizer()
+    ids, start = encode(tokenizer, "1+2\n", "1+2=3; answer 3")
+    assert tokenizer.decode(ids) == "1+2\n1+2=3; answer 3</s>" and start == 4
+    chat_ids, chat_start = encode(
+        tokenizer, [{"role": "user", "content": "1+2"}], [{"role": "assistant", "content": "answer 3"}]
+    )
+    assert tokenizer.decode(chat_ids[:chat_start]) == "<|user|>1+2<|end|><|assistant|>"
+    assert tokenizer.decode(chat_ids[chat_start:]).startswith("answer 3")
+
+
+def test_response_features_by_hand():
+    """Row 1 reads tokens 1-2 of [-1, -3, -0.5, -2]: min -3, mean -1.75. Row 2 reads all
+    four of [-0.1, -0.2, -0.3, -0.4]: min -0.4, mean -0.25."""
+    logps = torch.tensor([[-1.0, -3.0, -0.5, -2.0], [-0.1, -0.2, -0.3, -0.4]])
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])
+    expected = torch.tensor([[-3.0, -1.75], [-0.4, -0.25]])
+    assert torch.allclose(response_features(logps, mask), expected)
+
+
+def test_the_reward_is_the_head_over_the_lms_response_logprobs(micro_dir):
+    """r = 2 * min + 0.5 * mean - 1 over log p(token_t | tokens < t) of the response's tokens
+    (and EOS), computed here by hand from one forward pass; padding a batch changes nothing."""
+    tokenizer, lm = build_tokenizer(), load_causal_lm(micro_dir)
+    model = LikelihoodRewardModel(lm, (2.0, 0.5), -1.0)
+    ids, start = encode(tokenizer, "1+2\n", "1+2=3; answer 3")
+    with torch.inference_mode():
+        logps = lm(torch.tensor([ids])).logits[0].log_softmax(-1)
+    token = torch.tensor([float(logps[t - 1, ids[t]]) for t in range(start, len(ids))])
+    expected = 2.0 * token.min() + 0.5 * token.mean() - 1.0
+    padded, _ = model.score(tokenizer, ["1+2\n", "12+2+7\n"], ["1+2=3; answer 3", "12+2=14; 14+7=21; answer 21"])
+    (alone,) = model.score(tokenizer, ["1+2\n"], ["1+2=3; answer 3"])
+    assert abs(float(alone) - float(expected)) < 1e-4
+    assert abs(float(padded) - float(alone)) < 1e-4
+
+
+def test_the_head_fit_beats_the_initial_head_and_centres_rewards(micro_dir, tmp_path):
+    """The Bradley-Terry fit on the frozen LM lowers the pairwise loss below the initial
+    head's (1, 1, 0) and puts the mean reward of the training responses at 0."""
+    tokenizer = build_tokenizer()
+    data, _ = write_pairs(tmp_path, train_rows=32)
+    dataset, dropped = pairs_dataset(tokenizer, pd.read_parquet(data))
+    assert dropped == 0 and len(dataset) == 32
+    model = LikelihoodRewardModel(load_causal_lm(micro_dir))
+    pairs = pd.read_parquet(data)
+
+    def loss_and_mean():
+        chosen = model.score(tokenizer, pairs["prompt"], pairs["chosen"])
+        rejected = model.score(tokenizer, pairs["prompt"], pairs["rejected"])
+        loss = float(-torch.nn.functional.logsigmoid(chosen - rejected).mean())
+        return loss, float(torch.cat([chosen, rejected]).mean())
+
+    before, _ = loss_and_mean()
+    curve = fit_head(model, dataset, tokenizer.pad_token_id)
+    after, mean = loss_and_mean()
+    assert after < before and curve[-1]["loss"] <= curve[0]["loss"]
+    assert abs(mean) < 1e-3
+
+
+def test_pairs_longer_than_max_length_are_dropped_and_none_left_is_an_error(tmp_path):
+    tokenizer = build_tokenizer()
+    pairs = pd.read_parquet(write_pairs(tmp_path)[0])
+    longest = max(len(encode(tokenizer, p, c)[0]) for p, c in zip(pairs["prompt"], pairs["chosen"]))
+    _, dropped = pairs_dataset(tokenizer, pairs, max_length=longest - 1)
+    assert dropped >= 1
+    with pytest.raises(ValueError, match="raise rm.max_length"):
+        pairs_dataset(tokenizer, pairs, max_length=3)
+
+
+def test_collator_marks_each_rows_response(micro_dir):
+    collate = ResponseMaskCollator(pad_token_id=0)
+    batch = collate([{"chosen_ids": [5, 6, 7], "rejected_ids": [5, 8], "chosen_start": 1, "rejected_start": 1}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [5, 8, 0]]
+    assert batch["response_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+def likelihood_trainer(micro_dir, tmp_path, out, max_steps=4, stop_at=None):
+    from transformers import TrainerCallback, set_seed
+    from trl import RewardConfig
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == stop_at
+
+    tokenizer = build_tokenizer()
+    dataset, _ = pairs_dataset(tokenizer, pd.read_parquet(write_pairs(tmp_path)[0]))
+    params = TrainingParams(max_steps=max_steps, per_device_train_batch_size=4, save_steps=2, learning_rate=1e-2)
+    args = trl_config(RewardConfig, params, out, remove_unused_columns=False)
+    set_seed(0)
+    trainer = LikelihoodRewardTrainer(
+        model=LikelihoodRewardModel(load_causal_lm(micro_dir)),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        data_collator=ResponseMaskCollator(pad_token_id=tokenizer.pad_token_id),
+    )
+    if stop_at:
+        trainer.add_callback(Stop())
+    return trainer
+
+
+def test_a_resumed_likelihood_rm_run_reproduces_an_uninterrupted_one(micro_dir, tmp_path, mlflow_store):
+    """Stop after step 2 (checkpoint-2, the tied embeddings stored once), resume in a fresh
+    trainer to step 4: LM and head equal those of a run that was never stopped."""
+    straight = likelihood_trainer(micro_dir, tmp_path, tmp_path / "straight")
+    straight.train()
+    stopped = likelihood_trainer(micro_dir, tmp_path, tmp_path / "resumed", stop_at=2)
+    stopped.train()
+    assert stopped.state.global_step == 2 and (tmp_path / "resumed/checkpoint-2/model.safetensors").is_file()
+    resumed = likelihood_trainer(micro_dir, tmp_path, tmp_path / "resumed")
+    assert train_resumable(resumed, "rm", "test").endswith("checkpoint-2")
+    assert resumed.state.global_step == 4
+    for name, value in straight.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], value)
+
+
+def run_stage(tmp_path, monkeypatch, **config):
+    import stages.reward_model as stage
+
+    monkeypatch.chdir(tmp_path)
+    write_pairs(tmp_path)
+    settings = {"max_steps": 2, "num_members": 2, "per_device_train_batch_size": 4, "save_steps": 2, **config}
+    monkeypatch.setattr(stage, "load_config", lambda section: stage.Config(logging_steps=1, **settings))
+    stage.main()
+    return json.loads((tmp_path / "metrics/rm.json").read_text())
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_likelihood_stage_trains_members_that_load_and_score(tmp_path, monkeypatch, mlflow_store, micro_dir, lora):
+    """Each member's LM is trained (and differs from the other's: a different data order),
+    the head is saved beside it, adapters are merged, and the ensemble scores with it."""
+    metrics = run_stage(tmp_path, monkeypatch, lora={"enabled": lora})
+    assert set(metrics["members"]) == {"member_0", "member_1"} and metrics["eval_pairs"] == 8
+    assert 0.0 <= metrics["ensemble_accuracy"] <= 1.0 and math.isfinite(metrics["head_fit_loss"])
+    members = [tmp_path / f"models/rm/member_{i}" for i in range(2)]
+    for member in members:
+        head = json.loads((member / HEAD_FILE).read_text())
+        assert head["kind"] == "likelihood" and len(head["weights"]) == 2
+        assert not any(p.name.startswith("adapter") for p in member.iterdir()), "adapters are merged on save"
+    initial, first, second = weights(micro_dir), weights(members[0]), weights(members[1])
+    layers = [k for k in initial if k.startswith("model.layers")]
+    assert any(not torch.equal(initial[k], first[k]) for k in layers), "the LM is trained, not only the head"
+    assert any(not torch.equal(first[k], second[k]) for k in layers), "members differ"
+    ensemble = RewardEnsemble.load(tmp_path / "models/rm")
+    scores = ensemble.score(["1+2\n"] * 2, ["1+2=3; answer 3", "1+2=4; answer 4"])
+    assert scores.members.shape == (2, 2) and torch.isfinite(scores.members).all()
+    assert not (tmp_path / "checkpoints/rm").exists()
+
+
+def test_classifier_stage_trains_differing_score_heads(tmp_path, monkeypatch, mlflow_store, micro_dir):
+    metrics = run_stage(tmp_path, monkeypatch, kind="classifier", learning_rate=1e-3)
+    assert math.isfinite(metrics["members"]["member_0"]["train_loss"]) and "head_fit_loss" not in metrics
+    first, second = weights(tmp_path / "models/rm/member_0"), weights(tmp_path / "models/rm/member_1")
+    assert not torch.equal(first["score.weight"], second["score.weight"]), "different seeds: different heads"
+    assert not (tmp_path / "models/rm/member_0" / HEAD_FILE).exists()
+    scores = RewardEnsemble.load(tmp_path / "models/rm").score(["1+2\n"], ["1+2=3; answer 3"])
+    assert scores.members.shape == (2, 1)
+
+
+def test_pairwise_accuracy_counts_ties_as_half():
+    assert pairwise_accuracy(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])) == pytest.approx(0.5)
