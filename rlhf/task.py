@@ -15,6 +15,13 @@ Flaws are the mistakes a small model actually makes: an arithmetic slip in one s
 forward, a step that starts from the wrong number, a skipped operation, or a final answer that
 does not match the last step. Difficulty is set by the number of operands and the size of
 the numbers (`TaskSpec`).
+
+Like human demonstrations, the SFT data does not always show its working: on short problems
+(at most `shortcut_max_operands` numbers) a share `shortcut_rate` of the demonstrations
+state the answer alone (``answer 64``). The SFT model learns that habit, and answering in
+one go is much less reliable for it than working step by step: the room the policy stage has
+to find and take (a reward for the right answer favours the written-out solution). Every
+other split (preference pairs, KTO, PRM) holds written-out solutions only.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ _ANSWER_RE = re.compile(r"answer (-?\d+)")
 _ANSWER_TEXT_RE = re.compile(r"answer[:\s]+(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _INT_RE = re.compile(r"^-?\d+$")
 _STEP_RE = r"\d+[+-]\d+=-?\d+"
-_FORMAT_RE = re.compile(rf"^({_STEP_RE}; )+answer -?\d+$")
+_FORMAT_RE = re.compile(rf"^({_STEP_RE}; )*answer -?\d+$")
 _PROMPT_RE = re.compile(r"\d+(?:\s*[+-]\s*\d+)+")
 _STEP_PARSE_RE = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
 
@@ -44,11 +51,14 @@ SAME_LENGTH_FLAWS = ("slip", "copy", "answer")
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """How hard the generated problems are."""
+    """How hard the generated problems are, and how often SFT demonstrations of short
+    problems skip the working (see the module docstring)."""
 
     min_operands: int = 3
     max_operands: int = 5
     max_value: int = 29
+    shortcut_rate: float = 0.75
+    shortcut_max_operands: int = 3
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,10 @@ class Problem:
 
     def solution(self) -> str:
         return format_solution(self.steps(), self.answer)
+
+    def shortcut_solution(self) -> str:
+        """The answer alone, without the working."""
+        return format_solution([], self.answer)
 
 
 def _apply(left: int, op: str, right: int) -> int:
@@ -223,14 +237,18 @@ def split_steps(completion: str) -> list[str]:
 def check_steps(prompt: str, completion: str) -> list[bool]:
     """Math-Shepherd labels for each step of `completion` against the problem in `prompt`:
     a step is good when its arithmetic is right, it continues from the previous result, it
-    applies the next operation of the problem, and every earlier step was good."""
+    applies the next operation of the problem, and every earlier step was good. An answer
+    with no steps before it (a shortcut) is good when it is the right answer."""
     problem = parse_prompt(prompt)
     pairs = list(zip(problem.ops, problem.operands[1:]))
     labels, value, ok = [], problem.operands[0], True
     steps = split_steps(completion)
     for index, step in enumerate(steps):
         if step.startswith(ANSWER_PREFIX):
-            ok = ok and index == len(pairs) and step == f"{ANSWER_PREFIX}{value}"
+            if index == 0:  # the answer alone (a shortcut): good when it is the answer
+                ok = step == f"{ANSWER_PREFIX}{problem.answer}"
+            else:
+                ok = ok and index == len(pairs) and step == f"{ANSWER_PREFIX}{value}"
             labels.append(ok)
             continue
         match = _STEP_PARSE_RE.match(step)
@@ -325,7 +343,11 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
     prefs_eval = pair_rows(fresh_problems(sizes.prefs_eval))
     prm_eval = prm_rows(fresh_problems(sizes.prm_eval))
 
-    sft = [{"prompt": p.prompt, "completion": p.solution()} for p in fresh_problems(sizes.sft)]
+    def demonstration(p: Problem) -> str:
+        short = len(p.operands) <= spec.shortcut_max_operands
+        return p.shortcut_solution() if short and rng.random() < spec.shortcut_rate else p.solution()
+
+    sft = [{"prompt": p.prompt, "completion": demonstration(p)} for p in fresh_problems(sizes.sft)]
     prefs = pair_rows(fresh_problems(sizes.prefs))
     unpaired = []
     for p in fresh_problems(sizes.unpaired):
@@ -355,6 +377,8 @@ def classify_flaw(prompt: str, completion: str) -> str | None:
     if all(labels):
         return None
     steps = split_steps(completion)
+    if len(steps) == 1:  # a wrong answer alone
+        return "answer"
     if len(steps) != len(problem.ops) + 1:
         return "skip"
     first_bad = labels.index(False)

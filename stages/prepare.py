@@ -48,6 +48,10 @@ class BuiltinTask(StageConfig):
     min_operands: int = Field(3, ge=2, description="fewest numbers in a problem")
     max_operands: int = Field(5, ge=2, le=8, description="most numbers in a problem")
     max_value: int = Field(29, ge=2, le=999, description="largest number in a problem")
+    shortcut_rate: float = Field(
+        0.75, ge=0, le=1, description="share of SFT demonstrations of short problems that give the answer alone"
+    )
+    shortcut_max_operands: int = Field(3, ge=0, le=8, description="problems with at most this many numbers are short")
     sizes: dict[str, int] = Field(default_factory=dict, description="rows per file, overriding TaskSizes defaults")
 
     @model_validator(mode="after")
@@ -105,7 +109,7 @@ def kind_of(name: str) -> str:
 def run(config: Config) -> dict[str, pd.DataFrame]:
     """The prepared tables, keyed by file name; user files are validated in full first."""
     if config.source == "builtin":
-        spec = TaskSpec(config.builtin.min_operands, config.builtin.max_operands, config.builtin.max_value)
+        spec = TaskSpec(**config.builtin.model_dump(exclude={"sizes"}))
         sizes = TaskSizes(**config.builtin.sizes)
         return {name: pd.DataFrame(rows) for name, rows in generate_datasets(spec, sizes, config.seed).items()}
     tables, errors = {}, []

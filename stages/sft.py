@@ -49,7 +49,7 @@ CURVE_KEYS = ("loss", "mean_token_accuracy", "learning_rate")
 
 
 class Config(TrainingParams):
-    max_steps: int = Field(650, gt=0, description="optimizer steps")
+    max_steps: int = Field(1000, gt=0, description="optimizer steps")
     per_device_train_batch_size: int = Field(64, gt=0, description="examples per step per device")
     learning_rate: float = Field(3e-3, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(96, gt=0, description="tokens per example (longer ones are truncated)")

@@ -126,7 +126,8 @@ def test_is_correct(completion, reference, expected):
         ("  " + EXAMPLE_SOLUTION + "\n", True),  # surrounding space is ignored
         ("23+58=81; answer -4", True),  # a negative answer is allowed
         ("23+58=81;81-17=64; answer 64", False),  # separator must be '; '
-        ("answer 64", False),  # at least one step
+        ("answer 64", True),  # the answer alone (a shortcut) is a valid shape
+        ("answer", False),
         (EXAMPLE_SOLUTION + " extra", False),
         ("23 + 58 = 81; answer 81", False),
         ("23+58=81; 81-17=64; answer: 64", False),
@@ -160,6 +161,9 @@ def test_is_well_formatted(completion, expected):
         # Right answer after a wrong step is still bad (Math-Shepherd: the first bad step
         # makes every later one bad).
         ("23+58=80; 81-17=64; answer 64", [False, False, False]),
+        # The answer alone: good when it is the answer.
+        ("answer 64", [True]),
+        ("answer 65", [False]),
         # Malformed text is one bad step; an empty completion has no steps.
         ("hello", [False]),
         ("23+58 is 81; answer 64", [False, False]),
@@ -271,8 +275,37 @@ def test_eval_prompts_never_appear_in_training(datasets):
     assert len(every) == len(set(every))
 
 
+def test_problem_shortcut_solution():
+    assert EXAMPLE.shortcut_solution() == "answer 64"
+    assert is_correct(EXAMPLE.shortcut_solution(), 64) and all(check_steps(EXAMPLE.prompt, "answer 64"))
+
+
+def test_short_problems_sometimes_skip_the_working_in_sft_only():
+    """With shortcut_rate 0.75 and shortcut_max_operands 3, about 3/4 of the 3-operand SFT
+    demonstrations are the answer alone (binomial, 400-ish rows: well inside 0.6-0.9); no
+    4-operand one is, and no other split has any."""
+    spec = TaskSpec(min_operands=3, max_operands=4, max_value=39, shortcut_rate=0.75, shortcut_max_operands=3)
+    data = generate_datasets(spec, TaskSizes(sft=800, prefs=40, unpaired=40, prm=40, prompts=0), seed=3)
+    short = [r["completion"] for r in data["sft"] if len(parse_prompt(r["prompt"]).operands) == 3]
+    long = [r["completion"] for r in data["sft"] if len(parse_prompt(r["prompt"]).operands) == 4]
+    rate = sum(c.startswith("answer") for c in short) / len(short)
+    assert 0.6 < rate < 0.9 and len(short) > 300
+    assert not any(c.startswith("answer") for c in long)
+    for row in data["sft"]:
+        assert is_correct(row["completion"], parse_prompt(row["prompt"]).answer)
+    assert all(len(split_steps(r["chosen"])) > 1 for r in data["prefs"])
+    assert all(len(split_steps(r["completion"])) > 1 for r in data["unpaired"])
+    assert all(len(r["completions"]) > 1 for r in data["prm"])
+    none = generate_datasets(
+        TaskSpec(shortcut_rate=0.0), TaskSizes(sft=100, prefs=0, unpaired=0, prm=0, prompts=0), seed=3
+    )
+    assert not any(r["completion"].startswith("answer") for r in none["sft"])
+
+
 def test_sft_and_chosen_are_correct_and_rejected_is_not(datasets):
-    demonstrations = [(r["prompt"], r["completion"]) for r in datasets["sft"]]
+    demonstrations = [
+        (r["prompt"], r["completion"]) for r in datasets["sft"] if not r["completion"].startswith("answer")
+    ]
     for name in ("prefs", "prefs_eval"):
         demonstrations += [(r["prompt"], r["chosen"]) for r in datasets[name]]
         for row in datasets[name]:
@@ -332,6 +365,8 @@ def test_classify_flaw_names_the_kind_of_each_generated_mistake():
     assert classify_flaw(problem.prompt, "23+58=82; 82-17=65; answer 65") == "slip"
     assert classify_flaw(problem.prompt, "23+58=81; 81-17=64; answer 65") == "answer"
     assert classify_flaw(problem.prompt, "23+58=81; answer 81") == "skip"
+    assert classify_flaw(problem.prompt, "answer 65") == "answer"
+    assert classify_flaw(problem.prompt, "answer 64") is None
     for seed in range(50):
         for kind in FLAW_KINDS:
             text, _ = flawed_solution(problem, random.Random(seed), kind)
