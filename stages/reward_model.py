@@ -47,7 +47,7 @@ from rlhf.likelihood_rm import (
     fit_head,
     pairs_dataset,
 )
-from rlhf.modeling import load_causal_lm, load_tokenizer, resolve_model_dir, save_model
+from rlhf.modeling import check_model_dir, load_causal_lm, load_tokenizer, resolve_model_dir, save_model
 from rlhf.reward_ensemble import MEMBER_PREFIX, RewardEnsemble, pairwise_accuracy
 from rlhf.task import classify_flaw
 from rlhf.tracking import nested_run, numeric_metrics, stage_run
@@ -182,6 +182,7 @@ def accuracy_by_flaw(pairs: pd.DataFrame, chosen, rejected) -> dict[str, float]:
 
 def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
     stage = "rm"
+    check_model_dir(resolve_model_dir(init), f"rm.init {config.init!r} ({init})")
     tokenizer = load_tokenizer(init, config.trust_remote_code)
     pairs = read_prepared(data, "rm")
     start = time.perf_counter()

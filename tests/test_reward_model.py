@@ -207,5 +207,17 @@ def test_classifier_stage_trains_differing_score_heads(tmp_path, monkeypatch, ml
     assert scores.members.shape == (2, 1)
 
 
+def test_a_missing_init_model_fails_naming_the_param(tmp_path, monkeypatch, mlflow_store):
+    """rm.init: verifier without models/verifier: one error naming the param and the path,
+    before anything is loaded (no hub lookup)."""
+    import stages.reward_model as stage
+
+    monkeypatch.chdir(tmp_path)
+    data, eval_data = write_pairs(tmp_path)
+    config = stage.Config(init="verifier")
+    with pytest.raises(FileNotFoundError, match=r"rm.init 'verifier' \(models/verifier\) directory models/verifier"):
+        stage.run(config, stage.init_dir(config), data, eval_data, tmp_path / "out")
+
+
 def test_pairwise_accuracy_counts_ties_as_half():
     assert pairwise_accuracy(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])) == pytest.approx(0.5)
