@@ -130,7 +130,7 @@ class LikelihoodRewardModel(nn.Module):
         # RewardTrainer and Trainer read the config (num_labels, pad token, use_cache).
         self.config = copy.deepcopy(lm.config)
         self.config.num_labels = 1
-        self.head = nn.Linear(len(FEATURES), 1)
+        self.head = nn.Linear(len(FEATURES), 1, device=next(lm.parameters()).device)
         with torch.no_grad():
             self.head.weight.copy_(torch.tensor([list(weights)], dtype=torch.float32))
             self.head.bias.fill_(float(bias))
@@ -142,6 +142,11 @@ class LikelihoodRewardModel(nn.Module):
     def add_model_tags(self, tags) -> None:  # RewardTrainer tags the model it trains
         if hasattr(self.lm, "add_model_tags"):
             self.lm.add_model_tags(tags)
+
+    def activation_checkpointing_enable(self, **kwargs) -> None:  # Trainer, with activation_checkpointing
+        self.lm.activation_checkpointing_enable(**kwargs)
+        if hasattr(self.lm, "enable_input_require_grads"):  # LoRA: frozen embeddings need grad-carrying inputs
+            self.lm.enable_input_require_grads()
 
     @property
     def _keys_to_ignore_on_save(self) -> list[str]:  # read by Trainer's resume
@@ -159,7 +164,10 @@ class LikelihoodRewardModel(nn.Module):
         return response_features(logps, response_mask[:, 1:] * attention_mask[:, 1:])
 
     def forward(self, input_ids, attention_mask=None, response_mask=None, **_) -> SequenceClassifierOutput:
-        return SequenceClassifierOutput(logits=self.head(self.features(input_ids, attention_mask, response_mask)))
+        features = self.features(input_ids, attention_mask, response_mask)
+        # In fp32 even under bf16 autocast: bf16 would round nearby rewards (and their margins) together.
+        with torch.autocast(device_type=features.device.type, enabled=False):
+            return SequenceClassifierOutput(logits=self.head(features.float()))
 
     @torch.inference_mode()
     def score(self, tokenizer, prompts: Sequence, completions: Sequence, batch_size: int = 64) -> torch.Tensor:

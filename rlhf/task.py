@@ -377,7 +377,7 @@ def classify_flaw(prompt: str, completion: str) -> str | None:
     if all(labels):
         return None
     steps = split_steps(completion)
-    if len(steps) == 1:  # a wrong answer alone
+    if len(steps) == 1 and steps[0].startswith(ANSWER_PREFIX):  # a wrong answer alone
         return "answer"
     if len(steps) != len(problem.ops) + 1:
         return "skip"

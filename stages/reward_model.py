@@ -34,7 +34,7 @@ from typing import Literal
 import mlflow
 import pandas as pd
 from datasets import Dataset
-from pydantic import Field
+from pydantic import Field, model_validator
 from transformers import set_seed
 from trl import RewardConfig, RewardTrainer
 
@@ -62,6 +62,7 @@ from rlhf.training import (
     merged_model,
     train_resumable,
     trl_config,
+    use_cpu,
 )
 from stages import load_config
 
@@ -83,10 +84,18 @@ class Config(TrainingParams):
     learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(96, gt=0, description="tokens per prompt+response (longer pairs are dropped)")
     center_rewards_coefficient: float | None = Field(
-        None, ge=0, description="pull rewards towards 0 (TRL); the likelihood head starts centred"
+        None, ge=0, description="pull rewards towards 0 (TRL); unset: 0.01 for classifier, none for likelihood"
     )
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _centring_default(cls, data):
+        # A classifier's rewards drift without it; the likelihood head starts centred (fit_head).
+        if isinstance(data, dict) and data.get("kind") == "classifier":
+            data = {"center_rewards_coefficient": 0.01, **data}
+        return data
 
 
 def init_dir(config: Config) -> Path:
@@ -136,10 +145,12 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
     # arguments differ, and MLflow params of one run cannot change).
     with nested_run(f"rm-member-{index}"):
         train_resumable(trainer, f"rm member {index}", str(member_root))
-    if config.kind == "classifier":
-        save_model(merged_model(trainer.model), tokenizer, final)
-    else:
-        trainer.model.save(tokenizer, final, lm=merged_model(trainer.model.lm))
+    # Atomically: `final` existing is what marks the member done for a resumed run.
+    with atomic_dir(final) as tmp:
+        if config.kind == "classifier":
+            save_model(merged_model(trainer.model), tokenizer, tmp)
+        else:
+            trainer.model.save(tokenizer, tmp, lm=merged_model(trainer.model.lm))
     return [{**row, "member": index} for row in log_history_rows(trainer.state.log_history, ("loss", "accuracy"))]
 
 
@@ -157,7 +168,8 @@ def likelihood_start(config: Config, init: Path, pairs: pd.DataFrame, tokenizer)
     """The likelihood kind's shared start: the tokenized pairs and the head fitted on the
     frozen initial LM (once for all members), with what the fit found."""
     dataset, dropped = pairs_dataset(tokenizer, pairs, config.max_length)
-    model = LikelihoodRewardModel(load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})"))
+    lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})")
+    model = LikelihoodRewardModel(lm.to("cpu" if use_cpu(config) else "cuda"))
     curve = fit_head(model, dataset, tokenizer.pad_token_id)
     settings = model.settings()
     head = (settings["weights"], settings["bias"])

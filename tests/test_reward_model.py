@@ -124,7 +124,7 @@ def test_collator_marks_each_rows_response(micro_dir):
     assert batch["response_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
 
 
-def likelihood_trainer(micro_dir, tmp_path, out, max_steps=4, stop_at=None):
+def likelihood_trainer(micro_dir, tmp_path, out, max_steps=4, stop_at=None, **training):
     from transformers import TrainerCallback, set_seed
     from trl import RewardConfig
 
@@ -134,7 +134,9 @@ def likelihood_trainer(micro_dir, tmp_path, out, max_steps=4, stop_at=None):
 
     tokenizer = build_tokenizer()
     dataset, _ = pairs_dataset(tokenizer, pd.read_parquet(write_pairs(tmp_path)[0]))
-    params = TrainingParams(max_steps=max_steps, per_device_train_batch_size=4, save_steps=2, learning_rate=1e-2)
+    params = TrainingParams(
+        max_steps=max_steps, per_device_train_batch_size=4, save_steps=2, learning_rate=1e-2, **training
+    )
     args = trl_config(RewardConfig, params, out, remove_unused_columns=False)
     set_seed(0)
     trainer = LikelihoodRewardTrainer(
@@ -162,6 +164,34 @@ def test_a_resumed_likelihood_rm_run_reproduces_an_uninterrupted_one(micro_dir, 
     assert resumed.state.global_step == 4
     for name, value in straight.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], value)
+
+
+def test_activation_checkpointing_trains_the_lm(micro_dir, tmp_path, mlflow_store):
+    """Trainer enables activation checkpointing through the wrapper, on the LM inside it."""
+    trainer = likelihood_trainer(micro_dir, tmp_path, tmp_path / "ckpt", max_steps=2, gradient_checkpointing=True)
+    before = {k: v.clone() for k, v in trainer.model.lm.state_dict().items()}
+    trainer.train()
+    assert trainer.model.lm.is_activation_checkpointing
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.lm.state_dict().items())
+
+
+def test_the_head_runs_in_fp32_under_bf16_autocast(micro_dir):
+    """bf16 would round rewards 0.0065 apart to one value: the head stays in fp32."""
+    model = LikelihoodRewardModel(load_causal_lm(micro_dir), (1.0, 1.0), 0.0)
+    ids = torch.tensor([encode(build_tokenizer(), "1+2\n", "1+2=3; answer 3")[0]] * 2)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        logits = model(ids).logits
+        close = model.head(torch.tensor([[-3.1234, -0.4123], [-3.1299, -0.4123]]))
+    assert logits.dtype == torch.float32
+    assert close.dtype == torch.bfloat16 and close[0] == close[1], "what the fp32 guard avoids"
+
+
+def test_centring_defaults_to_the_kind():
+    import stages.reward_model as stage
+
+    assert stage.Config().center_rewards_coefficient is None
+    assert stage.Config(kind="classifier").center_rewards_coefficient == 0.01
+    assert stage.Config(kind="classifier", center_rewards_coefficient=None).center_rewards_coefficient is None
 
 
 def run_stage(tmp_path, monkeypatch, **config):

@@ -366,6 +366,7 @@ def test_classify_flaw_names_the_kind_of_each_generated_mistake():
     assert classify_flaw(problem.prompt, "23+58=81; 81-17=64; answer 65") == "answer"
     assert classify_flaw(problem.prompt, "23+58=81; answer 81") == "skip"
     assert classify_flaw(problem.prompt, "answer 65") == "answer"
+    assert classify_flaw(problem.prompt, "hello") == "skip"  # one step, but not an answer
     assert classify_flaw(problem.prompt, "answer 64") is None
     for seed in range(50):
         for kind in FLAW_KINDS:
