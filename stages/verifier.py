@@ -29,7 +29,7 @@ PLOT = Path("plots/verifier/loss.csv")
 
 
 class Config(SFTConfig):
-    max_steps: int = Field(650, gt=0, description="optimizer steps beyond the SFT model's")
+    max_steps: int = Field(400, gt=0, description="optimizer steps beyond the SFT model's")
     learning_rate: float = Field(1e-3, gt=0, lt=1, description="peak learning rate")
 
 
