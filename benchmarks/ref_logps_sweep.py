@@ -3,7 +3,7 @@
 Without the cache, every DPO step runs the frozen reference model over its batch, in every
 run of the sweep. With it (`policy.dpo.precompute_ref_log_probs: true`, the default),
 the first run computes the reference log-probs of the whole preference set once and
-stores them by content (rlhf/ref_logprobs.py); the other runs load them. Each run is a
+stores them by content (rlhf/training/ref_logprobs.py); the other runs load them. Each run is a
 fresh `python -m stages.policy dpo` process (imports included) in a scratch copy of the
 project; the cache starts empty. Prints both totals and the speed-up (uncached / cached).
 

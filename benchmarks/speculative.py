@@ -25,9 +25,9 @@ import pandas as pd
 from scratch import ROOT, ensure_outputs, scratch_project, timed
 
 import rlhf  # noqa: F401  (offline environment)
-from rlhf.generation import generate
-from rlhf.inference import speculative
-from rlhf.modeling import count_parameters, load_causal_lm, load_tokenizer
+from rlhf.models.generation import generate
+from rlhf.inference.strategies import speculative
+from rlhf.models.loading import count_parameters, load_causal_lm, load_tokenizer
 
 INPUTS = ("models/sft", "data/prepared")
 

@@ -35,7 +35,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 import rlhf  # noqa: F401  (offline, no-telemetry environment first)
-from rlhf.tracking import PARENT_RUN_ENV, git_commit, setup_experiment, tag_stage_runs_with_lock
+from rlhf.tracking.runs import PARENT_RUN_ENV, git_commit, setup_experiment, tag_stage_runs_with_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRESS_RE = re.compile(r"\d+%\|")

@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pandas as pd
-
 
 def _tmp_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -76,5 +74,7 @@ def read_json(path: str | Path):
 
 def write_csv(path: str | Path, rows: list[dict]) -> None:
     """Rows as a CSV (training curves that `dvc plots show` renders)."""
+    import pandas as pd  # here, not at the top: params validation imports this module
+
     with atomic_file(path) as tmp:
         pd.DataFrame(rows).to_csv(tmp, index=False)

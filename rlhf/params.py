@@ -33,6 +33,14 @@ class StageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
 
+def reject_unused(config: BaseModel, unused, why: str) -> None:
+    """Raise when params set any key of `unused` that the config will not read (`why`
+    says when): a key the chosen kind ignores is an error, not a silent no-op."""
+    given = sorted(set(unused) & config.model_fields_set)
+    if given:
+        raise ValueError(f"{', '.join(given)}: not read {why}; remove {'it' if len(given) == 1 else 'them'}")
+
+
 def read_params(path: str | Path = PARAMS_FILE) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():

@@ -1,11 +1,11 @@
 """Stage `base`: the model every later stage starts from.
 
 In:  params `base.model` — `builtin:<size>` (a small Llama-style model and a character-level
-     tokenizer built here from a seed; sizes in rlhf.modeling.BUILTIN_SIZES) or the path of
+     tokenizer built here from a seed; sizes in rlhf.models.folders.BUILTIN_SIZES) or the path of
      a local Hugging Face causal-LM directory.
 Out: models/base — the built model, or for a user directory a `pointer.json` naming it
      (a multi-GB model is not copied into DVC's cache). Downstream stages resolve both
-     through `rlhf.modeling.resolve_model_dir`.
+     through `rlhf.models.folders.resolve_model_dir`.
 
 A user directory is checked for config, safetensors weights and tokenizer files before
 anything is loaded; a model that needs custom code loads only with `trust_remote_code`.
@@ -18,26 +18,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlflow
 from pydantic import Field, field_validator
 
 from rlhf.artifacts import atomic_dir, write_json
-from rlhf.modeling import (
-    BUILTIN_PREFIX,
-    BUILTIN_SIZES,
-    POINTER_FILE,
-    build_tiny_model,
-    build_tokenizer,
-    check_model_dir,
-    count_parameters,
-    load_causal_lm,
-    save_model,
-)
+from rlhf.models.folders import BUILTIN_PREFIX, BUILTIN_SIZES, POINTER_FILE, check_model_dir
 from rlhf.params import StageConfig
-from rlhf.tracking import stage_run
-from stages import load_config
+from stages import MODELS_DIR, load_config
 
-OUT_DIR = Path("models/base")
+OUT_DIR = MODELS_DIR / "base"
 
 
 class Config(StageConfig):
@@ -65,6 +53,8 @@ class Config(StageConfig):
 
 def run(config: Config, out_dir: Path) -> dict:
     """Write the base model (or a pointer to the user's) into `out_dir`; return its facts."""
+    from rlhf.models.loading import build_tiny_model, build_tokenizer, count_parameters, load_causal_lm, save_model
+
     if config.model.startswith(BUILTIN_PREFIX):
         tokenizer = build_tokenizer()
         model = build_tiny_model(config.model[len(BUILTIN_PREFIX) :], tokenizer, config.seed, config.max_length)
@@ -78,6 +68,10 @@ def run(config: Config, out_dir: Path) -> dict:
 
 
 def main() -> None:
+    import mlflow
+
+    from rlhf.tracking.runs import stage_run
+
     config = load_config("base")
     with stage_run("base", config):
         with atomic_dir(OUT_DIR) as tmp:

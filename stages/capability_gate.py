@@ -1,14 +1,19 @@
 """Stage `gate`: promote the best candidate only if it passes every capability test.
 
-In:  reports/eval.json, the candidates' model directories, models/champion (the current
-     champion and its record, if any), params `gate`.
-Out: reports/gate.json (the verdict: per candidate, every test with its value, baseline and
-     reason), models/champion (moved only on promotion), and in MLflow a new version of
-     the registered model with the alias `champion`.
+In:  reports/eval.json and reports/outcomes.json (per-problem outcomes, for paired tests),
+     the candidates' model directories, models/champion (the current champion and its
+     record, if any), params `gate`.
+Out: reports/gate.json (the verdict: per candidate, every test with its value, baseline,
+     paired difference and interval, and reason), models/champion (moved only on
+     promotion), and in MLflow a new version of the registered model with the alias
+     `champion`.
 
-The tests and the rule are in rlhf.promotion. The champion is state, not a function of
-this run's inputs, so models/champion is a persistent, uncached DVC output: DVC never
-deletes or restores it, and a failed gate leaves it exactly where it was.
+The tests and the rule are in rlhf.evaluation.gate: relative tests are paired bootstrap
+tests on the dev suite's per-problem outcomes, judged on the conservative end of the
+interval, so the champion moves only for a gain larger than `threshold` with the
+configured confidence. The champion is state, not a function of this run's inputs, so
+models/champion is a persistent, uncached DVC output: DVC never deletes or restores it, and
+a failed gate leaves it exactly where it was.
 
     python -m stages.capability_gate
 """
@@ -18,35 +23,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import mlflow
-from mlflow.tracking import MlflowClient
 from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.params import StageConfig
-from rlhf.promotion import create_version, decide, install_champion, read_champion, set_champion_alias
-from rlhf.tracking import git_commit, stage_run, tracking_uri
-from stages import load_config
+from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, load_config
 
-REPORT = Path("reports/eval.json")
-VERDICT = Path("reports/gate.json")
-CHAMPION_DIR = Path("models/champion")
+REPORT = REPORTS_DIR / "eval.json"
+OUTCOMES = REPORTS_DIR / "outcomes.json"
+VERDICT = REPORTS_DIR / "gate.json"
 MODEL_ARTIFACT = "model"
 
 
 class CapabilityTest(StageConfig):
     name: str | None = Field(None, description="label in reports (default: built from the fields)")
     metric: str = Field(description="a metric of reports/eval.json, e.g. accuracy, format_rate, kl_to_ref")
-    suite: str = Field("heldout", description="eval suite the metric is read from")
+    suite: str = Field("dev", description="eval suite the metric is read from (dev: never the reported test suite)")
     op: Literal[">=", "<=", ">", "<"] = Field(">=", description="comparison")
-    threshold: float = Field(0.0, description="added to the baseline: value op baseline + threshold")
+    threshold: float = Field(
+        0.0, description="added to the baseline: value op baseline + threshold (relative tests: the minimum effect)"
+    )
     relative_to: Literal["absolute", "sft", "champion"] = Field("absolute", description="the baseline")
 
 
 def _default_tests() -> list[CapabilityTest]:
     return [
         CapabilityTest(metric="accuracy", relative_to="sft", op=">=", threshold=0.0),
-        CapabilityTest(metric="accuracy", relative_to="champion", op=">=", threshold=0.0),
+        CapabilityTest(metric="accuracy", relative_to="champion", op=">", threshold=0.01),
         CapabilityTest(metric="format_rate", relative_to="absolute", op=">=", threshold=0.9),
         CapabilityTest(metric="kl_to_ref", relative_to="absolute", op="<=", threshold=10.0),
     ]
@@ -55,28 +58,52 @@ def _default_tests() -> list[CapabilityTest]:
 class Config(StageConfig):
     tests: list[CapabilityTest] = Field(default_factory=_default_tests, description="all must pass to promote")
     select_metric: str = Field("accuracy", description="among passing candidates, the highest of this wins")
-    select_suite: str = Field("heldout", description="suite of select_metric")
+    select_suite: str = Field("dev", description="suite of select_metric")
+    confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
+    bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
     registered_model: str = Field("rlhf-policy", description="MLflow registered model that holds the champion")
 
 
-def candidate_dir(name: str) -> Path:
-    # `merged` is stage merge's output (see stages.evaluate.candidate_dirs); every other
-    # candidate is a policy method's.
-    return Path("models/merged") if name == "merged" else Path("models/policy") / name
+def run(config: Config, report: dict, outcomes: dict | None, champion_dir: Path) -> dict:
+    from rlhf.evaluation.gate import decide
+    from rlhf.tracking.champion import read_champion
 
-
-def run(config: Config, report: dict, champion_dir: Path) -> dict:
     champion = read_champion(champion_dir)
     verdict = decide(
-        config.tests, report, champion["metrics"] if champion else None, config.select_metric, config.select_suite
+        config.tests,
+        report,
+        champion,
+        config.select_metric,
+        config.select_suite,
+        outcomes,
+        config.confidence,
+        config.bootstrap_samples,
     )
     verdict["previous_champion"] = champion["candidate"] if champion else None
     return verdict
 
 
-def promote(config: Config, verdict: dict, run_id: str) -> dict:
+def champion_outcomes(outcomes: dict | None, name: str) -> dict:
+    """The winner's per-problem outcomes per suite, kept in its record so that the next gate
+    can pair a new candidate with it on the same problems."""
+    if outcomes is None:
+        return {}
+    return {
+        suite: {"digest": entry["digest"], "values": entry["models"][name]}
+        for suite, entry in outcomes["suites"].items()
+        if name in entry["models"]
+    }
+
+
+def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -> dict:
     """Log the winner's weights to the gate run, register them, move models/champion and
     the registry alias. Returns the new champion record."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from rlhf.tracking.champion import create_version, install_champion, set_champion_alias
+    from rlhf.tracking.runs import git_commit, tracking_uri
+
     name = verdict["promote"]
     source = candidate_dir(name)
     mlflow.log_artifacts(str(source), MODEL_ARTIFACT)
@@ -85,6 +112,7 @@ def promote(config: Config, verdict: dict, run_id: str) -> dict:
     record = {
         "candidate": name,
         "metrics": verdict["metrics"],
+        "outcomes": champion_outcomes(outcomes, name),
         "gate_run_id": run_id,
         "git_commit": git_commit(),
         "model_version": version,
@@ -105,19 +133,25 @@ def keep_champion_dir(champion_dir: Path) -> None:
 
 
 def main() -> None:
+    import mlflow
+
+    from rlhf.tracking.runs import stage_run
+
     config = load_config("gate")
     report = read_json(REPORT)
+    outcomes = read_json(OUTCOMES) if OUTCOMES.is_file() else None
     with stage_run("gate", config) as active:
-        verdict = run(config, report, CHAMPION_DIR)
+        verdict = run(config, report, outcomes, CHAMPION_DIR)
         if verdict["promote"]:
-            record = promote(config, verdict, active.info.run_id)
+            record = promote(config, verdict, outcomes, active.info.run_id)
             verdict["champion"] = record["candidate"]
             verdict["model_version"] = record["model_version"]
             print(f"gate: promoted {record['candidate']} (registry version {record['model_version']})")
         else:
             verdict["champion"] = verdict["previous_champion"]
             keep_champion_dir(CHAMPION_DIR)
-            for name, result in verdict["candidates"].items():
+        for name, result in verdict["candidates"].items():
+            if not result["passed"]:
                 print(f"gate: rejected {name}: " + "; ".join(result["failures"]))
         verdict["promoted"] = verdict["promote"] is not None
         mlflow.set_tags({"gate.promoted": str(verdict["promoted"]), "gate.champion": str(verdict["champion"])})

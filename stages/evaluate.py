@@ -1,14 +1,22 @@
-"""Stage `evaluate`: every candidate and the reference on the same held-out suites.
+"""Stage `evaluate`: every candidate and the reference on the same eval suites.
 
-In:  models/sft (the reference), models/policy/<method> for each of `policy.methods`,
-     models/rm (the judge), data/prepared/eval_<suite>.parquet.
-Out: reports/eval.json (DVC metrics: per suite, per model), reports/samples.json (a few
+In:  models/sft (the reference), models/policy/<method> for each policy method,
+     models/merged (when stage merge wrote one), models/rm (the judge),
+     data/prepared/eval/<suite>.parquet for each of `evaluate.suites`.
+Out: reports/eval.json (DVC metrics: per suite, per model), reports/outcomes.json (per
+     problem, per model: what the gate's paired tests read), reports/samples.json (a few
      generations per model, for reading).
 
-Per model and suite, from greedy completions: task accuracy (exact answer check), format
-compliance, mean KL to the reference over the first `kl_prompts` prompts, mean RM-ensemble
-reward and its disagreement (std), win-rate against the reference as judged by the RM
-ensemble, distinct-1/2 and mean completion length. Definitions: rlhf.metrics.
+Per model and suite, from greedy completions: task accuracy (the task's answer check) with
+its 95% bootstrap interval over problems and its value per difficulty (the suite's
+`difficulty` column: the built-in task's number of operands), format compliance (tasks
+that define a format), mean KL to the reference over the first `kl_prompts` prompts, mean
+RM-ensemble reward and its disagreement (std), win-rate against the reference as judged by
+the RM ensemble, distinct-1/2 and mean completion length. Definitions: rlhf.evaluation.
+
+Which suite is for what: the built-in task writes `dev` (tuning, the gate, the greedy soup)
+and `test` (reported only; no decision reads it). The reference and one candidate are in
+memory at a time.
 
     python -m stages.evaluate
 """
@@ -18,119 +26,187 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import mlflow
-import pandas as pd
-import torch
 from pydantic import Field
 
 from rlhf.artifacts import write_json
-from rlhf.generation import generate
-from rlhf.metrics import completion_kl, distinct_n, win_rate
-from rlhf.modeling import load_causal_lm, load_tokenizer
 from rlhf.params import StageConfig
-from rlhf.reward_ensemble import RewardEnsemble
-from rlhf.task import is_correct, is_well_formatted
-from rlhf.tracking import numeric_metrics, stage_run
-from stages import load_all
+from rlhf.tasks import Task, get_task
+from stages import MERGED_DIR, REPORTS_DIR, RM_DIR, candidate_dir, eval_suite_path, load_all
 
 REFERENCE = "sft"
-DATA_DIR = Path("data/prepared")
-RM_DIR = Path("models/rm")
-REPORT = Path("reports/eval.json")
-SAMPLES = Path("reports/samples.json")
-MERGED, MERGED_DIR = "merged", Path("models/merged")
+MERGED = "merged"
+REPORT = REPORTS_DIR / "eval.json"
+OUTCOMES = REPORTS_DIR / "outcomes.json"
+SAMPLES = REPORTS_DIR / "samples.json"
+# Metrics with one value per problem: their means get intervals and paired gate tests.
+PER_PROBLEM = ("accuracy", "format_rate", "reward", "win_rate")
 
 
 class Config(StageConfig):
-    suites: list[str] = Field(["heldout"], min_length=1, description="eval suites (data/prepared/eval_<suite>.parquet)")
+    suites: list[str] = Field(
+        ["dev", "test"], min_length=1, description="eval suites (data/prepared/eval/<suite>.parquet)"
+    )
     max_new_tokens: int = Field(64, gt=0, description="generation budget per completion")
     batch_size: int = Field(128, gt=0, description="prompts per generation batch")
     kl_prompts: int = Field(200, ge=0, description="prompts used for the KL estimate (0 = skip)")
     samples: int = Field(5, ge=0, description="generations per model kept in reports/samples.json")
+    confidence: float = Field(0.95, gt=0, lt=1, description="level of the bootstrap intervals")
+    bootstrap_samples: int = Field(2000, ge=100, description="bootstrap resamples per interval")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
 
 def candidate_dirs(methods: list[str]) -> dict[str, Path]:
     """The models to compare: the reference first, then every policy candidate, then the
     merge of the policies when stage `merge` has written one (models/merged)."""
-    dirs = {REFERENCE: Path("models") / REFERENCE, **{m: Path("models/policy") / m for m in methods}}
+    dirs = {REFERENCE: candidate_dir(REFERENCE), **{m: candidate_dir(m) for m in methods}}
     if (MERGED_DIR / "config.json").is_file():
         dirs[MERGED] = MERGED_DIR
     return dirs
 
 
-def evaluate_suite(config: Config, models: dict, tokenizer, judge: RewardEnsemble, suite: pd.DataFrame):
+def suite_digest(prompts: list, answers: list) -> str:
+    """Names one version of a suite: paired comparisons need the same problems."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([prompts, answers], default=str).encode()).hexdigest()[:16]
+
+
+def summarise(config: Config, outcomes: dict[str, list], difficulty: list | None) -> dict:
+    """The means of the per-problem outcomes, with intervals, and accuracy per difficulty."""
+    from rlhf.evaluation.statistics import bootstrap_interval
+
+    summary: dict = {}
+    for name, values in outcomes.items():
+        if not values:
+            summary[name] = None
+            continue
+        summary[name] = sum(values) / len(values)
+        low, high = bootstrap_interval(values, config.confidence, config.bootstrap_samples)
+        summary[f"{name}_low"], summary[f"{name}_high"] = low, high
+    if difficulty is not None and outcomes.get("accuracy"):
+        groups: dict[str, list] = {}
+        for level, correct in zip(difficulty, outcomes["accuracy"]):
+            groups.setdefault(str(level), []).append(correct)
+        summary["accuracy_by_difficulty"] = {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+        summary["problems_by_difficulty"] = {k: len(v) for k, v in sorted(groups.items())}
+    return summary
+
+
+def evaluate_model(config: Config, task: Task, model, reference, tokenizer, judge, suite, ref_rewards) -> tuple:
+    """(metrics, per-problem outcomes, completions) of one model on one suite."""
+    import pandas as pd
+    import torch
+
+    from rlhf.evaluation.metrics import completion_kl, distinct_n, wins
+    from rlhf.models.generation import generate
+
     prompts = suite["prompt"].tolist()
-    # Parquet gives NaN/None for a missing answer: those prompts count for every metric but accuracy.
     answers = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
-    completions = {
-        name: generate(model, tokenizer, prompts, config.max_new_tokens, config.batch_size)
-        for name, model in models.items()
-    }
-    rewards = {name: judge.score(prompts, texts) for name, texts in completions.items()}
+    texts = generate(model, tokenizer, prompts, config.max_new_tokens, config.batch_size)
+    rewards = judge.score(prompts, texts)
     kl_n = min(config.kl_prompts, len(prompts))
-    results = {}
-    for name, texts in completions.items():
-        checked = [is_correct(t, a) for t, a in zip(texts, answers) if a is not None]
-        kl = (
-            completion_kl(models[name], models[REFERENCE], tokenizer, prompts[:kl_n], texts[:kl_n])
-            if kl_n and name != REFERENCE
-            else torch.zeros(1)
-        )
-        results[name] = {
-            "accuracy": sum(checked) / len(checked) if checked else None,
-            "format_rate": sum(map(is_well_formatted, texts)) / len(texts),
-            "kl_to_ref": float(kl.mean()),
-            "reward": float(rewards[name].mean.mean()),
-            "reward_std": float(rewards[name].std.mean()),
-            "win_rate": win_rate(rewards[name].mean, rewards[REFERENCE].mean),
-            "distinct_1": distinct_n(texts, 1),
-            "distinct_2": distinct_n(texts, 2),
-            "mean_length": sum(len(t) for t in texts) / len(texts),
-        }
-    samples = {
-        name: [{"prompt": p, "completion": c} for p, c in zip(prompts[: config.samples], texts)]
-        for name, texts in completions.items()
+    if kl_n and model is not reference:
+        kl = completion_kl(model, reference, tokenizer, prompts[:kl_n], texts[:kl_n])
+    else:
+        kl = torch.zeros(1)
+    reference_mean = rewards.mean if ref_rewards is None else ref_rewards
+    outcomes = {
+        "accuracy": [float(task.is_correct(t, a)) for t, a in zip(texts, answers) if a is not None],
+        "format_rate": [float(task.is_well_formatted(t)) for t in texts] if task.has_format else [],
+        "reward": rewards.mean.tolist(),
+        "win_rate": wins(rewards.mean, reference_mean).tolist(),
     }
-    return results, samples
+    with_answers = [d for d, a in zip(suite["difficulty"], answers) if a is not None] if "difficulty" in suite else None
+    metrics = {
+        **summarise(config, outcomes, with_answers),
+        "kl_to_ref": float(kl.mean()),
+        "reward_std": float(rewards.std.mean()),
+        "distinct_1": distinct_n(texts, 1),
+        "distinct_2": distinct_n(texts, 2),
+        "mean_length": sum(len(t) for t in texts) / len(texts),
+    }
+    return metrics, outcomes, rewards.mean, texts
 
 
-def run(config: Config, methods: list[str]) -> tuple[dict, dict]:
+def run(config: Config, task: Task, methods: list[str]) -> tuple[dict, dict, dict]:
+    """The eval report, the per-problem outcomes and the samples. The reference stays
+    loaded (for KL); candidates are loaded one at a time."""
+    import pandas as pd
+
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.rewards.ensemble import RewardEnsemble
+
     dirs = candidate_dirs(methods)
+    suites = {}
+    for name in config.suites:
+        path = eval_suite_path(name)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"evaluate.suites: {name!r} has no {path}; prepare writes one per eval suite "
+                f"(the built-in task: dev and test; files: prepare.files.eval_{name})"
+            )
+        suites[name] = pd.read_parquet(path)
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
-    models = {name: load_causal_lm(path, config.trust_remote_code, what=str(path)) for name, path in dirs.items()}
+    reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
     judge = RewardEnsemble.load(RM_DIR, config.trust_remote_code)
     report: dict = {"reference": REFERENCE, "candidates": [n for n in dirs if n != REFERENCE], "suites": {}}
-    samples: dict = {}
-    for suite_name in config.suites:
-        path = DATA_DIR / f"eval_{suite_name}.parquet"
-        if not path.exists():
-            raise FileNotFoundError(f"eval suite {suite_name!r}: {path} not found; check evaluate.suites and prepare")
-        start = time.perf_counter()
-        report["suites"][suite_name], samples[suite_name] = evaluate_suite(
-            config, models, tokenizer, judge, pd.read_parquet(path)
-        )
-        report["suites"][suite_name]["seconds"] = time.perf_counter() - start
-    return report, samples
+    outcomes: dict = {"suites": {}}
+    samples: dict = {name: {} for name in suites}
+    reference_rewards: dict = {}
+    for model_name, path in dirs.items():
+        model = reference if model_name == REFERENCE else load_causal_lm(path, config.trust_remote_code, what=str(path))
+        for suite_name, suite in suites.items():
+            start = time.perf_counter()
+            metrics, per_problem, rewards, texts = evaluate_model(
+                config, task, model, reference, tokenizer, judge, suite, reference_rewards.get(suite_name)
+            )
+            if model_name == REFERENCE:
+                reference_rewards[suite_name] = rewards
+            metrics["seconds"] = time.perf_counter() - start
+            report["suites"].setdefault(suite_name, {})[model_name] = metrics
+            answers = suite["answer"].tolist() if "answer" in suite else []
+            entry = outcomes["suites"].setdefault(
+                suite_name, {"digest": suite_digest(suite["prompt"].tolist(), answers), "models": {}}
+            )
+            entry["models"][model_name] = per_problem
+            samples[suite_name][model_name] = [
+                {"prompt": p, "completion": c} for p, c in zip(suite["prompt"][: config.samples], texts)
+            ]
+        del model
+    return report, outcomes, samples
+
+
+def print_report(report: dict) -> None:
+    for suite, results in report["suites"].items():
+        for name, metrics in results.items():
+            accuracy = metrics.get("accuracy")
+            interval = (
+                f" [{metrics['accuracy_low']:.3f}, {metrics['accuracy_high']:.3f}]" if accuracy is not None else ""
+            )
+            accuracy_text = f"{accuracy:.3f}{interval}" if accuracy is not None else "n/a"
+            print(
+                f"evaluate[{suite}] {name}: accuracy {accuracy_text}, reward {metrics['reward']:.3f}, "
+                f"kl {metrics['kl_to_ref']:.3f}"
+            )
 
 
 def main() -> None:
+    import mlflow
+
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
     params = load_all()
-    config, methods = params["evaluate"], params["policy"].methods
+    config, methods, task = params["evaluate"], params["policy"].methods, get_task(params["task"])
     candidates = [n for n in candidate_dirs(methods) if n != REFERENCE]
     with stage_run("evaluate", config, tags={"candidates": ",".join(candidates)}):
-        report, samples = run(config, methods)
+        report, outcomes, samples = run(config, task, methods)
         write_json(REPORT, report)
+        write_json(OUTCOMES, outcomes)
         write_json(SAMPLES, samples)
         mlflow.log_metrics(numeric_metrics(report["suites"]))
         mlflow.log_artifact(str(REPORT))
-        for suite, results in report["suites"].items():
-            for name, metrics in results.items():
-                if isinstance(metrics, dict):
-                    print(
-                        f"evaluate[{suite}] {name}: "
-                        + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if v is not None)
-                    )
+        print_report(report)
 
 
 if __name__ == "__main__":

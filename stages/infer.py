@@ -1,12 +1,13 @@
-"""Stage `infer`: inference-time compute strategies on the held-out suite.
+"""Stage `infer`: inference-time compute strategies on an eval suite (by default `test`).
 
 In:  the candidate named by `infer.candidate` (sft, a policy method, or merged), models/prm
-     and models/rm (scorers), data/prepared/eval_<suite>.parquet.
+     and models/rm (scorers), data/prepared/eval/<suite>.parquet.
 Out: reports/infer.json (DVC metrics): per strategy, accuracy, generated tokens per problem,
-     samples per problem and wall time, on the first `limit` problems of the suite;
+     samples per problem and wall time, on the first `limit` problems of the suite (accuracy
+     with its 95% bootstrap interval over problems);
      reports/infer_samples.json: the first few answers of each strategy, for reading.
 
-Strategies (rlhf.inference): greedy (the baseline), best_of_n (rerank N samples with the
+Strategies (rlhf.inference.strategies): greedy (the baseline), best_of_n (rerank N samples with the
 configured rewards, which must not need the reference answer), self_consistency (majority
 vote with early stop, reported beside the full vote of the same budget), mcts (PRM-guided
 step-level search), speculative (a draft model proposing tokens, when `speculative.draft`
@@ -21,25 +22,20 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import mlflow
-import pandas as pd
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import write_json
-from rlhf.inference import STRATEGIES, Answer, Strategies, run_strategy
-from rlhf.modeling import load_causal_lm, load_tokenizer
-from rlhf.task import is_correct
-from rlhf.tracking import numeric_metrics, stage_run
-from stages import load_config
+from rlhf.inference.settings import STRATEGIES, Strategies
+from rlhf.tasks import Task, get_task
+from stages import MODELS_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_all
 
-DATA_DIR = Path("data/prepared")
-REPORT = Path("reports/infer.json")
-SAMPLES = Path("reports/infer_samples.json")
+REPORT = REPORTS_DIR / "infer.json"
+SAMPLES = REPORTS_DIR / "infer_samples.json"
 
 
 class Config(Strategies):
     candidate: str = Field("sft", description="model under models/ the strategies run on: sft, policy/<method>, merged")
-    suite: str = Field("heldout", description="eval suite (data/prepared/eval_<suite>.parquet)")
+    suite: str = Field("test", description="eval suite (data/prepared/eval/<suite>.parquet); test: only reported")
     limit: int = Field(200, ge=1, description="problems evaluated (the first ones of the suite)")
     strategies: list[Literal[STRATEGIES]] = Field(
         ["greedy", "best_of_n", "self_consistency", "mcts"], min_length=1, description="strategies to run"
@@ -56,20 +52,31 @@ class Config(Strategies):
 
 def model_dir(name: str) -> Path:
     """A candidate's directory, named relative to models/: sft, policy/<method>, merged."""
-    return Path("models") / name
+    return MODELS_DIR / name
 
 
-def summarise(answers: list[Answer], references: list, seconds: float) -> dict:
+def summarise(task: Task, answers: list, references: list, seconds: float) -> dict:
+    from rlhf.evaluation.statistics import bootstrap_interval
+
+    correct = [float(task.is_correct(a.completion, r)) for a, r in zip(answers, references)]
+    low, high = bootstrap_interval(correct)
     return {
-        "accuracy": sum(is_correct(a.completion, r) for a, r in zip(answers, references)) / len(answers),
+        "accuracy": sum(correct) / len(correct),
+        "accuracy_low": low,
+        "accuracy_high": high,
         "tokens_per_problem": sum(a.tokens for a in answers) / len(answers),
         "samples_per_problem": sum(a.samples for a in answers) / len(answers),
         "seconds": seconds,
     }
 
 
-def run(config: Config) -> tuple[dict, dict]:
-    path = DATA_DIR / f"eval_{config.suite}.parquet"
+def run(config: Config, task: Task) -> tuple[dict, dict]:
+    import pandas as pd
+
+    from rlhf.inference.strategies import run_strategy
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+
+    path = eval_suite_path(config.suite)
     if not path.exists():
         raise FileNotFoundError(f"infer.suite {config.suite!r}: {path} not found; check prepare and infer.suite")
     suite = pd.read_parquet(path).head(config.limit)
@@ -85,22 +92,29 @@ def run(config: Config) -> tuple[dict, dict]:
     samples = {}
     for name in config.strategies:
         start = time.perf_counter()
-        answers = run_strategy(name, config, model, tokenizer, prompts)
-        report["strategies"][name] = summarise(answers, references, time.perf_counter() - start)
+        answers = run_strategy(name, config, model, tokenizer, prompts, task, REWARD_MODEL_DIRS)
+        report["strategies"][name] = summarise(task, answers, references, time.perf_counter() - start)
         samples[name] = [{"prompt": p, "completion": a.completion} for p, a in zip(prompts[:5], answers)]
         print(f"infer {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in report["strategies"][name].items()))
         if name == "self_consistency":
             # The full vote of the same budget: what early stopping is measured against.
             start = time.perf_counter()
-            full = run_strategy(name, config, model, tokenizer, prompts, early_stop=False)
-            report["strategies"]["self_consistency_full"] = summarise(full, references, time.perf_counter() - start)
+            full = run_strategy(name, config, model, tokenizer, prompts, task, REWARD_MODEL_DIRS, early_stop=False)
+            report["strategies"]["self_consistency_full"] = summarise(
+                task, full, references, time.perf_counter() - start
+            )
     return report, samples
 
 
 def main() -> None:
-    config = load_config("infer")
+    import mlflow
+
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
+    params = load_all()
+    config, task = params["infer"], get_task(params["task"])
     with stage_run("infer", config):
-        report, samples = run(config)
+        report, samples = run(config, task)
         write_json(REPORT, report)
         write_json(SAMPLES, samples)
         mlflow.log_metrics(numeric_metrics(report["strategies"]))

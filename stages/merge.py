@@ -1,23 +1,22 @@
 """Stage `merge`: merge the policy candidates into one more candidate, models/merged.
 
-In:  models/policy/<method> for each of `merge.models` (default: every `policy.methods`),
-     models/sft (or models/base: `merge.base`) as the base of task-vector methods and the
-     source of the merged model's config and tokenizer, data/prepared/prompts.parquet
-     (greedy soup's held-out score).
+In:  models/policy/<method> for each of `merge.models` (default: every policy method),
+     models/<merge.base> (sft or base) as the base of task-vector methods and the source of
+     the merged model's config and tokenizer, data/prepared/eval/<greedy_soup_suite>.parquet
+     (greedy soup's score: the dev suite, never the reported test suite).
 Out: models/merged (a plain Hugging Face model directory, safetensors, with the base's
      tokenizer), metrics/merge.json (method, members, weights, and greedy soup's trace).
 
 `evaluate` and `gate` treat models/merged as the candidate named `merged`, like any policy.
 
-The merges are mergekit's (rlhf.merging): linear (a uniform soup with equal weights),
+The merges are mergekit's (rlhf.models.merging): linear (a uniform soup with equal weights),
 task_arithmetic, ties, dare_ties, dare_linear, and slerp (exactly two models), each with
 optional per-layer weights (a list of values interpolated from the first layer to the last).
 Ours on top is greedy soup (Wortsman et al. 2022): candidates sorted by held-out accuracy,
 each added to the uniform average only if the soup's accuracy does not drop (the paper's
-``>=``). The score is greedy-decoding task accuracy on the first `greedy_soup_prompts` rows
-of prompts.parquet, not on the eval suites, which stay untouched for `evaluate` and the gate.
-Departure from the paper: those prompts are not a held-out split for the online methods
-(GRPO, RLOO, PPO train on prompts.parquet), so their candidates may score optimistically.
+``>=``). The score is greedy-decoding task accuracy (the task's answer check) on the first
+`greedy_soup_prompts` problems of the dev suite, the split that tuning and the gate use; the
+test suite stays untouched and is only reported by `evaluate`.
 
 Before any compute, every model is checked to share the base's architecture, weight shapes
 and tokenizer; the error names the models and what differs.
@@ -32,30 +31,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-import mlflow
 from pydantic import Field, ValidationInfo, field_validator
 
 from rlhf.artifacts import atomic_dir, write_json
-from rlhf.data import read_prepared
-from rlhf.generation import generate
-from rlhf.merging import (
-    SPARSIFYING_METHODS,
-    TASK_VECTOR_METHODS,
-    base_dtype,
-    check_compatible,
-    greedy_soup,
-    merge_configuration,
-    run_mergekit,
-)
-from rlhf.modeling import load_tokenizer, resolve_model_dir
+from rlhf.models.folders import resolve_model_dir
 from rlhf.params import ParamsError, StageConfig
-from rlhf.task import is_correct
-from rlhf.tracking import numeric_metrics, stage_run
-from stages import load_all
+from rlhf.tasks import Task, get_task
+from stages import MERGED_DIR, MODELS_DIR, POLICY_DIR, eval_suite_path, load_all
 
-POLICY_ROOT = Path("models/policy")
-PROMPTS = Path("data/prepared/prompts.parquet")
-OUT_DIR = Path("models/merged")
+OUT_DIR = MERGED_DIR
 METRICS = Path("metrics/merge.json")
 
 Method = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "slerp", "greedy_soup"]
@@ -67,7 +51,7 @@ class Config(StageConfig):
         "linear", description="linear | task_arithmetic | ties | dare_ties | dare_linear | slerp | greedy_soup"
     )
     models: list[str] | None = Field(
-        None, min_length=1, description="policy methods to merge (each in policy.methods); null = all of them"
+        None, min_length=1, description="policy methods to merge (each trained: policy.offline/online); null = all"
     )
     base: Literal["sft", "base"] = Field("sft", description="models/<base>: task vectors' origin, config and tokenizer")
     weights: list[LayerWeight] | None = Field(
@@ -79,7 +63,8 @@ class Config(StageConfig):
         None, description="divide by the sum of weights; null = method default (linear, ties: on)"
     )
     int8_mask: bool = Field(False, description="task-vector methods: int8 sign masks (saves memory)")
-    greedy_soup_prompts: int = Field(200, gt=0, description="greedy_soup: prompts of prompts.parquet scored")
+    greedy_soup_suite: str = Field("dev", description="greedy_soup: the eval suite it scores on (never the test one)")
+    greedy_soup_prompts: int = Field(200, gt=0, description="greedy_soup: problems of that suite scored (the first)")
     max_new_tokens: int = Field(64, gt=0, description="greedy_soup: generation budget per completion")
     batch_size: int = Field(128, gt=0, description="greedy_soup: prompts per generation batch")
     seed: int = Field(0, description="seed of DARE's random drops")
@@ -121,14 +106,17 @@ class Config(StageConfig):
 
 
 def member_names(config: Config, methods: list[str]) -> list[str]:
-    """The policy candidates to merge, checked against `policy.methods`: what Config alone
+    """The policy candidates to merge, checked against the trained methods: what Config alone
     cannot check, as it needs the policy section. Raises one ParamsError listing every problem."""
     names = list(config.models) if config.models is not None else list(methods)
-    source = "merge.models" if config.models is not None else "policy.methods (merge.models is null)"
+    source = "merge.models" if config.models is not None else "every policy method (merge.models is null)"
     problems = []
     unknown = [n for n in names if n not in methods]
     if unknown:
-        problems.append(f"merge.models: {unknown} not in policy.methods {methods}: only trained policies can be merged")
+        problems.append(
+            f"merge.models: {unknown} not in policy.offline + policy.online {methods}: "
+            "only trained policies can be merged"
+        )
     if config.method == "slerp" and len(names) != 2:
         problems.append(f"merge.models: slerp interpolates exactly 2 models, got {len(names)} from {source}: {names}")
     if config.weights is not None and len(config.weights) != len(names):
@@ -138,9 +126,12 @@ def member_names(config: Config, methods: list[str]) -> list[str]:
     return names
 
 
-def prompt_accuracy(config: Config, tokenizer, prompts: Path) -> Callable:
+def prompt_accuracy(config: Config, task: Task, tokenizer, prompts: Path) -> Callable:
     """score(model) = greedy-decoding task accuracy on the first `greedy_soup_prompts`
     prompts of `prompts` that have an answer."""
+    from rlhf.data.contracts import read_prepared
+    from rlhf.models.generation import generate
+
     table = read_prepared(prompts, "merge")
     if "answer" in table:
         table = table[table["answer"].notna()]
@@ -151,13 +142,14 @@ def prompt_accuracy(config: Config, tokenizer, prompts: Path) -> Callable:
 
     def score(model) -> float:
         completions = generate(model, tokenizer, texts, config.max_new_tokens, config.batch_size)
-        return sum(is_correct(c, a) for c, a in zip(completions, answers)) / len(answers)
+        return sum(task.is_correct(c, a) for c, a in zip(completions, answers)) / len(answers)
 
     return score
 
 
 def run(
     config: Config,
+    task: Task,
     members: dict[str, Path],
     base_dir: Path,
     prompts: Path,
@@ -166,6 +158,17 @@ def run(
 ) -> dict:
     """Merge `members` (name -> model dir) into `out_dir`; returns the metrics. `score`
     replaces greedy soup's prompt accuracy (tests)."""
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.merging import (
+        SPARSIFYING_METHODS,
+        TASK_VECTOR_METHODS,
+        base_dtype,
+        check_compatible,
+        greedy_soup,
+        merge_configuration,
+        run_mergekit,
+    )
+
     start = time.perf_counter()
     base = resolve_model_dir(base_dir)
     dirs = {name: resolve_model_dir(path) for name, path in members.items()}
@@ -174,11 +177,12 @@ def run(
     method, names, weights = config.method, list(dirs), config.weights
     if method == "greedy_soup":
         tokenizer = load_tokenizer(base, config.trust_remote_code)
-        soup = greedy_soup(dirs, score or prompt_accuracy(config, tokenizer, prompts), config.trust_remote_code)
+        soup = greedy_soup(dirs, score or prompt_accuracy(config, task, tokenizer, prompts), config.trust_remote_code)
         metrics["greedy_soup"] = {
             "score": soup.score,
             "individual": soup.individual,
             "trace": soup.trace,
+            "suite": config.greedy_soup_suite,
             "prompts": config.greedy_soup_prompts,
         }
         method, names, weights = "linear", soup.members, [1.0] * len(soup.members)
@@ -206,12 +210,18 @@ def run(
 
 
 def main() -> None:
+    import mlflow
+
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
     params = load_all()
-    config, methods = params["merge"], params["policy"].methods
+    config, methods, task = params["merge"], params["policy"].methods, get_task(params["task"])
     names = member_names(config, methods)
+    soup_suite = eval_suite_path(config.greedy_soup_suite)
     with stage_run("merge", config, tags={"members": ",".join(names)}):
         with atomic_dir(OUT_DIR) as tmp:
-            metrics = run(config, {n: POLICY_ROOT / n for n in names}, Path("models") / config.base, PROMPTS, tmp)
+            members = {n: POLICY_DIR / n for n in names}
+            metrics = run(config, task, members, MODELS_DIR / config.base, soup_suite, tmp)
         write_json(METRICS, metrics)
         mlflow.log_metrics(numeric_metrics(metrics))
         mlflow.log_artifact(str(METRICS))

@@ -1,13 +1,17 @@
-"""Stage `policy@<method>`: policy optimisation of the SFT model, one DVC stage per method.
+"""Stages `policy@<method>` and `rl@<method>`: policy optimisation of the SFT model, one
+DVC stage per method.
 
-In:  models/sft (policy init and reference), data/prepared/prefs.parquet (preference
-     methods) or data/prepared/unpaired.parquet (KTO).
+In:  models/sft (policy init and reference); offline methods (`policy.offline`, stages
+     `policy@<method>`): data/prepared/prefs.parquet, or data/prepared/unpaired.parquet for
+     KTO; online methods (`policy.online`, stages `rl@<method>`): data/prepared/prompts.parquet
+     and the reward models their rewards (and PPO's value_init) name.
 Out: models/policy/<method> (a plain model: LoRA adapters are merged on save),
      metrics/policy/<method>.json, plots/policy/<method>.csv.
 
-dvc.yaml expands `policy.methods` with `foreach`, so each method is its own stage with its
-own params section (`policy.<method>`): changing DPO's beta reruns DPO alone, and
-`evaluate` compares every candidate on the same held-out suite.
+dvc.yaml expands each list with `foreach`, so each method is its own stage with its own
+params section (`policy.<method>`): changing DPO's beta reruns DPO alone. The two lists are
+two templates because their inputs differ and a DVC dependency cannot follow a param: an
+offline method never reads a reward model, so retraining the RM leaves it up to date.
 
 Methods (a dict from name to function, `METHODS`):
 
@@ -21,8 +25,11 @@ Methods (a dict from name to function, `METHODS`):
   penalty, reference-free.
 * kto — TRL's `KTOTrainer` (Ethayarajh et al. 2024) on unpaired desirable/undesirable
   samples; needs a batch of at least 2 for its KL estimate.
+* grpo, rloo — TRL's `GRPOTrainer` and `RLOOTrainer` on the prompts, with the weighted
+  rewards of rlhf.rewards.functions (the task checks the answers).
+* ppo — ours (rlhf.training.ppo): a value model, GAE and clipped losses.
 
-    python -m stages.policy dpo        # or simpo, orpo, kto (listed in policy.methods)
+    python -m stages.policy dpo        # any method listed in policy.offline or policy.online
 """
 
 from __future__ import annotations
@@ -33,40 +40,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-import mlflow
-from datasets import Dataset
 from pydantic import Field, field_validator, model_validator
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RLOOConfig, RLOOTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.data import read_prepared
-from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
 from rlhf.params import StageConfig
-from rlhf.ppo import PPOParams, load_value_model, train_ppo
-from rlhf.ref_logprobs import with_reference_cache
-from rlhf.reward_ensemble import member_dirs
-from rlhf.rewards import DEFAULT_REWARDS, RewardSpec, build_rewards, model_paths, weighted_sum
-from rlhf.tracking import numeric_metrics, stage_run
-from rlhf.training import (
-    LoraParams,
-    TrainingParams,
-    checkpoint_dir,
-    discard_checkpoints,
-    fingerprint,
-    last_logged,
-    log_history_rows,
-    merged_model,
-    train_resumable,
-    trl_config,
+from rlhf.rewards.functions import DEFAULT_REWARDS, RewardSpec, model_paths
+from rlhf.tasks import Task, get_task
+from rlhf.training.params import LoraParams, PPOParams, TrainingParams
+from stages import (
+    CHECKPOINTS_DIR,
+    DATA_DIR,
+    POLICY_DIR,
+    REF_LOGPS_CACHE,
+    REWARD_MODEL_DIRS,
+    RM_DIR,
+    SFT_DIR,
+    load_all,
 )
-from stages import load_config
 
-SFT_DIR = Path("models/sft")
-PREFS = Path("data/prepared/prefs.parquet")
-UNPAIRED = Path("data/prepared/unpaired.parquet")
-PROMPTS = Path("data/prepared/prompts.parquet")
-RM_DIR = Path("models/rm")
-OUT_ROOT = Path("models/policy")
+PREFS = DATA_DIR / "prefs.parquet"
+UNPAIRED = DATA_DIR / "unpaired.parquet"
+PROMPTS = DATA_DIR / "prompts.parquet"
+OUT_ROOT = POLICY_DIR
 METRICS_ROOT = Path("metrics/policy")
 PLOTS_ROOT = Path("plots/policy")
 
@@ -139,7 +134,7 @@ REWARDS_FIELD = Field(
     default_factory=lambda: list(DEFAULT_REWARDS),
     validate_default=True,
     min_length=1,
-    description="weighted rewards (rlhf.rewards)",
+    description="weighted rewards (rlhf.rewards.functions)",
 )
 
 
@@ -200,13 +195,35 @@ class RLOOParams(OnlineParams):
 
 
 class PPOMethodParams(PPOParams):
-    """PPO (ours, rlhf/ppo.py) on the prompts, with the same weighted rewards as GRPO/RLOO."""
+    """PPO (ours, rlhf/training/ppo.py) on the prompts, with the same weighted rewards as GRPO/RLOO."""
 
     rewards: list[RewardSpec] = REWARDS_FIELD
 
 
+OFFLINE_METHODS = ("dpo", "simpo", "orpo", "kto")
+ONLINE_METHODS = ("grpo", "rloo", "ppo")
+
+
+def _check_listed(value: list[str], allowed: tuple[str, ...], other: tuple[str, ...], other_key: str) -> list[str]:
+    misplaced = [m for m in value if m in other]
+    unknown = [m for m in value if m not in allowed and m not in other]
+    problems = []
+    if misplaced:
+        problems.append(f"{misplaced} belong in policy.{other_key}")
+    if unknown:
+        problems.append(f"unknown method(s) {unknown}; available here: {list(allowed)}")
+    if len(set(value)) != len(value):
+        problems.append(f"methods are listed twice: {value}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return value
+
+
 class Config(StageConfig):
-    methods: list[str] = Field(["dpo"], min_length=1, description="methods to train, one DVC stage each")
+    offline: list[str] = Field(
+        ["dpo"], description="offline methods to train (dpo, simpo, orpo, kto): stages policy@<method>"
+    )
+    online: list[str] = Field([], description="online methods to train (grpo, rloo, ppo): stages rl@<method>")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
     dpo: DPOParams = Field(default_factory=DPOParams, description="params of method dpo")
     simpo: SimPOParams = Field(default_factory=SimPOParams, description="params of method simpo")
@@ -216,19 +233,36 @@ class Config(StageConfig):
     rloo: RLOOParams = Field(default_factory=RLOOParams, description="params of method rloo")
     ppo: PPOMethodParams = Field(default_factory=PPOMethodParams, description="params of method ppo")
 
-    @field_validator("methods")
+    @field_validator("offline")
     @classmethod
-    def _check_methods(cls, value):
-        unknown = [m for m in value if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; available: {sorted(METHODS)}")
-        if len(set(value)) != len(value):
-            raise ValueError(f"methods are listed twice: {value}")
-        return value
+    def _check_offline(cls, value):
+        return _check_listed(value, OFFLINE_METHODS, ONLINE_METHODS, "online")
+
+    @field_validator("online")
+    @classmethod
+    def _check_online(cls, value):
+        return _check_listed(value, ONLINE_METHODS, OFFLINE_METHODS, "offline")
+
+    @model_validator(mode="after")
+    def _some_method(self):
+        if not self.methods:
+            raise ValueError("no policy method: list at least one in policy.offline or policy.online")
+        return self
+
+    @property
+    def methods(self) -> list[str]:
+        """Every method to train, offline first: the candidates merge and evaluate read."""
+        return [*self.offline, *self.online]
+
+
+def stage_name(method: str) -> str:
+    """The DVC stage that trains `method`."""
+    return f"policy@{method}" if method in OFFLINE_METHODS else f"rl@{method}"
 
 
 def train_trl(
     config: Config,
+    task: Task,
     params: TrainingParams,
     data: Path,
     trl_classes: tuple,
@@ -243,12 +277,26 @@ def train_trl(
     its trainer class), on `data`; save the (merged) result into `out_dir`. Returns metrics
     (the last logged value of each of `logged`) and the curve of those values. `inputs` are
     further files the result depends on (reward models), for the checkpoint fingerprint."""
+    from datasets import Dataset
+
+    from rlhf.data.contracts import read_prepared
+    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+    from rlhf.training.trainer_setup import (
+        checkpoint_dir,
+        fingerprint,
+        last_logged,
+        log_history_rows,
+        merged_model,
+        train_resumable,
+        trl_config,
+    )
+
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
     dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
     key = fingerprint(params, [SFT_DIR, data, *inputs])
     config_cls, trainer_cls = trl_classes
-    args = trl_config(config_cls, params, checkpoint_dir(stage, key), **trl_args)
+    args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), **trl_args)
     trainer = trainer_cls(
         model=model,
         args=args,
@@ -274,12 +322,18 @@ def train_trl(
 def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:
     """(config class, trainer class) for a method with a reference model (DPO, KTO): with
     `precompute_ref_log_probs` the trainer keeps its reference log-probs in the
-    content-keyed cache (rlhf.ref_logprobs). Sets the flag in `trl_args`."""
+    content-keyed cache (rlhf.training.ref_logprobs). Sets the flag in `trl_args`."""
+    from rlhf.training.ref_logprobs import with_reference_cache
+
     trl_args["precompute_ref_log_probs"] = params.precompute_ref_log_probs
-    return config_cls, with_reference_cache(trainer_cls) if params.precompute_ref_log_probs else trainer_cls
+    if params.precompute_ref_log_probs:
+        return config_cls, with_reference_cache(trainer_cls, REF_LOGPS_CACHE)
+    return config_cls, trainer_cls
 
 
-def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+def train_dpo(config: Config, task: Task, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    from trl import DPOConfig, DPOTrainer
+
     loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
     trl_args = {
         "loss_type": loss_types + (["sft"] if params.sft_weight else []),
@@ -289,10 +343,10 @@ def train_dpo(config: Config, params: DPOParams, out_dir: Path, stage: str) -> t
         "max_length": params.max_length,
     }
     classes = reference_trainer(DPOConfig, DPOTrainer, params, trl_args)
-    return train_trl(config, params, PREFS, classes, trl_args, out_dir, stage)
+    return train_trl(config, task, params, PREFS, classes, trl_args, out_dir, stage)
 
 
-def train_simpo(config: Config, params: SimPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+def train_simpo(config: Config, task: Task, params: SimPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     # SimPO is CPO's loss with the behaviour-cloning term switched off (cpo_alpha=0).
@@ -303,17 +357,19 @@ def train_simpo(config: Config, params: SimPOParams, out_dir: Path, stage: str) 
         "simpo_gamma": params.gamma,
         "max_length": params.max_length,
     }
-    return train_trl(config, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
+    return train_trl(config, task, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
 
 
-def train_orpo(config: Config, params: ORPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+def train_orpo(config: Config, task: Task, params: ORPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     trl_args = {"beta": params.beta, "max_length": params.max_length}
-    return train_trl(config, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage)
+    return train_trl(config, task, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage)
 
 
-def train_kto(config: Config, params: KTOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+def train_kto(config: Config, task: Task, params: KTOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    from trl import KTOConfig, KTOTrainer
+
     trl_args = {
         "beta": params.beta,
         "desirable_weight": params.desirable_weight,
@@ -321,19 +377,22 @@ def train_kto(config: Config, params: KTOParams, out_dir: Path, stage: str) -> t
         "max_length": params.max_length,
     }
     classes = reference_trainer(KTOConfig, KTOTrainer, params, trl_args)
-    return train_trl(config, params, UNPAIRED, classes, trl_args, out_dir, stage)
+    return train_trl(config, task, params, UNPAIRED, classes, trl_args, out_dir, stage)
 
 
 def train_online(
-    config: Config, params: OnlineParams, trl_classes: tuple, trl_args: dict, out_dir: Path, stage: str
+    config: Config, task: Task, params: OnlineParams, trl_classes: tuple, trl_args: dict, out_dir: Path, stage: str
 ) -> tuple[dict, list[dict]]:
     """GRPO and RLOO: TRL samples `num_generations` completions per prompt of
     data/prepared/prompts.parquet and scores them with the configured rewards; the
     prompt table's other columns (e.g. `answer`) reach the reward functions."""
-    functions, weights = build_rewards(params.rewards, config.trust_remote_code)
+    from rlhf.rewards.functions import build_rewards
+
+    functions, weights = build_rewards(params.rewards, task, REWARD_MODEL_DIRS, config.trust_remote_code)
     logged = ("loss", "reward", "reward_std", "kl", "completions/mean_length")
     return train_trl(
         config,
+        task,
         params,
         PROMPTS,
         trl_classes,
@@ -341,33 +400,49 @@ def train_online(
         out_dir,
         stage,
         logged=logged + tuple(f"rewards/{f.__name__}/mean" for f in functions),
-        inputs=tuple(model_paths(params.rewards)),
+        inputs=tuple(model_paths(params.rewards, REWARD_MODEL_DIRS)),
         reward_funcs=functions,
     )
 
 
-def train_grpo(config: Config, params: GRPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+def train_grpo(config: Config, task: Task, params: GRPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    from trl import GRPOConfig, GRPOTrainer
+
     trl_args = {"loss_type": params.loss_type, "scale_rewards": params.scale_rewards}
-    return train_online(config, params, (GRPOConfig, GRPOTrainer), trl_args, out_dir, stage)
+    return train_online(config, task, params, (GRPOConfig, GRPOTrainer), trl_args, out_dir, stage)
 
 
-def train_rloo(config: Config, params: RLOOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+def train_rloo(config: Config, task: Task, params: RLOOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    from trl import RLOOConfig, RLOOTrainer
+
     trl_args = {"normalize_advantages": params.normalize_advantages}
-    return train_online(config, params, (RLOOConfig, RLOOTrainer), trl_args, out_dir, stage)
+    return train_online(config, task, params, (RLOOConfig, RLOOTrainer), trl_args, out_dir, stage)
 
 
-def train_ppo_method(config: Config, params: PPOMethodParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
-    """PPO with a value model: ours (rlhf/ppo.py), as TRL 1.16 has none. The reference is a
-    frozen copy of the SFT model; the value model starts from SFT or from the first RM
-    member (`value_init`)."""
+def train_ppo_method(
+    config: Config, task: Task, params: PPOMethodParams, out_dir: Path, stage: str
+) -> tuple[dict, list[dict]]:
+    """PPO with a value model: ours (rlhf/training/ppo.py), as TRL 1.16 has none. The
+    reference is a frozen copy of the SFT model; the value model starts from SFT or from
+    the first RM member (`value_init`)."""
+    import mlflow
+
+    from rlhf.data.contracts import read_prepared
+    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+    from rlhf.rewards.ensemble import member_dirs
+    from rlhf.rewards.functions import build_rewards, weighted_sum
+    from rlhf.tracking.runs import numeric_metrics
+    from rlhf.training.ppo import load_value_model, train_ppo
+    from rlhf.training.trainer_setup import checkpoint_dir, fingerprint
+
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     policy = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
     reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
     value_init = SFT_DIR if params.value_init == "sft" else member_dirs(RM_DIR)[0]
     value_model = load_value_model(value_init, config.trust_remote_code)
     table = read_prepared(PROMPTS, stage)
-    functions, weights = build_rewards(params.rewards, config.trust_remote_code)
-    key = fingerprint(params, [SFT_DIR, PROMPTS, value_init, *model_paths(params.rewards)])
+    functions, weights = build_rewards(params.rewards, task, REWARD_MODEL_DIRS, config.trust_remote_code)
+    key = fingerprint(params, [SFT_DIR, PROMPTS, value_init, *model_paths(params.rewards, REWARD_MODEL_DIRS)])
 
     def log(metrics: dict, step: int) -> None:
         mlflow.log_metrics(numeric_metrics(metrics), step=step)
@@ -381,7 +456,7 @@ def train_ppo_method(config: Config, params: PPOMethodParams, out_dir: Path, sta
         {column: table[column].tolist() for column in table.columns if column != "prompt"},
         weighted_sum(functions, weights),
         params,
-        checkpoint_dir(stage, key),
+        checkpoint_dir(CHECKPOINTS_DIR, stage, key),
         log_fn=log,
     )
     save_model(policy, tokenizer, out_dir)
@@ -410,23 +485,33 @@ METHODS: dict[str, Callable] = {
 }
 
 
-def run(config: Config, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
-    stage = f"policy@{method}"
+def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
+    from rlhf.training.trainer_setup import discard_checkpoints
+
+    stage = stage_name(method)
     start = time.perf_counter()
-    metrics, curve = METHODS[method](config, getattr(config, method), out_dir, stage)
-    discard_checkpoints(stage)
+    metrics, curve = METHODS[method](config, task, getattr(config, method), out_dir, stage)
+    discard_checkpoints(CHECKPOINTS_DIR, stage)
     return {**metrics, "method": method, "train_seconds": time.perf_counter() - start}, curve
 
 
 def main(argv: list[str] | None = None) -> None:
+    import mlflow
+
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
     argv = sys.argv[1:] if argv is None else argv
-    config = load_config("policy")
+    params = load_all()
+    config, task = params["policy"], get_task(params["task"])
     if len(argv) != 1 or argv[0] not in config.methods:
-        raise SystemExit(f"usage: python -m stages.policy METHOD, with METHOD one of policy.methods {config.methods}")
+        raise SystemExit(
+            f"usage: python -m stages.policy METHOD, with METHOD one of policy.offline + policy.online {config.methods}"
+        )
     method = argv[0]
-    with stage_run(f"policy@{method}", config.model_dump(include={"methods", method})):
+    listed = "offline" if method in config.offline else "online"
+    with stage_run(stage_name(method), config.model_dump(include={listed, method})):
         with atomic_dir(OUT_ROOT / method) as tmp:
-            metrics, curve = run(config, method, tmp)
+            metrics, curve = run(config, task, method, tmp)
         write_json(METRICS_ROOT / f"{method}.json", metrics)
         write_csv(PLOTS_ROOT / f"{method}.csv", curve)
         mlflow.log_metrics(numeric_metrics(metrics))

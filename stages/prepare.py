@@ -1,11 +1,12 @@
 """Stage `prepare`: every data contract the pipeline trains and evaluates on, as Parquet.
 
 In:  params `prepare` — the built-in arithmetic task (default) or the user's files.
-Out: data/prepared/<name>.parquet for sft, prefs, prefs_eval, unpaired, prm, prm_eval,
-     prompts and each eval suite (eval_<suite>), plus data/prepared/manifest.json (row
-     counts and source).
+Out: data/prepared/<name>.parquet for sft, prefs, prefs_eval, unpaired, prm, prm_eval and
+     prompts; data/prepared/eval/<suite>.parquet for each eval suite (the built-in task
+     writes `dev`, for tuning and the gate, and `test`, only reported); and
+     data/prepared/manifest.json (row counts and source).
 
-The built-in task is generated from a seed (rlhf.task), so it is never committed. User files
+The built-in task is generated from a seed (rlhf.tasks.arithmetic), so it is never committed. User files
 (JSONL, JSON, Parquet, CSV or a `save_to_disk` folder, standard or conversational) are read,
 their columns mapped onto the contract, and every row validated before anything is written:
 all problems in all files are reported together, naming file, row and field.
@@ -18,18 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import mlflow
-import pandas as pd
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_json
-from rlhf.data import DataValidationError, load_contract
 from rlhf.params import StageConfig
-from rlhf.task import TaskSizes, TaskSpec, generate_datasets
-from rlhf.tracking import numeric_metrics, stage_run
-from stages import load_config
-
-OUT_DIR = Path("data/prepared")
+from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
+from stages import DATA_DIR, EVAL_DIR, load_config
 
 # File names in data/prepared and the contract each follows; eval_<suite> are prompts.
 FILE_KINDS = {
@@ -106,8 +101,13 @@ def kind_of(name: str) -> str:
     return "prompts" if name.startswith(EVAL_PREFIX) else FILE_KINDS[name]
 
 
-def run(config: Config) -> dict[str, pd.DataFrame]:
-    """The prepared tables, keyed by file name; user files are validated in full first."""
+def run(config: Config) -> dict:
+    """The prepared tables (DataFrames), keyed by file name; user files are validated in
+    full first."""
+    import pandas as pd
+
+    from rlhf.data.contracts import DataValidationError, load_contract
+
     if config.source == "builtin":
         spec = TaskSpec(**config.builtin.model_dump(exclude={"sizes"}))
         sizes = TaskSizes(**config.builtin.sizes)
@@ -124,17 +124,30 @@ def run(config: Config) -> dict[str, pd.DataFrame]:
     return tables
 
 
+def table_path(root: Path, name: str) -> Path:
+    """Where file `name` goes under `root`: eval_<suite> into the eval folder."""
+    if name.startswith(EVAL_PREFIX):
+        return root / EVAL_DIR.relative_to(DATA_DIR) / f"{name[len(EVAL_PREFIX) :]}.parquet"
+    return root / f"{name}.parquet"
+
+
 def main() -> None:
+    import mlflow
+
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
     config = load_config("prepare")
     with stage_run("prepare", config):
         tables = run(config)
-        with atomic_dir(OUT_DIR) as tmp:
+        with atomic_dir(DATA_DIR) as tmp:
             for name, frame in tables.items():
-                frame.to_parquet(tmp / f"{name}.parquet", index=False)
+                path = table_path(tmp, name)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                frame.to_parquet(path, index=False)
             manifest = {"source": config.source, "rows": {name: len(frame) for name, frame in tables.items()}}
             write_json(tmp / "manifest.json", manifest)
         mlflow.log_metrics(numeric_metrics({"rows": manifest["rows"]}))
-        print(f"prepare: wrote {', '.join(f'{n} ({r})' for n, r in manifest['rows'].items())} to {OUT_DIR}")
+        print(f"prepare: wrote {', '.join(f'{n} ({r})' for n, r in manifest['rows'].items())} to {DATA_DIR}")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,12 @@
 
 In:  models/sft (or models/base), data/prepared/prm.parquet and prm_eval.parquet (prompt,
      completions = the steps, labels = one bool per step; the final `answer N` line is a step).
-Out: models/prm (a two-label token classifier, 1 = good step, with prm.json naming its step
-     separator; a LoRA adapter is merged on save), metrics/prm.json, plots/prm/loss.csv.
+Out: models/prm (with prm.json naming its kind and the task's step separator; a classifier's
+     LoRA adapter is merged on save), metrics/prm.json, plots/prm/loss.csv.
 
 Labels follow Math-Shepherd (Wang et al., 2024): a step is good while the chain is still on
 the way to the right answer; the first wrong step and everything after it are bad. The label
-of a step sits on the last token of the separator that follows it (rlhf.prm), so one forward
+of a step sits on the last token of the separator that follows it (rlhf.rewards.prm_classifier), so one forward
 pass scores every prefix. Departures from the paper: labels are exact (the built-in task
 checks each step) instead of estimated from Monte-Carlo rollouts, and the loss is a two-class
 cross-entropy at the step positions through transformers' `Trainer` (TRL has no PRM trainer).
@@ -25,33 +25,18 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import mlflow
-import transformers
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.data import read_prepared, validate_contract
-from rlhf.likelihood_prm import FEATURES, LikelihoodPRM
-from rlhf.modeling import check_model_dir, load_causal_lm, load_tokenizer, resolve_model_dir
-from rlhf.prm import PRM_FILE, ProcessRewardModel, build_dataset, load_prm_model, prm_metrics, prm_trainer, save_prm
-from rlhf.task import STEP_SEPARATOR
-from rlhf.tracking import numeric_metrics, stage_run
-from rlhf.training import (
-    LoraParams,
-    TrainingParams,
-    checkpoint_dir,
-    discard_checkpoints,
-    fingerprint,
-    last_logged,
-    log_history_rows,
-    merged_model,
-    train_resumable,
-)
-from stages import load_config
+from rlhf.models.folders import check_model_dir, resolve_model_dir
+from rlhf.params import reject_unused
+from rlhf.tasks import get_task
+from rlhf.training.params import LoraParams, TrainingParams
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, PRM_DIR, load_all
 
-DATA = Path("data/prepared/prm.parquet")
-EVAL_DATA = Path("data/prepared/prm_eval.parquet")
-OUT_DIR = Path("models/prm")
+DATA = DATA_DIR / "prm.parquet"
+EVAL_DATA = DATA_DIR / "prm_eval.parquet"
+OUT_DIR = PRM_DIR
 METRICS = Path("metrics/prm.json")
 PLOT = Path("plots/prm/loss.csv")
 CURVE_KEYS = ("loss", "learning_rate")
@@ -59,7 +44,8 @@ CURVE_KEYS = ("loss", "learning_rate")
 
 class Config(TrainingParams):
     kind: Literal["likelihood", "classifier"] = Field(
-        "likelihood", description="likelihood: calibrated LM surprise (rlhf.likelihood_prm); classifier: trained head"
+        "likelihood",
+        description="likelihood: calibrated LM surprise (rlhf.rewards.prm_likelihood); classifier: trained head",
     )
     init: Literal["verifier", "sft", "base"] = Field(
         "verifier", description="model the PRM starts from (likelihood: the LM it reads)"
@@ -68,18 +54,44 @@ class Config(TrainingParams):
     per_device_train_batch_size: int = Field(32, gt=0, description="solutions per step")
     learning_rate: float = Field(1e-3, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(96, gt=0, description="tokens per row (longer rows keep the whole steps that fit)")
-    step_separator: str = Field(STEP_SEPARATOR, min_length=1, description="text between steps (the label's position)")
     score_batch_size: int = Field(64, gt=0, description="rows per forward pass when scoring the held-out set")
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
+    @model_validator(mode="after")
+    def _training_keys_need_training(self):
+        if self.kind == "likelihood":
+            training = set(TrainingParams.model_fields) | {"lora"}
+            reject_unused(self, training, "by kind likelihood, which fits a calibration and trains no weights")
+        return self
+
 
 def init_dir(config: Config) -> Path:
-    return Path("models") / config.init
+    return MODELS_DIR / config.init
 
 
-def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
-    """Train a PRM from `init` on `data`, save it into `out_dir`, score `eval_data`."""
+def run(
+    config: Config, separator: str, init: Path, data: Path, eval_data: Path, out_dir: Path
+) -> tuple[dict, list[dict]]:
+    """Train a PRM from `init` on `data`, save it into `out_dir`, score `eval_data`.
+    `separator` joins the steps (the task's)."""
+    import transformers
+
+    from rlhf.data.contracts import read_prepared, validate_contract
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.rewards.prm import load_prm
+    from rlhf.rewards.prm_classifier import build_dataset, load_prm_model, prm_trainer, save_prm
+    from rlhf.rewards.steps import prm_metrics
+    from rlhf.training.trainer_setup import (
+        checkpoint_dir,
+        discard_checkpoints,
+        fingerprint,
+        last_logged,
+        log_history_rows,
+        merged_model,
+        train_resumable,
+    )
+
     stage = "prm"
     # Both tables are checked before any model is loaded: a bad row fails in a second.
     rows = validate_contract(read_prepared(data, stage), "prm", data)
@@ -87,19 +99,19 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
     check_model_dir(resolve_model_dir(init), f"prm.init {config.init!r} (models/{config.init})")
     tokenizer = load_tokenizer(init, config.trust_remote_code)
     if config.kind == "likelihood":
-        return run_likelihood(config, init, tokenizer, rows, held_out, out_dir)
-    train = build_dataset(tokenizer, rows, config.step_separator, config.max_length)
+        return run_likelihood(config, separator, init, tokenizer, rows, held_out, out_dir)
+    train = build_dataset(tokenizer, rows, separator, config.max_length)
     transformers.set_seed(config.seed)  # the new head's initialisation
     model = load_prm_model(init, config.trust_remote_code, what=f"models/{config.init}")
     key = fingerprint(config, [init, data])
-    trainer = prm_trainer(config, model, tokenizer, train, checkpoint_dir(stage, key), config.lora)
+    trainer = prm_trainer(config, model, tokenizer, train, checkpoint_dir(CHECKPOINTS_DIR, stage, key), config.lora)
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
     train_seconds = time.perf_counter() - start
     history = trainer.state.log_history
-    save_prm(merged_model(trainer.model), tokenizer, out_dir, config.step_separator)
+    save_prm(merged_model(trainer.model), tokenizer, out_dir, separator)
 
-    prm = ProcessRewardModel.load(out_dir, config.trust_remote_code)
+    prm = load_prm(out_dir, config.trust_remote_code)
     scores = prm.score_steps(held_out["prompt"].tolist(), held_out["completions"].tolist(), config.score_batch_size)
     metrics = {
         **prm_metrics(scores, held_out["labels"].tolist()),
@@ -109,18 +121,24 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
         "train_seconds": train_seconds,
         "resumed": bool(resumed),
     }
-    discard_checkpoints(stage)
+    discard_checkpoints(CHECKPOINTS_DIR, stage)
     return metrics, log_history_rows(history, CURVE_KEYS)
 
 
-def run_likelihood(config: Config, init: Path, tokenizer, rows, held_out, out_dir: Path) -> tuple[dict, list[dict]]:
+def run_likelihood(
+    config: Config, separator: str, init: Path, tokenizer, rows, held_out, out_dir: Path
+) -> tuple[dict, list[dict]]:
     """Fit the likelihood PRM's calibration on the training rows (no gradient steps on the
     LM: seconds, not minutes) and score the held-out rows."""
+    from rlhf.models.loading import load_causal_lm
+    from rlhf.rewards.prm_likelihood import FEATURES, LikelihoodPRM
+    from rlhf.rewards.steps import PRM_FILE, prm_metrics
+
     lm = load_causal_lm(init, config.trust_remote_code, what=f"models/{config.init}")
     start = time.perf_counter()
     prm = LikelihoodPRM.fit(
         lm, tokenizer, rows["prompt"].tolist(), rows["completions"].tolist(), rows["labels"].tolist(),
-        config.step_separator, config.score_batch_size,
+        separator, config.score_batch_size,
     )  # fmt: skip
     fit_seconds = time.perf_counter() - start
     prm.save(out_dir, PRM_FILE)
@@ -137,10 +155,15 @@ def run_likelihood(config: Config, init: Path, tokenizer, rows, held_out, out_di
 
 
 def main() -> None:
-    config = load_config("prm")
+    import mlflow
+
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
+    params = load_all()
+    config, separator = params["prm"], get_task(params["task"]).step_separator
     with stage_run("prm", config):
         with atomic_dir(OUT_DIR) as tmp:
-            metrics, curve = run(config, init_dir(config), DATA, EVAL_DATA, tmp)
+            metrics, curve = run(config, separator, init_dir(config), DATA, EVAL_DATA, tmp)
         write_json(METRICS, metrics)
         write_csv(PLOT, curve)
         mlflow.log_metrics(numeric_metrics(metrics))

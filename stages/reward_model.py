@@ -9,10 +9,10 @@ Each member is trained by TRL's `RewardTrainer` (Bradley-Terry loss,
 -log sigmoid(r_chosen - r_rejected)) from the same initial model with a different seed, which
 changes the data order (and a classifier's new score head): what makes the members disagree
 where the data is thin. The ensemble mean is the reward; the spread is an uncertainty
-estimate (rlhf.reward_ensemble). Two kinds of member:
+estimate (rlhf.rewards.ensemble). Two kinds of member:
 
 * `likelihood` (default): the LM's log-probs of the response, min and mean, through a
-  two-weight head (rlhf.likelihood_rm). The head starts from a Bradley-Terry fit on the
+  two-weight head (rlhf.rewards.likelihood_rm). The head starts from a Bradley-Terry fit on the
   frozen LM, fitted once for all members; RewardTrainer then trains LM and head together.
 * `classifier`: TRL's default, a sequence classifier scoring the last token. On the built-in
   task it stays near chance: a slip in the middle of a solution is not visible to it.
@@ -31,44 +31,18 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import mlflow
-import pandas as pd
-from datasets import Dataset
 from pydantic import Field, model_validator
-from transformers import set_seed
-from trl import RewardConfig, RewardTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.data import read_prepared
-from rlhf.likelihood_rm import (
-    LikelihoodRewardModel,
-    LikelihoodRewardTrainer,
-    ResponseMaskCollator,
-    fit_head,
-    pairs_dataset,
-)
-from rlhf.modeling import check_model_dir, load_causal_lm, load_tokenizer, resolve_model_dir, save_model
-from rlhf.reward_ensemble import MEMBER_PREFIX, RewardEnsemble, pairwise_accuracy
-from rlhf.task import classify_flaw
-from rlhf.tracking import nested_run, numeric_metrics, stage_run
-from rlhf.training import (
-    LoraParams,
-    TrainingParams,
-    checkpoint_dir,
-    discard_checkpoints,
-    fingerprint,
-    last_logged,
-    log_history_rows,
-    merged_model,
-    train_resumable,
-    trl_config,
-    use_cpu,
-)
-from stages import load_config
+from rlhf.models.folders import check_model_dir, resolve_model_dir
+from rlhf.tasks import Task, get_task
+from rlhf.training.params import LoraParams, TrainingParams
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, RM_DIR, load_all
 
-DATA = Path("data/prepared/prefs.parquet")
-EVAL_DATA = Path("data/prepared/prefs_eval.parquet")
-OUT_DIR = Path("models/rm")
+DATA = DATA_DIR / "prefs.parquet"
+EVAL_DATA = DATA_DIR / "prefs_eval.parquet"
+OUT_DIR = RM_DIR
+MEMBER_PREFIX = "member_"  # rlhf.rewards.ensemble reads members from folders named so
 METRICS = Path("metrics/rm.json")
 PLOT = Path("plots/rm/loss.csv")
 
@@ -99,13 +73,21 @@ class Config(TrainingParams):
 
 
 def init_dir(config: Config) -> Path:
-    return Path("models") / config.init
+    return MODELS_DIR / config.init
 
 
 def train_member(config: Config, index: int, init: Path, train, tokenizer, root: Path) -> list[dict]:
     """Train member `index` into root/member_<index>/final (skipped when already there).
     `train`: the preference rows (classifier) or the fitted head and tokenized pairs
     (likelihood, see `likelihood_start`)."""
+    from transformers import set_seed
+    from trl import RewardConfig, RewardTrainer
+
+    from rlhf.models.loading import save_model
+    from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, LikelihoodRewardTrainer, ResponseMaskCollator
+    from rlhf.tracking.runs import nested_run
+    from rlhf.training.trainer_setup import log_history_rows, merged_model, train_resumable, trl_config
+
     member_root = root / f"{MEMBER_PREFIX}{index}"
     final = member_root / "final"
     if (final / "config.json").exists():
@@ -156,6 +138,8 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
 
 def load_lm(config: Config, init: Path):
     """The likelihood kind's LM, with a LoRA adapter when configured."""
+    from rlhf.models.loading import load_causal_lm
+
     lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})")
     if config.lora.enabled:
         from peft import get_peft_model
@@ -164,9 +148,13 @@ def load_lm(config: Config, init: Path):
     return lm
 
 
-def likelihood_start(config: Config, init: Path, pairs: pd.DataFrame, tokenizer) -> tuple[tuple, Dataset, dict]:
-    """The likelihood kind's shared start: the tokenized pairs and the head fitted on the
-    frozen initial LM (once for all members), with what the fit found."""
+def likelihood_start(config: Config, init: Path, pairs, tokenizer) -> tuple[tuple, object, dict]:
+    """The likelihood kind's shared start: the tokenized pairs (a Dataset) and the head
+    fitted on the frozen initial LM (once for all members), with what the fit found."""
+    from rlhf.models.loading import load_causal_lm
+    from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, fit_head, pairs_dataset
+    from rlhf.training.trainer_setup import use_cpu
+
     dataset, dropped = pairs_dataset(tokenizer, pairs, config.max_length)
     lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})")
     model = LikelihoodRewardModel(lm.to("cpu" if use_cpu(config) else "cuda"))
@@ -178,13 +166,12 @@ def likelihood_start(config: Config, init: Path, pairs: pd.DataFrame, tokenizer)
     return head, dataset, {**fit, "dropped_pairs": dropped}
 
 
-def accuracy_by_flaw(pairs: pd.DataFrame, chosen, rejected) -> dict[str, float]:
-    """Ensemble accuracy per kind of flaw in the rejected response, for built-in task pairs
-    (empty for user data): which mistakes the reward model can and cannot see."""
-    try:
-        kinds = [classify_flaw(p, r) for p, r in zip(pairs["prompt"], pairs["rejected"])]
-    except ValueError:
-        return {}
+def accuracy_by_flaw(task: Task, pairs, chosen, rejected) -> dict[str, float]:
+    """Ensemble accuracy per kind of mistake in the rejected response, where the task can
+    name it (empty otherwise): which mistakes the reward model can and cannot see."""
+    from rlhf.rewards.ensemble import pairwise_accuracy
+
+    kinds = [task.classify_error(p, r) for p, r in zip(pairs["prompt"], pairs["rejected"])]
     result = {}
     for kind in sorted({k for k in kinds if k}):
         rows = [i for i, k in enumerate(kinds) if k == kind]
@@ -192,7 +179,14 @@ def accuracy_by_flaw(pairs: pd.DataFrame, chosen, rejected) -> dict[str, float]:
     return result
 
 
-def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
+def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
+    from datasets import Dataset
+
+    from rlhf.data.contracts import read_prepared
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
+    from rlhf.training.trainer_setup import checkpoint_dir, discard_checkpoints, fingerprint, last_logged
+
     stage = "rm"
     check_model_dir(resolve_model_dir(init), f"rm.init {config.init!r} ({init})")
     tokenizer = load_tokenizer(init, config.trust_remote_code)
@@ -203,7 +197,7 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
     else:
         head, dataset, fit = likelihood_start(config, init, pairs, tokenizer)
         train = (head, dataset)
-    root = checkpoint_dir(stage, fingerprint(config, [init, data]))
+    root = checkpoint_dir(CHECKPOINTS_DIR, stage, fingerprint(config, [init, data]))
     curve: list[dict] = []
     for index in range(config.num_members):
         curve += train_member(config, index, init, train, tokenizer, root)
@@ -224,22 +218,27 @@ def run(config: Config, init: Path, data: Path, eval_data: Path, out_dir: Path) 
             }
             for i in range(config.num_members)
         },
-        "accuracy_by_flaw": accuracy_by_flaw(held_out, chosen.mean, rejected.mean),
+        "accuracy_by_flaw": accuracy_by_flaw(task, held_out, chosen.mean, rejected.mean),
         "mean_margin": float((chosen.mean - rejected.mean).mean()),
         "mean_std": float(((chosen.std + rejected.std) / 2).mean()),
         "eval_pairs": len(held_out),
         **fit,
         "train_seconds": train_seconds,
     }
-    discard_checkpoints(stage)
+    discard_checkpoints(CHECKPOINTS_DIR, stage)
     return metrics, curve
 
 
 def main() -> None:
-    config = load_config("rm")
+    import mlflow
+
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
+    params = load_all()
+    config, task = params["rm"], get_task(params["task"])
     with stage_run("rm", config):
         with atomic_dir(OUT_DIR) as tmp:
-            metrics, curve = run(config, init_dir(config), DATA, EVAL_DATA, tmp)
+            metrics, curve = run(config, task, init_dir(config), DATA, EVAL_DATA, tmp)
         write_json(METRICS, metrics)
         write_csv(PLOT, curve)
         mlflow.log_metrics(numeric_metrics(metrics))

@@ -17,32 +17,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import mlflow
-from datasets import Dataset
 from pydantic import Field
-from trl import SFTConfig, SFTTrainer
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.data import read_prepared
-from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
-from rlhf.tracking import numeric_metrics, stage_run
-from rlhf.training import (
-    LoraParams,
-    TrainingParams,
-    checkpoint_dir,
-    discard_checkpoints,
-    fingerprint,
-    last_logged,
-    log_history_rows,
-    merged_model,
-    train_resumable,
-    trl_config,
-)
-from stages import load_config
+from rlhf.training.params import LoraParams, TrainingParams
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, SFT_DIR, load_config
 
-BASE_DIR = Path("models/base")
-DATA = Path("data/prepared/sft.parquet")
-OUT_DIR = Path("models/sft")
+BASE_DIR = MODELS_DIR / "base"
+DATA = DATA_DIR / "sft.parquet"
+OUT_DIR = SFT_DIR
 METRICS = Path("metrics/sft.json")
 PLOT = Path("plots/sft/loss.csv")
 CURVE_KEYS = ("loss", "mean_token_accuracy", "learning_rate")
@@ -61,6 +44,22 @@ class Config(TrainingParams):
 def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = "sft") -> tuple[dict, list[dict]]:
     """Fine-tune `base_dir`, save the model into `out_dir`; return metrics and the loss
     curve. `stage` names the checkpoint folder (stage `verifier` trains the same way)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from rlhf.data.contracts import read_prepared
+    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+    from rlhf.training.trainer_setup import (
+        checkpoint_dir,
+        discard_checkpoints,
+        fingerprint,
+        last_logged,
+        log_history_rows,
+        merged_model,
+        train_resumable,
+        trl_config,
+    )
+
     tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
     model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir))
     dataset = Dataset.from_pandas(read_prepared(data, "sft"), preserve_index=False)
@@ -70,7 +69,7 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
     args = trl_config(
         SFTConfig,
         config,
-        checkpoint_dir(stage, key),
+        checkpoint_dir(CHECKPOINTS_DIR, stage, key),
         max_length=config.max_length,
         completion_only_loss=only_target and not conversational,
         assistant_only_loss=only_target and conversational,
@@ -87,7 +86,7 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
     save_model(merged_model(trainer.model), tokenizer, out_dir)
-    discard_checkpoints(stage)
+    discard_checkpoints(CHECKPOINTS_DIR, stage)
     metrics = {
         "train_loss": last_logged(history, "loss"),
         "mean_token_accuracy": last_logged(history, "mean_token_accuracy"),
@@ -107,6 +106,10 @@ def main(
 ) -> None:
     """Train the model in `init_dir` with params section `stage` (stage `verifier` reuses
     this with its own section and paths)."""
+    import mlflow
+
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
     config = load_config(stage)
     with stage_run(stage, config):
         with atomic_dir(out_dir) as tmp:

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from pydantic import Field
 
+from stages import MODELS_DIR, SFT_DIR
 from stages.sft import Config as SFTConfig
 from stages.sft import main as train_with_section
 
-INIT_DIR = Path("models/sft")
-OUT_DIR = Path("models/verifier")
+INIT_DIR = SFT_DIR
+OUT_DIR = MODELS_DIR / "verifier"
 METRICS = Path("metrics/verifier.json")
 PLOT = Path("plots/verifier/loss.csv")
 

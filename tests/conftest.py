@@ -127,7 +127,7 @@ def mlflow_store(tmp_path, monkeypatch):
 @pytest.fixture
 def micro_dir(tmp_path):
     """models/sft in tmp_path: the untrained micro model and the built-in tokenizer."""
-    from rlhf.modeling import build_tiny_model, build_tokenizer, save_model
+    from rlhf.models.loading import build_tiny_model, build_tokenizer, save_model
 
     tokenizer = build_tokenizer()
     path = tmp_path / "models/sft"

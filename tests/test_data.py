@@ -1,4 +1,4 @@
-"""Data contracts (rlhf.data): every supported format, column mapping, and validation
+"""Data contracts (rlhf.data.contracts): every supported format, column mapping, and validation
 that reports every problem of a file in one error."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from datasets import Dataset
 
-from rlhf.data import DataValidationError, load_contract
+from rlhf.data.contracts import DataValidationError, load_contract
 
 PREFS = [
     {"prompt": "23+58-17\n", "chosen": "23+58=81; 81-17=64; answer 64", "rejected": "23+58=81; answer 81"},
@@ -305,7 +305,7 @@ def test_error_lists_at_most_25_problems(tmp_path):
 def test_read_prepared_says_how_to_provide_a_missing_table(tmp_path):
     """A stage whose input table prepare did not write (user data without prefs) fails
     with the path and the params key that would provide it."""
-    from rlhf.data import read_prepared
+    from rlhf.data.contracts import read_prepared
 
     with pytest.raises(FileNotFoundError) as error:
         read_prepared(tmp_path / "prefs.parquet", "rm")

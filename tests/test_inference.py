@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from rlhf.generation import generate
-from rlhf.inference import (
+from rlhf.models.generation import generate
+from rlhf.inference.strategies import (
     Node,
     answer_key,
     best_of_n,
@@ -22,7 +22,7 @@ from rlhf.inference import (
     speculative,
     vote_is_decided,
 )
-from rlhf.modeling import build_tiny_model, build_tokenizer
+from rlhf.models.loading import build_tiny_model, build_tokenizer
 
 PROMPTS = ["12+7-3\n", "4+4+4+4\n", "29-9\n"]
 

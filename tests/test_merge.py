@@ -1,4 +1,4 @@
-"""Merging (rlhf/merging.py, stages/merge.py) on micro models built here.
+"""Merging (rlhf/models/merging.py, stages/merge.py) on micro models built here.
 
 A base model and two "fine-tuned" variants (the base's weights plus small deterministic
 noise), each saved as a plain model directory. mergekit's outputs are compared with merges
@@ -18,8 +18,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rlhf.merging import IncompatibleModelsError, check_compatible, greedy_soup, merge_configuration, run_mergekit
-from rlhf.modeling import build_tiny_model, build_tokenizer, load_causal_lm, load_tokenizer, save_model
+from rlhf.models.merging import IncompatibleModelsError, check_compatible, greedy_soup, merge_configuration, run_mergekit
+from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, load_tokenizer, save_model
 from rlhf.params import ParamsError, validate_params
 from stages import SECTIONS
 from stages.merge import Config, member_names, run

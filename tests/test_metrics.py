@@ -1,4 +1,4 @@
-"""Evaluation metrics (rlhf.metrics) and the reward ensemble's pairwise accuracy."""
+"""Evaluation metrics (rlhf.evaluation.metrics) and the reward ensemble's pairwise accuracy."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.metrics import completion_kl, distinct_n, win_rate
-from rlhf.modeling import build_tiny_model, build_tokenizer
-from rlhf.reward_ensemble import pairwise_accuracy
+from rlhf.evaluation.metrics import completion_kl, distinct_n, win_rate
+from rlhf.models.loading import build_tiny_model, build_tokenizer
+from rlhf.rewards.ensemble import pairwise_accuracy
 
 PROMPTS = ["23+58-17\n", "5+3\n", [{"role": "user", "content": "9-4"}]]
 COMPLETIONS = ["23+58=81; 81-17=64; answer 64", "5+3=9; answer 9", "9-4=5; answer 5"]

@@ -105,7 +105,7 @@ def test_flow_runs_every_stage_as_a_task_and_summarises(flow_run):
 
 
 def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
-    from rlhf.tracking import lock_entry_hash
+    from rlhf.tracking.runs import lock_entry_hash
 
     root, result, _ = flow_run
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")

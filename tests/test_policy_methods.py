@@ -77,7 +77,7 @@ def test_reference_logps_are_computed_once_per_reference_and_data(sft_project, m
     import pyarrow.parquet as pq
 
     import stages.policy
-    from rlhf.ref_logprobs import CACHE_DIR_ENV
+    from rlhf.training.ref_logprobs import CACHE_DIR_ENV
     from stages import load_config
 
     monkeypatch.chdir(sft_project)

@@ -1,4 +1,4 @@
-"""PPO (rlhf.ppo): every step against numbers worked out by hand, the log-prob and value
+"""PPO (rlhf.training.ppo): every step against numbers worked out by hand, the log-prob and value
 alignment against an unpadded computation, and the trainer for 2-3 iterations on the micro
 model (full, LoRA, killed-and-resumed), plus one slow run that must raise a learnable reward."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rlhf.generation import format_prompt
-from rlhf.modeling import build_tiny_model, build_tokenizer, load_causal_lm, save_model
-from rlhf.ppo import (
+from rlhf.models.generation import format_prompt
+from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, save_model
+from rlhf.training.ppo import (
     AdaptiveKLController,
     FixedKLController,
     PPOParams,
@@ -34,7 +34,7 @@ from rlhf.ppo import (
     value_returns,
     whiten,
 )
-from rlhf.task import TaskSpec, sample_problem
+from rlhf.tasks.arithmetic import TaskSpec, sample_problem
 from tests.test_stages import changed
 
 T = torch.tensor

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.data import DataValidationError
-from rlhf.modeling import build_tokenizer
-from rlhf.prm import (
+from rlhf.data.contracts import DataValidationError
+from rlhf.models.loading import build_tokenizer
+from rlhf.rewards.prm_classifier import (
     IGNORE,
     ProcessRewardModel,
     aggregate,
@@ -26,8 +26,8 @@ from rlhf.prm import (
     save_prm,
     truncate_to_steps,
 )
-from rlhf.task import TaskSizes, TaskSpec, generate_datasets
-from rlhf.training import TrainingParams, train_resumable
+from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
+from rlhf.training.trainer_setup import TrainingParams, train_resumable
 
 
 def weights(model_dir) -> dict[str, torch.Tensor]:
@@ -166,7 +166,7 @@ def test_a_resumed_run_reproduces_an_uninterrupted_one(tmp_path, monkeypatch, ml
     equal those of a run that was never stopped."""
     from transformers import TrainerCallback, set_seed
 
-    from rlhf.data import validate_contract
+    from rlhf.data.contracts import validate_contract
 
     class StopAt2(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -221,8 +221,8 @@ def test_likelihood_features_are_the_lms_token_logprobs(micro_dir):
     """For prompt '1+2\n' and steps ['1+2=3', 'answer 3'], step 1's span is its 5 tokens plus
     the first separator token ';', step 2's is its 8 tokens plus EOS; each feature is read
     off log p(token_t | tokens < t) computed here by hand from one forward pass."""
-    from rlhf.likelihood_prm import encode, likelihood_features
-    from rlhf.modeling import load_causal_lm
+    from rlhf.rewards.prm_likelihood import encode, likelihood_features
+    from rlhf.models.loading import load_causal_lm
 
     tokenizer, lm = build_tokenizer(), load_causal_lm(micro_dir)
     ids, spans = encode(tokenizer, "1+2\n", ["1+2=3", "answer 3"], "; ")
@@ -245,7 +245,7 @@ def test_likelihood_features_are_the_lms_token_logprobs(micro_dir):
 def test_fit_logistic_separates_a_separable_feature():
     """Labels = (x > 0) on x in [-2, 2]: the fitted P(good) is above 0.9 at x = 2, below
     0.1 at x = -2, and the loss curve decreases."""
-    from rlhf.likelihood import fit_logistic
+    from rlhf.rewards.likelihood import fit_logistic
 
     x = torch.linspace(-2, 2, 41)[:, None]
     weights, bias, curve = fit_logistic(x, (x[:, 0] > 0), l2=0.0)
@@ -256,7 +256,7 @@ def test_fit_logistic_separates_a_separable_feature():
 
 def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatch, mlflow_store, micro_dir):
     import stages.process_reward_model as stage
-    from rlhf.likelihood_prm import LikelihoodPRM
+    from rlhf.rewards.prm_likelihood import LikelihoodPRM
 
     monkeypatch.chdir(tmp_path)
     write_prm_tables(tmp_path)

@@ -19,7 +19,7 @@ import yaml
 from stages import SECTIONS, load_all
 
 REPO = Path(__file__).resolve().parent.parent
-INFRASTRUCTURE = {"rlhf/__init__.py", "rlhf/environment.py", "rlhf/params.py", "rlhf/tracking.py"}
+INFRASTRUCTURE = {"rlhf/__init__.py", "rlhf/environment.py", "rlhf/params.py", "rlhf/tracking/runs.py"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -1,4 +1,4 @@
-"""The capability gate's rule (rlhf.promotion): tests against SFT, the champion or an
+"""The capability gate's rule (rlhf.evaluation.gate): tests against SFT, the champion or an
 absolute bound, and the choice among candidates, on hand-built eval reports."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from rlhf.promotion import decide, run_test
+from rlhf.evaluation.gate import decide, run_test
 from stages.capability_gate import CapabilityTest, Config
 
 SFT = {"accuracy": 0.40, "format_rate": 0.98, "kl_to_ref": 0.0}

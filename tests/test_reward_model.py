@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.likelihood_rm import (
+from rlhf.rewards.likelihood_rm import (
     HEAD_FILE,
     LikelihoodRewardModel,
     LikelihoodRewardTrainer,
@@ -24,10 +24,10 @@ from rlhf.likelihood_rm import (
     pairs_dataset,
     response_features,
 )
-from rlhf.modeling import build_tokenizer, load_causal_lm
-from rlhf.reward_ensemble import RewardEnsemble, pairwise_accuracy
-from rlhf.task import TaskSizes, TaskSpec, generate_datasets
-from rlhf.training import TrainingParams, train_resumable, trl_config
+from rlhf.models.loading import build_tokenizer, load_causal_lm
+from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
+from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
+from rlhf.training.trainer_setup import TrainingParams, train_resumable, trl_config
 
 
 def weights(model_dir) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from rlhf.params import format_validation_error
-from rlhf.rewards import (
+from rlhf.rewards.functions import (
     RewardSpec,
     answer_match,
     banned_rule,

@@ -85,7 +85,7 @@ def test_prepare_writes_every_contract(project):
 
 
 def test_base_builds_a_loadable_model_and_tokenizer(project):
-    from rlhf.modeling import load_causal_lm, load_tokenizer
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(project / "models/base")
     model = load_causal_lm(project / "models/base")

@@ -1,4 +1,4 @@
-"""The built-in task (rlhf.task): problems, checkers, flawed solutions and the generator."""
+"""The built-in task (rlhf.tasks.arithmetic): problems, checkers, flawed solutions and the generator."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rlhf.task import (
+from rlhf.tasks.arithmetic import (
     FLAW_KINDS,
     Problem,
     TaskSizes,
@@ -356,7 +356,7 @@ def test_classify_flaw_names_the_kind_of_each_generated_mistake():
     reports its accuracy per kind with this), and a correct solution has no flaw."""
     import random
 
-    from rlhf.task import FLAW_KINDS, Problem, classify_flaw, flawed_solution
+    from rlhf.tasks.arithmetic import FLAW_KINDS, Problem, classify_flaw, flawed_solution
 
     problem = Problem((23, 58, 17), ("+", "-"))
     assert classify_flaw(problem.prompt, problem.solution()) is None

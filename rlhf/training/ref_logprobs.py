@@ -30,14 +30,9 @@ from datasets import Dataset, concatenate_datasets
 
 from rlhf.artifacts import atomic_file
 
-CACHE_DIR_ENV = "RLHF_REF_LOGPS_CACHE"
-DEFAULT_CACHE_DIR = Path("cache/ref_logps")
+CACHE_DIR_ENV = "RLHF_REF_LOGPS_CACHE"  # overrides the caller's cache folder (tests, a shared cache)
 # Training arguments that change how a row is tokenised or truncated, hence its log-prob.
 _TOKENISATION_ARGS = ("max_length", "max_prompt_length", "max_completion_length", "truncation_mode", "padding_free")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
 
 
 def table_digest(table: pa.Table) -> str:
@@ -55,11 +50,14 @@ def cache_key(model_hash: str, dataset: Dataset, trainer: str, split: str, args)
 
 
 class ReferenceCacheMixin:
-    """Put in front of a TRL trainer that precomputes reference log-probs."""
+    """Put in front of a TRL trainer that precomputes reference log-probs; `ref_cache_dir`
+    is the folder that holds them (set by `with_reference_cache`)."""
+
+    ref_cache_dir: Path
 
     def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
         key = cache_key(self._precompute_model_hash, dataset, type(self).__name__, name, self.args)
-        path = cache_dir() / f"{key}.parquet"
+        path = Path(os.environ.get(CACHE_DIR_ENV) or self.ref_cache_dir) / f"{key}.parquet"
         if path.is_file():
             print(f"reference log-probs for the {name} data: reusing {path}")
             self.ref_cache_hit = True
@@ -74,6 +72,7 @@ class ReferenceCacheMixin:
         return result
 
 
-def with_reference_cache(trainer_cls: type) -> type:
-    """`trainer_cls` (DPOTrainer, KTOTrainer) with its precomputed reference log-probs cached."""
-    return type(f"Cached{trainer_cls.__name__}", (ReferenceCacheMixin, trainer_cls), {})
+def with_reference_cache(trainer_cls: type, cache_dir: str | Path) -> type:
+    """`trainer_cls` (DPOTrainer, KTOTrainer) with its precomputed reference log-probs cached
+    in `cache_dir` (the environment variable RLHF_REF_LOGPS_CACHE, when set, wins)."""
+    return type(f"Cached{trainer_cls.__name__}", (ReferenceCacheMixin, trainer_cls), {"ref_cache_dir": Path(cache_dir)})

@@ -1,5 +1,5 @@
-"""What every training stage shares: the training params block, the LoRA block, TRL
-config construction, checkpoint/resume, and saving a trained model as a plain model.
+"""What every training stage shares: TRL config construction, checkpoint/resume, and
+saving a trained model as a plain model.
 
 TRL configs default to bf16 and gradient checkpointing; on a CPU (and for the tiny
 built-in model) both cost more than they save, so they are chosen explicitly here.
@@ -11,58 +11,12 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field
 from transformers.trainer_utils import get_last_checkpoint
 
-from rlhf.params import StageConfig
-
-CHECKPOINT_ROOT = Path("checkpoints")
-
-
-class TrainingParams(StageConfig):
-    """Optimisation settings shared by the training stages (a TRL config subset)."""
-
-    max_steps: int = Field(300, gt=0, description="optimizer steps")
-    per_device_train_batch_size: int = Field(32, gt=0, description="examples per step per device")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step")
-    learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
-    lr_scheduler_type: str = Field("cosine", description="transformers scheduler name")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of steps spent warming up")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
-    max_length: int = Field(128, gt=0, description="tokens per sequence (longer ones are truncated)")
-    logging_steps: int = Field(10, gt=0, description="log loss every N steps")
-    save_steps: int = Field(100, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
-    seed: int = Field(0, description="data order and initialisation seed")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
-    bf16: bool = Field(False, description="bf16 mixed precision (GPU only)")
-    gradient_checkpointing: bool = Field(False, description="trade compute for memory (large models)")
-
-
-class LoraParams(StageConfig):
-    """A peft LoRA adapter; merged into the base weights when the model is saved."""
-
-    enabled: bool = Field(False, description="train a LoRA adapter instead of all weights")
-    r: int = Field(8, gt=0, description="adapter rank")
-    alpha: int = Field(16, gt=0, description="scaling numerator (scale = alpha / r)")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
-    target_modules: str | list[str] = Field("all-linear", description="modules to adapt")
-
-    def peft_config(self, task_type: str = "CAUSAL_LM"):
-        if not self.enabled:
-            return None
-        from peft import LoraConfig
-
-        return LoraConfig(
-            r=self.r,
-            lora_alpha=self.alpha,
-            lora_dropout=self.dropout,
-            target_modules=self.target_modules,
-            task_type=task_type,
-        )
+from rlhf.training.params import TrainingParams
 
 
 def use_cpu(params: TrainingParams) -> bool:
@@ -110,18 +64,18 @@ def fingerprint(config: Any, inputs: list[str | Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def checkpoint_dir(stage: str, key: str) -> Path:
-    """Where a stage keeps its checkpoints: outside DVC's outputs (DVC deletes those before a
-    stage runs), one folder per fingerprint."""
-    return CHECKPOINT_ROOT / stage.replace("@", "-") / key
+def checkpoint_dir(root: Path, stage: str, key: str) -> Path:
+    """Where a stage keeps its checkpoints under `root`: the caller keeps `root` outside DVC's
+    outputs (DVC deletes those before a stage runs); one folder per fingerprint."""
+    return Path(root) / stage.replace("@", "-") / key
 
 
 def last_checkpoint(directory: Path) -> str | None:
     return get_last_checkpoint(str(directory)) if directory.is_dir() else None
 
 
-def discard_checkpoints(stage: str) -> None:
-    shutil.rmtree(CHECKPOINT_ROOT / stage.replace("@", "-"), ignore_errors=True)
+def discard_checkpoints(root: Path, stage: str) -> None:
+    shutil.rmtree(Path(root) / stage.replace("@", "-"), ignore_errors=True)
 
 
 def merged_model(model):

@@ -1,6 +1,6 @@
 """A likelihood process reward model: a causal LM's own surprise at each step, calibrated.
 
-The token-classification PRM (rlhf.prm) has to learn to verify a step from its labels. A
+The token-classification PRM (rlhf.rewards.prm_classifier) has to learn to verify a step from its labels. A
 small model trained on a few thousand rows does not learn to check arithmetic that way
 (held-out step accuracy stays at the share of good steps). But the SFT model that wrote the
 solutions already predicts every token: a step whose tokens it finds improbable (a result
@@ -16,7 +16,7 @@ and fits P(good) = sigmoid(w . f + b) to the PRM data's step labels (logistic re
 L-BFGS with a small L2 penalty). The token that ends a step is the first separator token,
 or EOS after the final step: a number cut short ("answer 6" for 64) shows there.
 
-It has the same interface as `ProcessRewardModel` (score_steps, score_completions), so
+It has the same interface as `ClassifierPRM` (score_steps, score_completions), so
 best-of-n, MCTS and the PRM reward take either. Saved as the LM (models/prm/) plus
 prm.json holding the kind, the separator and the fitted weights.
 """
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from rlhf.generation import format_prompt
-from rlhf.likelihood import fit_logistic, token_logprobs
-from rlhf.modeling import load_causal_lm, load_tokenizer, save_model
-from rlhf.task import STEP_SEPARATOR
+from rlhf.models.generation import format_prompt
+from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+from rlhf.rewards.likelihood import fit_logistic, token_logprobs
+from rlhf.rewards.steps import DEFAULT_SEPARATOR, StepScorer
 
 KIND = "likelihood"
 FEATURES = ("step_min_logprob", "running_min_logprob", "step_mean_logprob")
@@ -56,7 +56,7 @@ def encode(tokenizer, prompt, steps: Sequence[str], separator: str) -> tuple[lis
 
 @torch.inference_mode()
 def likelihood_features(
-    lm, tokenizer, prompts: Sequence, steps: Sequence[Sequence[str]], separator: str = STEP_SEPARATOR, batch_size=64
+    lm, tokenizer, prompts: Sequence, steps: Sequence[Sequence[str]], separator: str = DEFAULT_SEPARATOR, batch_size=64
 ) -> list[torch.Tensor]:
     """A (steps, 3) feature tensor per row (FEATURES), from one forward pass per batch."""
     lm.eval()
@@ -85,10 +85,10 @@ def likelihood_features(
     return result
 
 
-class LikelihoodPRM:
+class LikelihoodPRM(StepScorer):
     """P(good) per step from a frozen causal LM's log-probs (see the module docstring)."""
 
-    def __init__(self, lm, tokenizer, weights: torch.Tensor, bias: float, separator: str = STEP_SEPARATOR):
+    def __init__(self, lm, tokenizer, weights: torch.Tensor, bias: float, separator: str = DEFAULT_SEPARATOR):
         self.model = lm
         self.tokenizer = tokenizer
         self.weights = torch.as_tensor(weights, dtype=torch.float32)
@@ -96,7 +96,7 @@ class LikelihoodPRM:
         self.separator = separator
 
     @classmethod
-    def fit(cls, lm, tokenizer, prompts, steps, labels, separator: str = STEP_SEPARATOR, batch_size: int = 64):
+    def fit(cls, lm, tokenizer, prompts, steps, labels, separator: str = DEFAULT_SEPARATOR, batch_size: int = 64):
         rows = likelihood_features(lm, tokenizer, prompts, steps, separator, batch_size)
         features = torch.cat(rows)
         targets = torch.tensor([bool(label) for row in labels for label in row])
@@ -110,13 +110,6 @@ class LikelihoodPRM:
             raise ValueError(f"{len(prompts)} prompts but {len(steps)} step lists")
         rows = likelihood_features(self.model, self.tokenizer, prompts, steps, self.separator, batch_size)
         return [torch.sigmoid(row @ self.weights + self.bias).tolist() for row in rows]
-
-    def score_completions(self, prompts, completions: Sequence[str], how: str = "min", batch_size: int = 64):
-        from rlhf.prm import aggregate, split_completion
-
-        steps = [split_completion(c, self.separator) for c in completions]
-        step_scores = self.score_steps(prompts, steps, batch_size)
-        return [aggregate(s, how) if s else 0.0 for s in step_scores]
 
     def settings(self) -> dict:
         return {

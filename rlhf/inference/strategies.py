@@ -5,7 +5,7 @@ generated for it and how many completions were sampled):
 
 * `greedy` — the baseline every other strategy is measured against.
 * `best_of_n` — sample N, return the one a scorer (RM ensemble, PRM, any reward of
-  rlhf.rewards that needs no reference answer) rates highest.
+  rlhf.rewards.functions that needs no reference answer) rates highest.
 * `self_consistency` — majority vote over sampled answers (Wang et al. 2023), sampled in
   rounds with a per-prompt early stop: a prompt stops once its leading answer cannot be
   overtaken by the samples left, or holds `stop_share` of the votes. Prompts the model is
@@ -21,23 +21,19 @@ generated for it and how many completions were sampled):
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-from pydantic import Field
 
-from rlhf.generation import format_prompt, generate
-from rlhf.modeling import load_causal_lm
-from rlhf.params import StageConfig
-from rlhf.prm import ProcessRewardModel
-from rlhf.rewards import RewardSpec, build_rewards, weighted_sum
-from rlhf.task import ANSWER_PREFIX, STEP_SEPARATOR, extract_answer
+from rlhf.inference.settings import MCTS, STRATEGIES, BestOfN, SelfConsistency, Strategies
+from rlhf.models.generation import format_prompt, generate
+from rlhf.models.loading import load_causal_lm
+from rlhf.rewards.functions import ModelDirs, build_rewards, weighted_sum
+from rlhf.rewards.prm import load_prm
+from rlhf.tasks.base import Task
 
-STRATEGIES = ("greedy", "best_of_n", "self_consistency", "mcts", "speculative", "ensemble")
 Scorer = Callable[[Sequence, Sequence[str]], Sequence[float]]  # (prompts, completions) -> scores
 
 
@@ -49,24 +45,12 @@ class Answer:
     extra: dict = field(default_factory=dict)
 
 
-def answer_key(completion: str) -> str | None:
-    """What votes compare: the built-in task's integer answer, else the text after
-    ``answer`` or the last non-empty line, normalised."""
-    value = extract_answer(completion)
-    if value is not None:
-        return str(value)
-    match = re.search(r"answer[:\s]+(.+?)\s*$", completion, re.IGNORECASE | re.MULTILINE)
-    lines = [line for line in completion.strip().splitlines() if line.strip()]
-    text = match.group(1) if match else (lines[-1] if lines else "")
-    return text.strip().lower() or None
-
-
 def count_tokens(tokenizer, completions: Sequence[str]) -> list[int]:
     """Tokens of each completion plus its end-of-sequence token."""
     return [len(tokenizer(c, add_special_tokens=False)["input_ids"]) + 1 for c in completions]
 
 
-def greedy(model, tokenizer, prompts: Sequence, max_new_tokens: int = 64, batch_size: int = 64) -> list[Answer]:
+def greedy(model, tokenizer, prompts: Sequence, max_new_tokens: int, batch_size: int = 64) -> list[Answer]:
     completions = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
     return [Answer(c, t) for c, t in zip(completions, count_tokens(tokenizer, completions))]
 
@@ -82,12 +66,13 @@ def best_of_n(
     tokenizer,
     prompts: Sequence,
     scorer: Scorer,
-    n: int = 8,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    batch_size: int = 64,
+    options: BestOfN,
+    max_new_tokens: int,
     seed: int = 0,
+    batch_size: int = 64,
 ) -> list[Answer]:
+    """`options.n` samples per prompt at `options.temperature`; the one `scorer` rates highest."""
+    n, temperature = options.n, options.temperature
     groups = sample(model, tokenizer, prompts, n, max_new_tokens, temperature, batch_size, seed)
     flat_prompts = [p for p in prompts for _ in range(n)]
     scores = list(scorer(flat_prompts, [c for group in groups for c in group]))
@@ -114,19 +99,19 @@ def self_consistency(
     model,
     tokenizer,
     prompts: Sequence,
-    max_samples: int = 16,
-    round_size: int = 4,
-    stop_share: float = 1.0,
+    task: Task,
+    options: SelfConsistency,
+    max_new_tokens: int,
     early_stop: bool = True,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    batch_size: int = 64,
     seed: int = 0,
+    batch_size: int = 64,
 ) -> list[Answer]:
-    """Majority vote over up to `max_samples` sampled answers per prompt, `round_size` at a
-    time. With `early_stop`, a prompt stops sampling once its vote is decided
-    (`vote_is_decided`); without it, every prompt takes `max_samples`. The returned
-    completion is the first sample carrying the winning answer."""
+    """Majority vote over up to `max_samples` sampled answers per prompt (the task's
+    extracted answers), `round_size` at a time. With `early_stop`, a prompt stops sampling
+    once its vote is decided (`vote_is_decided`); without it, every prompt takes
+    `max_samples`. The returned completion is the first sample carrying the winning answer."""
+    max_samples, round_size, stop_share = options.max_samples, options.round_size, options.stop_share
+    temperature = options.temperature
     votes = [Counter() for _ in prompts]
     kept: list[dict[str, str]] = [{} for _ in prompts]
     tokens = [0] * len(prompts)
@@ -143,7 +128,7 @@ def self_consistency(
             taken[i] += n
             tokens[i] += sum(count_tokens(tokenizer, group))
             for completion in group:
-                key = answer_key(completion)
+                key = task.extract_answer(completion)
                 if key is not None:
                     votes[i][key] += 1
                     kept[i].setdefault(key, completion)
@@ -189,15 +174,24 @@ def puct(parent: Node, child: Node, c_puct: float) -> float:
 
 
 def next_steps(
-    model, tokenizer, prompt, steps: tuple[str, ...], k: int, temperature: float, max_step_tokens: int, seed
-):
-    """Sample `k` continuations of a partial solution and cut each at the step separator.
-    Returns (step, is_terminal) pairs, with duplicates merged into counts."""
-    prefix = format_prompt(tokenizer, prompt) + "".join(s + STEP_SEPARATOR for s in steps)
+    model,
+    tokenizer,
+    prompt,
+    task: Task,
+    steps: tuple[str, ...],
+    k: int,
+    temperature: float,
+    max_step_tokens: int,
+    seed,
+) -> Counter:
+    """Sample `k` continuations of a partial solution and cut each at the task's step
+    separator. Returns the distinct next steps with how often each was sampled."""
+    separator = task.step_separator
+    prefix = format_prompt(tokenizer, prompt) + "".join(s + separator for s in steps)
     texts = generate(model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed)
     counted: Counter = Counter()
     for text in texts:
-        step = text.split(STEP_SEPARATOR)[0].strip()
+        step = text.split(separator)[0].strip()
         if step:
             counted[step] += 1
     return counted
@@ -207,19 +201,16 @@ def mcts(
     model,
     tokenizer,
     prompt,
+    task: Task,
     step_scorer,
-    simulations: int = 16,
-    expand: int = 4,
-    c_puct: float = 1.0,
-    temperature: float = 1.0,
-    max_depth: int = 8,
-    max_step_tokens: int = 16,
+    options: MCTS,
+    max_new_tokens: int,
     seed: int = 0,
-    widen_below: float = 0.0,
-    max_expansions: int = 1,
+    max_step_tokens: int = 16,
 ) -> Answer:
-    """Step-level MCTS for one prompt. `step_scorer(prompts, steps_lists)` returns P(good)
-    per step (rlhf.prm.ProcessRewardModel.score_steps); a node's value is the score of its
+    """Step-level MCTS for one prompt, over the task's steps (a step the task calls final
+    ends a path). `step_scorer(prompts, steps_lists)` returns P(good) per step (a PRM's
+    `score_steps`, rlhf.rewards.prm); a node's value is the score of its
     last step, which under Math-Shepherd labels estimates P(the chain so far leads to the
     right answer). The answer is the highest-valued terminal path (ties: most visited);
     without one, the most visited path, completed greedily.
@@ -228,6 +219,9 @@ def mcts(
     again (new samples, new seed), up to `max_expansions` times, instead of descending into
     a child the scorer already rejects: the policy's confident mistakes repeat in every
     sample of one expansion."""
+    simulations, expand, c_puct, temperature = options.simulations, options.expand, options.c_puct, options.temperature
+    max_depth, widen_below, max_expansions = options.max_depth, options.widen_below, options.max_expansions
+    separator = task.step_separator
     root = Node(steps=(), visits=1)
     tokens = 0
     for simulation in range(simulations):
@@ -239,7 +233,7 @@ def mcts(
             path.append(node)
         if not node.terminal and len(node.steps) < max_depth:
             counted = next_steps(
-                model, tokenizer, prompt, node.steps, expand, temperature, max_step_tokens, seed + simulation
+                model, tokenizer, prompt, task, node.steps, expand, temperature, max_step_tokens, seed + simulation
             )
             node.expansions += 1
             tokens += sum(count_tokens(tokenizer, list(counted.elements())))
@@ -252,7 +246,7 @@ def mcts(
                         steps=steps,
                         prior=counted[steps[-1]] / expand,
                         value=float(step_scores[-1]),
-                        terminal=steps[-1].startswith(ANSWER_PREFIX.strip()),
+                        terminal=task.is_final_step(steps[-1]),
                     )
                     child.visits, child.total = 1, child.value
                     node.children.append(child)
@@ -272,13 +266,16 @@ def mcts(
         while node.children:
             node = max(node.children, key=lambda child: child.visits)
         rest = generate(
-            model, tokenizer, [format_prompt(tokenizer, prompt) + "".join(s + STEP_SEPARATOR for s in node.steps)], 64
+            model,
+            tokenizer,
+            [format_prompt(tokenizer, prompt) + "".join(s + separator for s in node.steps)],
+            max_new_tokens,
         )[0]
         tokens += count_tokens(tokenizer, [rest])[0]
-        completion = STEP_SEPARATOR.join([*node.steps, rest]) if node.steps else rest
+        completion = separator.join([*node.steps, rest]) if node.steps else rest
         return Answer(completion, tokens, simulations, {"terminal": False, "root_expansions": root.expansions})
     extra = {"terminal": True, "value": best.value, "root_expansions": root.expansions}
-    return Answer(STEP_SEPARATOR.join(best.steps), tokens, simulations, extra)
+    return Answer(separator.join(best.steps), tokens, simulations, extra)
 
 
 def _best_terminal(root: Node) -> Node | None:
@@ -296,7 +293,7 @@ def _best_terminal(root: Node) -> Node | None:
 
 @torch.inference_mode()
 def speculative(
-    target, draft, tokenizer, prompts: Sequence, max_new_tokens: int = 64, num_assistant_tokens: int | None = None
+    target, draft, tokenizer, prompts: Sequence, max_new_tokens: int, num_assistant_tokens: int | None = None
 ) -> list[Answer]:
     """Greedy decoding of `target` with `draft` proposing tokens (transformers' assisted
     generation, one prompt at a time as it requires). The output equals the target's greedy
@@ -328,7 +325,7 @@ def speculative(
 
 
 @torch.inference_mode()
-def ensemble_logits(models: Sequence, tokenizer, prompts: Sequence, max_new_tokens: int = 64) -> list[Answer]:
+def ensemble_logits(models: Sequence, tokenizer, prompts: Sequence, max_new_tokens: int) -> list[Answer]:
     """Greedy decoding from the mean of the models' next-token log-probs (one tokenizer,
     one vocabulary). Each model keeps its own KV cache."""
     for model in models:
@@ -370,13 +367,14 @@ def ensemble_logits(models: Sequence, tokenizer, prompts: Sequence, max_new_toke
     return [Answer(c, t) for c, t in zip(completions, count_tokens(tokenizer, completions))]
 
 
-def ensemble_vote(models: Sequence, tokenizer, prompts: Sequence, max_new_tokens: int = 64) -> list[Answer]:
-    """Each model answers greedily; the most common answer wins (ties: the earlier model)."""
+def ensemble_vote(models: Sequence, tokenizer, prompts: Sequence, task: Task, max_new_tokens: int) -> list[Answer]:
+    """Each model answers greedily; the most common answer (the task's extracted answer)
+    wins (ties: the earlier model)."""
     per_model = [greedy(model, tokenizer, prompts, max_new_tokens) for model in models]
     answers = []
     for i in range(len(prompts)):
         candidates = [answers_of[i] for answers_of in per_model]
-        keys = [answer_key(a.completion) for a in candidates]
+        keys = [task.extract_answer(a.completion) for a in candidates]
         counts = Counter(k for k in keys if k is not None)
         winner = max(counts, key=lambda k: (counts[k], -keys.index(k))) if counts else None
         chosen = candidates[keys.index(winner)] if winner is not None else candidates[0]
@@ -394,93 +392,35 @@ def ensemble_vote(models: Sequence, tokenizer, prompts: Sequence, max_new_tokens
 # ----------------------------------------------------------------------------- settings and dispatch
 
 
-class BestOfN(StageConfig):
-    n: int = Field(8, ge=1, description="samples per problem")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature")
-    rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [{"name": "prm", "aggregate": "min"}],
-        validate_default=True,
-        min_length=1,
-        description="scorer: weighted rewards that need no reference answer (rlhf.rewards)",
-    )
-
-
-class SelfConsistency(StageConfig):
-    max_samples: int = Field(16, ge=1, description="largest vote per problem (the full vote's size)")
-    round_size: int = Field(4, ge=1, description="samples drawn per round before checking the vote")
-    stop_share: float = Field(0.75, gt=0, le=1, description="stop once the leader holds this share of the votes")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature")
-
-
-class MCTS(StageConfig):
-    simulations: int = Field(12, ge=1, description="selection-expansion-backup rounds per problem")
-    expand: int = Field(4, ge=1, description="next steps sampled per expansion")
-    c_puct: float = Field(1.0, ge=0, description="exploration weight of PUCT")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of expansions")
-    max_depth: int = Field(8, ge=1, description="most steps in a path")
-    widen_below: float = Field(0.0, ge=0, le=1, description="re-expand a node whose children all score below this")
-    max_expansions: int = Field(1, ge=1, description="expansions per node (progressive widening)")
-
-
-class Speculative(StageConfig):
-    draft: str | None = Field(None, description="draft model directory (smaller, same tokenizer)")
-    num_assistant_tokens: int = Field(5, ge=1, description="tokens the draft proposes per verification")
-
-
-class Ensemble(StageConfig):
-    members: list[str] = Field(default_factory=list, description="model directories of the members")
-    mode: Literal["logits", "vote"] = Field("logits", description="average log-probs, or vote on answers")
-
-
-class Strategies(StageConfig):
-    """Every strategy's settings (params.yaml `infer`, or the `generate` command's flags)."""
-
-    max_new_tokens: int = Field(64, gt=0, description="generation budget per completion")
-    seed: int = Field(0, description="sampling seed")
-    best_of_n: BestOfN = Field(default_factory=BestOfN, description="best-of-n settings")
-    self_consistency: SelfConsistency = Field(default_factory=SelfConsistency, description="self-consistency")
-    mcts: MCTS = Field(default_factory=MCTS, description="tree-search settings")
-    speculative: Speculative = Field(default_factory=Speculative, description="speculative decoding settings")
-    ensemble: Ensemble = Field(default_factory=Ensemble, description="ensemble settings")
-    prm: str = Field("models/prm", description="process reward model directory (mcts)")
-    trust_remote_code: bool = Field(False, description="allow custom modelling code")
-
-
 def run_strategy(
-    name: str, settings: Strategies, model, tokenizer, prompts: list, early_stop: bool = True
+    name: str,
+    settings: Strategies,
+    model,
+    tokenizer,
+    prompts: list,
+    task: Task,
+    model_dirs: ModelDirs | None = None,
+    early_stop: bool = True,
 ) -> list[Answer]:
-    """Run strategy `name` on `prompts`. Ensemble members are model directories."""
+    """Run strategy `name` on `prompts`. Ensemble members are model directories;
+    `model_dirs` gives the scorers' folders when the settings name none
+    ({"prm": ..., "reward_model": ...})."""
     budget, seed, trust = settings.max_new_tokens, settings.seed, settings.trust_remote_code
+    model_dirs = model_dirs or {}
     if name == "greedy":
         return greedy(model, tokenizer, prompts, budget)
     if name == "best_of_n":
-        options = settings.best_of_n
-        scorer = weighted_sum(*build_rewards(options.rewards, trust))
-        return best_of_n(model, tokenizer, prompts, scorer, options.n, budget, options.temperature, seed=seed)
+        scorer = weighted_sum(*build_rewards(settings.best_of_n.rewards, task, model_dirs, trust))
+        return best_of_n(model, tokenizer, prompts, scorer, settings.best_of_n, budget, seed)
     if name == "self_consistency":
-        options = settings.self_consistency
-        return self_consistency(
-            model, tokenizer, prompts, options.max_samples, options.round_size, options.stop_share,
-            early_stop, budget, options.temperature, seed=seed,
-        )  # fmt: skip
+        return self_consistency(model, tokenizer, prompts, task, settings.self_consistency, budget, early_stop, seed)
     if name == "mcts":
-        options = settings.mcts
-        prm = ProcessRewardModel.load(settings.prm, trust)
+        prm_dir = settings.prm or model_dirs.get("prm")
+        if prm_dir is None:
+            raise ValueError("strategy mcts needs a process reward model: set `prm` (the pipeline writes models/prm)")
+        prm = load_prm(prm_dir, trust)
         return [
-            mcts(
-                model,
-                tokenizer,
-                prompt,
-                prm.score_steps,
-                options.simulations,
-                options.expand,
-                options.c_puct,
-                options.temperature,
-                options.max_depth,
-                seed=seed + i,
-                widen_below=options.widen_below,
-                max_expansions=options.max_expansions,
-            )
+            mcts(model, tokenizer, prompt, task, prm.score_steps, settings.mcts, budget, seed + i)
             for i, prompt in enumerate(prompts)
         ]
     if name == "speculative":
@@ -488,6 +428,7 @@ def run_strategy(
         return speculative(model, draft, tokenizer, prompts, budget, settings.speculative.num_assistant_tokens)
     if name == "ensemble":
         members = [load_causal_lm(path, trust, what=f"ensemble member {path}") for path in settings.ensemble.members]
-        combine = ensemble_logits if settings.ensemble.mode == "logits" else ensemble_vote
-        return combine(members, tokenizer, prompts, budget)
+        if settings.ensemble.mode == "logits":
+            return ensemble_logits(members, tokenizer, prompts, budget)
+        return ensemble_vote(members, tokenizer, prompts, task, budget)
     raise ValueError(f"unknown strategy {name!r}; expected one of {STRATEGIES}")

@@ -58,7 +58,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
-from rlhf.modeling import check_model_dir, load_causal_lm
+from rlhf.models.folders import check_model_dir
+from rlhf.models.loading import load_causal_lm
 
 MERGE_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "slerp")
 TASK_VECTOR_METHODS = ("task_arithmetic", "ties", "dare_ties", "dare_linear")

@@ -1,8 +1,9 @@
 """An ensemble of K outcome reward models, scored together.
 
-Each member is trained by TRL's `RewardTrainer` from a different seed: a sequence-classification
-model with one output, or a likelihood reward model (rlhf.likelihood_rm). The ensemble's score is the members' mean; their
-standard deviation is a cheap uncertainty estimate (reward-model disagreement), which
+Each member is trained by TRL's `RewardTrainer` from a different seed: a
+sequence-classification model with one output, or a likelihood reward model
+(rlhf.rewards.likelihood_rm). The ensemble's score is the members' mean; their standard
+deviation is a cheap uncertainty estimate (reward-model disagreement), which
 rewards may penalise as ``mean - k * std``.
 
 Texts are built exactly as `RewardTrainer` builds them: prompt + completion + EOS for
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from rlhf.generation import reward_text
-from rlhf.likelihood_rm import LikelihoodRewardModel, is_likelihood_rm
-from rlhf.modeling import load_reward_model, load_tokenizer
+from rlhf.models.generation import reward_text
+from rlhf.models.loading import load_reward_model, load_tokenizer
+from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, is_likelihood_rm
 
 MEMBER_PREFIX = "member_"
 

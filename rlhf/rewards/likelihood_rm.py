@@ -42,9 +42,9 @@ from trl import RewardTrainer
 from trl.trainer.reward_trainer import DataCollatorForPreference
 from trl.trainer.utils import pad
 
-from rlhf.generation import format_prompt, reward_text
-from rlhf.likelihood import fit_logistic, token_logprobs
-from rlhf.modeling import load_causal_lm, save_model
+from rlhf.models.generation import format_prompt, reward_text
+from rlhf.models.loading import load_causal_lm, save_model
+from rlhf.rewards.likelihood import fit_logistic, token_logprobs
 
 KIND = "likelihood"
 HEAD_FILE = "reward_head.json"

@@ -1,6 +1,6 @@
 """Evaluation metrics for generated completions.
 
-* task accuracy and format compliance — exact checks of the built-in task (rlhf.task), or
+* task accuracy and format compliance — exact checks of the built-in task (rlhf.tasks.arithmetic), or
   any answer checker for user suites;
 * KL to the reference — the mean over prompts of sum_t KL(pi(.|x, y<t) || pi_ref(.|x, y<t)),
   the full-distribution KL at every generated position of the candidate's own completion
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlhf.generation import format_prompt
+from rlhf.models.generation import format_prompt
 
 
 def distinct_n(texts: Sequence[str], n: int) -> float:
@@ -31,9 +31,14 @@ def distinct_n(texts: Sequence[str], n: int) -> float:
     return len(unique) / total if total else 0.0
 
 
+def wins(candidate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per problem: 1 where the candidate's reward beats the reference's, 0.5 on a tie."""
+    return (candidate > reference).float() + 0.5 * (candidate == reference).float()
+
+
 def win_rate(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    wins = (candidate > reference).float() + 0.5 * (candidate == reference).float()
-    return float(wins.mean()) if len(wins) else 0.0
+    outcome = wins(candidate, reference)
+    return float(outcome.mean()) if len(outcome) else 0.0
 
 
 @torch.inference_mode()

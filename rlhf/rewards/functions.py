@@ -8,16 +8,18 @@ weighted list, as in RLVR setups::
       - {name: banned, weight: 1.0, words: ["as an AI"]}
 
 Every reward is a plain function of (prompts, completions, row fields) -> one float per
-completion, with TRL's reward-function signature, so the same functions serve TRL's
+completion, with TRL's reward-function signature; the task (rlhf.tasks) reads and checks
+answers and formats, so the same rewards serve any task, so the same functions serve TRL's
 `GRPOTrainer`/`RLOOTrainer` (a list plus `reward_weights`) and our PPO (their weighted
 sum, `weighted_sum`). Row fields are the prompt table's other columns (e.g. `answer`),
 repeated for each completion.
 
 Kinds:
 
-* answer_match — 1 when the completion's final answer equals the row's `answer` (exact).
-* numeric_tolerance — 1 when |predicted - answer| <= atol + rtol * |answer|.
-* format — 1 when the completion matches `pattern` (default: the built-in step format).
+* answer_match — 1 when the task says the completion reaches the row's `answer`.
+* numeric_tolerance — 1 when |predicted - answer| <= atol + rtol * |answer| (the task's
+  extracted answer read as a number).
+* format — 1 when the completion matches `pattern` (default: the task's own format check).
 * reward_model — the RM ensemble's mean score minus `uncertainty_penalty` * its std.
 * prm — the process reward model's step scores aggregated to one (min, prod or last).
 * length / repetition / banned — constitutional rule checks: 1 when the completion is at
@@ -28,7 +30,7 @@ Kinds:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
@@ -36,9 +38,10 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from rlhf.params import StageConfig
-from rlhf.task import extract_answer, is_correct, is_well_formatted
+from rlhf.tasks.base import Task
 
 RewardFn = Callable[..., list[float]]
+ModelDirs = Mapping[str, "str | Path"]  # reward name -> model folder, for model-based rewards without a `path`
 
 
 def completion_text(completion) -> str:
@@ -57,30 +60,36 @@ def _answers(answer, count: int) -> list:
 # ----------------------------------------------------------------------------- functions
 
 
-def answer_match(prompts: Sequence, completions: Sequence, answer=None, **_) -> list[float]:
+def answer_match(prompts: Sequence, completions: Sequence, answer=None, *, task: Task, **_) -> list[float]:
     answers = _answers(answer, len(completions))
-    return [float(is_correct(completion_text(c), a)) for c, a in zip(completions, answers)]
+    return [float(task.is_correct(completion_text(c), a)) for c, a in zip(completions, answers)]
+
+
+def _as_number(text) -> float | None:
+    try:
+        return float(str(text).replace(",", ""))
+    except (TypeError, ValueError):
+        return None
 
 
 def numeric_tolerance(
-    prompts: Sequence, completions: Sequence, answer=None, atol: float = 0.0, rtol: float = 0.0, **_
+    prompts: Sequence, completions: Sequence, answer=None, atol: float = 0.0, rtol: float = 0.0, *, task: Task, **_
 ) -> list[float]:
     rewards = []
     for completion, reference in zip(completions, _answers(answer, len(completions))):
-        predicted = extract_answer(completion_text(completion))
-        try:
-            target = float(reference)
-        except (TypeError, ValueError):
-            rewards.append(0.0)
-            continue
-        ok = predicted is not None and abs(predicted - target) <= atol + rtol * abs(target)
+        predicted, target = _as_number(task.extract_answer(completion_text(completion))), _as_number(reference)
+        ok = predicted is not None and target is not None and abs(predicted - target) <= atol + rtol * abs(target)
         rewards.append(float(ok))
     return rewards
 
 
-def format_match(prompts: Sequence, completions: Sequence, pattern: str | None = None, **_) -> list[float]:
+def format_match(
+    prompts: Sequence, completions: Sequence, pattern: str | None = None, *, task: Task, **_
+) -> list[float]:
     if pattern is None:
-        return [float(is_well_formatted(completion_text(c))) for c in completions]
+        if not task.has_format:
+            raise ValueError(f"the format reward needs a `pattern`: task {task.name!r} defines no format")
+        return [float(task.is_well_formatted(completion_text(c))) for c in completions]
     regex = re.compile(pattern, re.DOTALL)
     return [float(bool(regex.fullmatch(completion_text(c).strip()))) for c in completions]
 
@@ -115,10 +124,10 @@ class _Reward(StageConfig):
     weight: float = Field(1.0, description="weight of this reward in the sum")
     function: ClassVar[RewardFn]
 
-    def build(self, trust_remote_code: bool = False) -> RewardFn:
-        """The reward function with this entry's options bound."""
+    def build(self, task: Task, model_dirs: ModelDirs, trust_remote_code: bool = False) -> RewardFn:
+        """The reward function with this entry's options and the task bound."""
         options = self.model_dump(exclude={"name", "weight"})
-        return partial(type(self).function, **options)
+        return partial(type(self).function, task=task, **options)
 
 
 class AnswerMatch(_Reward):
@@ -135,7 +144,7 @@ class NumericTolerance(_Reward):
 
 class FormatReward(_Reward):
     name: Literal["format"]
-    pattern: str | None = Field(None, description="regex the whole completion must match; None = built-in format")
+    pattern: str | None = Field(None, description="regex the whole completion must match; None = the task's format")
     function = staticmethod(format_match)
 
     @field_validator("pattern")
@@ -151,13 +160,13 @@ class FormatReward(_Reward):
 
 class RewardModelReward(_Reward):
     name: Literal["reward_model"]
-    path: str = Field("models/rm", description="the RM ensemble directory (stage rm)")
+    path: str | None = Field(None, description="the RM ensemble directory; null = the pipeline's (stage rm)")
     uncertainty_penalty: float = Field(0.0, ge=0, description="k in mean - k * std over the members")
 
-    def build(self, trust_remote_code: bool = False) -> RewardFn:
-        from rlhf.reward_ensemble import RewardEnsemble
+    def build(self, task: Task, model_dirs: ModelDirs, trust_remote_code: bool = False) -> RewardFn:
+        from rlhf.rewards.ensemble import RewardEnsemble
 
-        ensemble = RewardEnsemble.load(Path(self.path), trust_remote_code)
+        ensemble = RewardEnsemble.load(model_path(self, model_dirs), trust_remote_code)
 
         def reward_model(prompts, completions, **_):
             scores = ensemble.score(prompts, completions)
@@ -168,13 +177,13 @@ class RewardModelReward(_Reward):
 
 class PRMReward(_Reward):
     name: Literal["prm"]
-    path: str = Field("models/prm", description="the process reward model directory (stage prm)")
+    path: str | None = Field(None, description="the process reward model directory; null = the pipeline's (stage prm)")
     aggregate: Literal["min", "prod", "last"] = Field("min", description="step scores -> one score")
 
-    def build(self, trust_remote_code: bool = False) -> RewardFn:
-        from rlhf.prm import ProcessRewardModel
+    def build(self, task: Task, model_dirs: ModelDirs, trust_remote_code: bool = False) -> RewardFn:
+        from rlhf.rewards.prm import load_prm
 
-        prm = ProcessRewardModel.load(Path(self.path), trust_remote_code)
+        prm = load_prm(model_path(self, model_dirs), trust_remote_code)
 
         def prm_reward(prompts, completions, **_):
             return prm.score_completions(list(prompts), [completion_text(c) for c in completions], self.aggregate)
@@ -226,16 +235,31 @@ class _Named:
         return [float(r) for r in self.function(prompts, completions, **fields)]
 
 
-def build_rewards(specs: Sequence, trust_remote_code: bool = False) -> tuple[list[RewardFn], list[float]]:
+def build_rewards(
+    specs: Sequence, task: Task, model_dirs: ModelDirs | None = None, trust_remote_code: bool = False
+) -> tuple[list[RewardFn], list[float]]:
     """The reward functions and their weights, in the order declared. Model-based rewards
-    load their models here, once."""
-    functions = [_Named(f"{i}_{spec.name}", spec.build(trust_remote_code)) for i, spec in enumerate(specs)]
+    load their models here, once: from their `path`, else from `model_dirs[name]` (the
+    caller's folders, e.g. {"reward_model": models/rm, "prm": models/prm})."""
+    model_dirs = model_dirs or {}
+    functions = [
+        _Named(f"{i}_{spec.name}", spec.build(task, model_dirs, trust_remote_code)) for i, spec in enumerate(specs)
+    ]
     return functions, [spec.weight for spec in specs]
 
 
-def model_paths(specs: Sequence) -> list[Path]:
+def model_path(spec, model_dirs: ModelDirs) -> Path:
+    """The model directory a model-based reward reads: its own `path`, else the caller's."""
+    if spec.path is not None:
+        return Path(spec.path)
+    if spec.name not in model_dirs:
+        raise ValueError(f"reward {spec.name!r} has no `path` and the caller gave no default folder for it")
+    return Path(model_dirs[spec.name])
+
+
+def model_paths(specs: Sequence, model_dirs: ModelDirs | None = None) -> list[Path]:
     """The model directories the rewards read (for fingerprints and checks)."""
-    return [Path(spec.path) for spec in specs if isinstance(spec, (RewardModelReward, PRMReward))]
+    return [model_path(s, model_dirs or {}) for s in specs if isinstance(s, (RewardModelReward, PRMReward))]
 
 
 def weighted_sum(functions: Sequence[RewardFn], weights: Sequence[float]) -> RewardFn:

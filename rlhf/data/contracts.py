@@ -34,7 +34,8 @@ CONTRACTS: dict[str, dict[str, tuple[str, ...]]] = {
     "preference": {"required": ("prompt", "chosen", "rejected"), "optional": ()},
     "unpaired": {"required": ("prompt", "completion", "label"), "optional": ()},
     "prm": {"required": ("prompt", "completions", "labels"), "optional": ()},
-    "prompts": {"required": ("prompt",), "optional": ("answer",)},
+    # difficulty: any label (e.g. the number of operands, a level); evaluate reports per value.
+    "prompts": {"required": ("prompt",), "optional": ("answer", "difficulty")},
 }
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 MAX_LISTED_PROBLEMS = 25
@@ -148,6 +149,7 @@ def validate_contract(
         "completions": _check_str_list,
         "labels": _check_bool_list,
         "answer": _check_answer,
+        "difficulty": _check_answer,
     }
     normalised: dict[str, list] = {c: [] for c in keep}
     for index, row in enumerate(frame.itertuples(index=False)):

@@ -1,4 +1,4 @@
-"""What the likelihood verifiers share (rlhf.likelihood_prm, rlhf.likelihood_rm): a causal
+"""What the likelihood verifiers share (rlhf.rewards.prm_likelihood, rlhf.rewards.likelihood_rm): a causal
 LM's log-prob of every token given the ones before it, and the small logistic fit that
 calibrates features of those log-probs."""
 

@@ -30,6 +30,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from rlhf.tasks.base import Task
+
 STEP_SEPARATOR = "; "
 PROMPT_END = "\n"
 ANSWER_PREFIX = "answer "
@@ -272,6 +274,51 @@ def parse_prompt(prompt: str) -> Problem:
     return Problem(operands, ops)
 
 
+class ArithmeticTask(Task):
+    """The built-in task behind the `Task` interface: steps ``a+b=c`` joined by ``; ``, a
+    final ``answer N``, exact integer answers, and step labels checked exactly."""
+
+    name = "builtin"
+    step_separator = STEP_SEPARATOR
+    has_format = True
+
+    def normalize_prompt(self, prompt: str) -> str:
+        return prompt if prompt.endswith(PROMPT_END) else prompt + PROMPT_END
+
+    def extract_answer(self, completion: str) -> str | None:
+        value = extract_answer(completion)
+        return None if value is None else str(value)
+
+    def is_correct(self, completion: str, answer) -> bool:
+        return is_correct(completion, answer)
+
+    def is_well_formatted(self, completion: str) -> bool:
+        return is_well_formatted(completion)
+
+    def split_steps(self, completion: str) -> list[str]:
+        return split_steps(completion)
+
+    def is_final_step(self, step: str) -> bool:
+        return step.strip().startswith(ANSWER_PREFIX.strip())
+
+    def check_steps(self, prompt: str, completion: str) -> list[bool] | None:
+        try:
+            return check_steps(prompt, completion)
+        except ValueError:  # not a built-in prompt (a user suite under the built-in task)
+            return None
+
+    def classify_error(self, prompt: str, completion: str) -> str | None:
+        try:
+            return classify_flaw(prompt, completion)
+        except ValueError:
+            return None
+
+
+def operand_count(prompt: str) -> int:
+    """The difficulty of a built-in problem: how many numbers it chains."""
+    return len(parse_prompt(prompt).operands)
+
+
 # ----------------------------------------------------------------------------- datasets
 
 
@@ -286,14 +333,17 @@ class TaskSizes:
     prm: int = 4000
     prm_eval: int = 500
     prompts: int = 2000
-    eval_heldout: int = 500
+    eval_dev: int = 500
+    eval_test: int = 500
 
 
 def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, list[dict]]:
     """Every data contract of the built-in task, as rows keyed by contract file name.
 
     Evaluation problems are drawn first and every training split excludes them, so the
-    held-out numbers measure generalisation, not recall.
+    held-out numbers measure generalisation, not recall. There are two disjoint eval
+    suites: `eval_dev` for tuning, the gate and the greedy soup, and `eval_test`, which
+    only reports. Eval rows carry their `difficulty`: the number of operands.
     """
     rng = random.Random(seed)
     seen: set[str] = set()
@@ -317,6 +367,9 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
     def prompt_rows(problems: list[Problem]) -> list[dict]:
         return [{"prompt": p.prompt, "answer": str(p.answer)} for p in problems]
 
+    def eval_rows(problems: list[Problem]) -> list[dict]:
+        return [{**row, "difficulty": str(len(p.operands))} for row, p in zip(prompt_rows(problems), problems)]
+
     def pair_rows(problems: list[Problem]) -> list[dict]:
         return [
             {
@@ -339,7 +392,8 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
         return rows
 
     # Held-out suites first, so no training split can contain them.
-    eval_heldout = prompt_rows(fresh_problems(sizes.eval_heldout))
+    eval_dev = eval_rows(fresh_problems(sizes.eval_dev))
+    eval_test = eval_rows(fresh_problems(sizes.eval_test))
     prefs_eval = pair_rows(fresh_problems(sizes.prefs_eval))
     prm_eval = prm_rows(fresh_problems(sizes.prm_eval))
 
@@ -364,7 +418,8 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
         "prm": prm,
         "prm_eval": prm_eval,
         "prompts": prompts,
-        "eval_heldout": eval_heldout,
+        "eval_dev": eval_dev,
+        "eval_test": eval_test,
     }
 
 

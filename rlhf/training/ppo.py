@@ -34,67 +34,18 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForTokenClassification, GenerationConfig, get_scheduler
 
 from rlhf.artifacts import atomic_dir
-from rlhf.generation import format_prompt
-from rlhf.modeling import check_model_dir, resolve_model_dir
-from rlhf.training import LoraParams, TrainingParams, merged_model, use_cpu
+from rlhf.models.folders import check_model_dir, resolve_model_dir
+from rlhf.models.generation import format_prompt
+from rlhf.training.params import PPOParams
+from rlhf.training.trainer_setup import merged_model, use_cpu
 
 _STEP_DIR = re.compile(r"step-(\d+)")
-
-
-class PPOParams(TrainingParams):
-    """PPO with a KL penalty to the reference (Ouyang et al. 2022). `max_steps` counts PPO
-    iterations and `max_length` bounds prompt + response (long prompts lose their start).
-    Inherited keys not used: per_device_train_batch_size and gradient_accumulation_steps
-    (rollout_batch_size and mini_batch_size set the batches), bf16 and gradient_checkpointing
-    (PPO runs in float32)."""
-
-    max_steps: int = Field(100, gt=0, description="PPO iterations (one rollout batch and its updates each)")
-    learning_rate: float = Field(1e-5, gt=0, lt=1, description="policy learning rate")
-    lr_scheduler_type: str = Field("constant", description="transformers scheduler name, over all updates")
-    rollout_batch_size: int = Field(64, gt=0, description="prompts sampled per PPO iteration")
-    mini_batch_size: int = Field(16, gt=0, description="responses per optimizer step")
-    ppo_epochs: int = Field(2, gt=0, description="passes over each rollout batch")
-    max_new_tokens: int = Field(64, gt=0, description="longest sampled response")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature (log-probs use the same)")
-    kl_coef: float = Field(0.05, ge=0, description="beta: KL penalty per token (initial value if adaptive)")
-    adaptive_kl: bool = Field(False, description="adapt beta towards target_kl (Ziegler et al. 2019)")
-    target_kl: float = Field(6.0, gt=0, description="adaptive: target KL per response, in nats")
-    kl_horizon: int = Field(10000, gt=0, description="adaptive: responses over which beta adapts")
-    gamma: float = Field(1.0, ge=0, le=1, description="discount per token")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (1 = Monte Carlo returns)")
-    cliprange: float = Field(0.2, gt=0, lt=1, description="policy ratio clip epsilon")
-    cliprange_value: float = Field(0.2, gt=0, description="value clip around the rollout's values")
-    value_learning_rate: float | None = Field(None, gt=0, lt=1, description="value model lr; null = learning_rate")
-    whiten_advantages: bool = Field(True, description="normalise advantages to mean 0, variance 1 per batch")
-    value_init: Literal["sft", "rm"] = Field(
-        "sft", description="value model init (the caller loads it): SFT model or reward model"
-    )
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA on the policy, merged at the end")
-
-    @model_validator(mode="after")
-    def _check_batches(self):
-        problems = []
-        if self.rollout_batch_size % self.mini_batch_size:
-            problems.append(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of mini_batch_size "
-                f"({self.mini_batch_size})"
-            )
-        if self.max_new_tokens >= self.max_length:
-            problems.append(
-                f"max_new_tokens ({self.max_new_tokens}) must be less than max_length ({self.max_length}), "
-                "which bounds prompt + response"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
 
 
 # ----------------------------------------------------------------------------- rollouts

@@ -21,14 +21,13 @@ cross-entropy over the labelled positions. Rows longer than `max_length` are cut
 last whole step that fits (their labels stay valid: a step's label depends only on the
 steps before it); a row whose first step does not fit is dropped. Both are counted.
 
-`ProcessRewardModel` loads a trained PRM and scores steps (P(good) per step) or whole
+`ClassifierPRM` loads a trained PRM and scores steps (P(good) per step) or whole
 completions (steps aggregated by min, product or last).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,15 +35,15 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, Trainer, TrainingArguments
 
-from rlhf.generation import format_prompt
-from rlhf.modeling import check_model_dir, load_tokenizer, resolve_model_dir, save_model
-from rlhf.task import STEP_SEPARATOR, split_steps
-from rlhf.training import LoraParams, TrainingParams, trl_config
+from rlhf.models.folders import check_model_dir, resolve_model_dir
+from rlhf.models.generation import format_prompt
+from rlhf.models.loading import load_tokenizer, save_model
+from rlhf.rewards.steps import DEFAULT_SEPARATOR, PRM_FILE, StepScorer
+from rlhf.training.params import LoraParams, TrainingParams
+from rlhf.training.trainer_setup import trl_config
 
 BAD, GOOD = 0, 1
 IGNORE = -100
-PRM_FILE = "prm.json"
-AGGREGATIONS = ("min", "prod", "last")
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -64,7 +63,7 @@ def encode_steps(
     prompt,
     steps: Sequence[str],
     labels: Sequence[bool] | None = None,
-    separator: str = STEP_SEPARATOR,
+    separator: str = DEFAULT_SEPARATOR,
     prefix: list[int] | None = None,
 ) -> dict[str, list[int]]:
     """input_ids and token labels of one row. Without `labels` (scoring), each step's
@@ -102,7 +101,7 @@ def truncate_to_steps(row: dict[str, list[int]], max_length: int) -> dict[str, l
     return {"input_ids": row["input_ids"][:end], "labels": row["labels"][:end]}
 
 
-def build_dataset(tokenizer, rows, separator: str = STEP_SEPARATOR, max_length: int | None = None) -> Dataset:
+def build_dataset(tokenizer, rows, separator: str = DEFAULT_SEPARATOR, max_length: int | None = None) -> Dataset:
     """Tokenized training rows from a validated prm table (prompt, completions, labels).
     Prints how many rows were cut to fit and how many were dropped."""
     prefix = special_prefix(tokenizer)
@@ -173,7 +172,7 @@ def prm_trainer(
     )
 
 
-def save_prm(model, tokenizer, path: str | Path, separator: str = STEP_SEPARATOR) -> None:
+def save_prm(model, tokenizer, path: str | Path, separator: str = DEFAULT_SEPARATOR) -> None:
     """The model, its tokenizer and the step separator it was trained with."""
     save_model(model, tokenizer, path)
     (Path(path) / PRM_FILE).write_text(json.dumps({"kind": "classifier", "step_separator": separator}) + "\n")
@@ -182,52 +181,18 @@ def save_prm(model, tokenizer, path: str | Path, separator: str = STEP_SEPARATOR
 # ----------------------------------------------------------------------------- scoring
 
 
-def aggregate(step_scores: Sequence[float], how: str = "min") -> float:
-    """One score for a solution from its step scores: the weakest step (`min`), the chance
-    that every step is good if steps were independent (`prod`), or the last step's (`last`,
-    which under Math-Shepherd labels already says whether the whole chain is good)."""
-    if how not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {how!r}; expected one of {AGGREGATIONS}")
-    if not step_scores:
-        raise ValueError("no step scores to aggregate")
-    if how == "min":
-        return float(min(step_scores))
-    if how == "prod":
-        return float(math.prod(step_scores))
-    return float(step_scores[-1])
+class ClassifierPRM(StepScorer):
+    """A trained classifier PRM: P(good) for every step of a solution."""
 
-
-def split_completion(completion: str, separator: str = STEP_SEPARATOR) -> list[str]:
-    """Steps of a completion: the built-in task's own splitter, or a split on `separator`."""
-    if separator == STEP_SEPARATOR:
-        return split_steps(completion)
-    return [step for step in completion.strip().split(separator) if step.strip()]
-
-
-class ProcessRewardModel:
-    """A trained PRM: P(good) for every step of a solution."""
-
-    def __init__(self, model, tokenizer, separator: str = STEP_SEPARATOR):
+    def __init__(self, model, tokenizer, separator: str = DEFAULT_SEPARATOR):
         self.model = model
         self.tokenizer = tokenizer
         self.separator = separator
 
     @classmethod
-    def load(cls, path: str | Path, trust_remote_code: bool = False):
-        """The PRM saved in `path`: this class for a classifier PRM, a
-        `rlhf.likelihood_prm.LikelihoodPRM` for a likelihood one (same scoring interface)."""
-        path = resolve_model_dir(path)
-        settings = Path(path) / PRM_FILE
-        if not settings.is_file():
-            raise FileNotFoundError(f"{path} has no {PRM_FILE}: it is not a process reward model written by stage prm")
-        settings = json.loads(settings.read_text())
-        if settings.get("kind") == "likelihood":
-            from rlhf.likelihood_prm import LikelihoodPRM
-
-            return LikelihoodPRM.load(path, settings, trust_remote_code)
-        separator = settings["step_separator"]
+    def load(cls, path: str | Path, settings: dict, trust_remote_code: bool = False) -> ClassifierPRM:
         model = load_prm_model(path, trust_remote_code)
-        return cls(model, load_tokenizer(path, trust_remote_code), separator)
+        return cls(model, load_tokenizer(path, trust_remote_code), settings["step_separator"])
 
     @torch.inference_mode()
     def score_steps(self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64) -> list[list[float]]:
@@ -260,57 +225,3 @@ class ProcessRewardModel:
             for j, i in enumerate(batch):
                 scores[i] = good[j, step_positions(rows[i]["labels"])].tolist()
         return scores
-
-    def score_completions(
-        self, prompts: Sequence, completions: Sequence[str], how: str = "min", batch_size: int = 64
-    ) -> list[float]:
-        """One score per completion: its steps' P(good) aggregated by `how`. A completion
-        with no steps scores 0.0 (there is nothing to verify as good)."""
-        steps = [split_completion(c, self.separator) for c in completions]
-        step_scores = self.score_steps(prompts, steps, batch_size)
-        return [aggregate(s, how) if s else 0.0 for s in step_scores]
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def f1(predicted: Sequence[bool], actual: Sequence[bool]) -> float:
-    """F1 of the positive (True) class; 0.0 when it is neither predicted nor present."""
-    tp = sum(p and a for p, a in zip(predicted, actual))
-    fp = sum(p and not a for p, a in zip(predicted, actual))
-    fn = sum(a and not p for p, a in zip(predicted, actual))
-    return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
-
-
-def prm_metrics(
-    step_scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]], threshold: float = 0.5
-) -> dict:
-    """Held-out quality of a PRM. A step is predicted good when P(good) > threshold.
-
-    * step_accuracy: predicted == label over every step;
-    * f1_bad (the headline F1: finding wrong steps is what a verifier is for, and bad steps
-      are the minority) and f1_good;
-    * first_error_accuracy: over flawed solutions, the first step predicted bad is exactly
-      the first bad step;
-    * outcome_accuracy_<how>: aggregated score > threshold agrees with "every step good".
-    """
-    predicted = [[s > threshold for s in row] for row in step_scores]
-    flat_predicted = [p for row in predicted for p in row]
-    flat_actual = [bool(a) for row in labels for a in row]
-    flawed = [(p, a) for p, a in zip(predicted, labels) if not all(a)]
-    first_bad = [p.index(False) if False in p else -1 for p, _ in flawed]
-    metrics = {
-        "step_accuracy": sum(p == a for p, a in zip(flat_predicted, flat_actual)) / len(flat_actual),
-        "f1_bad": f1([not p for p in flat_predicted], [not a for a in flat_actual]),
-        "f1_good": f1(flat_predicted, flat_actual),
-        "first_error_accuracy": (
-            sum(f == list(a).index(False) for f, (_, a) in zip(first_bad, flawed)) / len(flawed) if flawed else None
-        ),
-        "bad_step_fraction": flat_actual.count(False) / len(flat_actual),
-        "eval_solutions": len(labels),
-        "eval_steps": len(flat_actual),
-    }
-    for how in AGGREGATIONS:
-        outcome = [(aggregate(s, how) > threshold) == all(a) for s, a in zip(step_scores, labels)]
-        metrics[f"outcome_accuracy_{how}"] = sum(outcome) / len(outcome)
-    return metrics

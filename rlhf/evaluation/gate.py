@@ -1,0 +1,191 @@
+"""Capability tests and the promotion rule.
+
+A capability test compares one metric of a candidate on one eval suite with a baseline:
+
+    value(candidate)  op  baseline + threshold
+
+where the baseline is 0 (``relative_to: absolute``), the reference model's value
+(``relative_to: sft``) or the current champion's value as recorded when it was promoted
+(``relative_to: champion``; passes while there is no champion yet).
+
+A relative test on a metric with one outcome per problem (accuracy, format, reward,
+win-rate: `reports/outcomes.json`) is a paired test, so that noise is neither promoted nor
+allowed to block a real gain: the candidate and its baseline are compared on the same
+problems by a paired bootstrap of their mean difference (rlhf.evaluation.statistics), and
+the test is judged on the conservative end of its interval,
+
+    >= / >:  lower bound of (candidate - baseline)  op  threshold
+    <= / <:  upper bound of (candidate - baseline)  op  threshold
+
+so `threshold` is the minimum effect: `accuracy >= champion + 0.01` passes only when the
+candidate beats the champion by at least one point with the configured confidence. A
+comparison with no per-problem outcomes (KL, distinct-n, or a champion evaluated on another
+version of the suite) falls back to the point estimates and says so in its reason; an
+absolute test compares the point estimate with its bound.
+
+A candidate is promotable only if every test passes; among promotable candidates the one
+with the best selection metric wins. A rejected candidate is reported with the reason of
+every failed test, and the champion does not move.
+
+Moving the champion is `rlhf.tracking.champion`'s.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+
+
+@dataclass
+class TestResult:
+    name: str
+    metric: str
+    suite: str
+    value: float | None
+    baseline: float | None
+    bound: float | None
+    op: str
+    passed: bool
+    reason: str
+    difference: float | None = None  # paired tests: mean(candidate - baseline) ...
+    interval: tuple[float, float] | None = None  # ... and its bootstrap interval
+
+
+@dataclass
+class Paired:
+    """Per-problem outcomes of a candidate and its baseline on the same problems."""
+
+    candidate: Sequence[float]
+    baseline: Sequence[float]
+
+
+def run_test(
+    test,
+    candidate: dict,
+    reference: dict,
+    champion: dict | None,
+    paired: Paired | None = None,
+    confidence: float = 0.95,
+    samples: int = 2000,
+) -> TestResult:
+    """`candidate`, `reference`, `champion`: {suite: {metric: value}} of one model each;
+    `paired`: the outcomes behind a relative test, when both sides have them."""
+    name = test.name or f"{test.metric}[{test.suite}] {test.op} {test.relative_to}{test.threshold:+g}"
+    value = candidate.get(test.suite, {}).get(test.metric)
+
+    def result(passed: bool, reason: str, baseline=None, bound=None, **paired_fields) -> TestResult:
+        return TestResult(
+            name, test.metric, test.suite, value, baseline, bound, test.op, passed, reason, **paired_fields
+        )
+
+    if value is None:
+        return result(False, f"metric {test.metric!r} missing for suite {test.suite!r} in the eval report")
+    if test.relative_to == "absolute":
+        baseline = 0.0
+    elif test.relative_to == "sft":
+        baseline = reference.get(test.suite, {}).get(test.metric)
+        if baseline is None:
+            return result(False, f"reference has no {test.metric!r} on suite {test.suite!r}")
+    else:
+        if champion is None:
+            return result(True, "no champion yet: nothing to regress from")
+        baseline = champion.get(test.suite, {}).get(test.metric)
+        if baseline is None:
+            return result(True, f"champion has no recorded {test.metric!r} on {test.suite!r}: not compared")
+    bound = baseline + test.threshold
+    if paired is not None and test.relative_to != "absolute":
+        from rlhf.evaluation.statistics import paired_difference
+
+        diff = paired_difference(paired.candidate, paired.baseline, confidence, samples)
+        end = diff["low"] if test.op in (">=", ">") else diff["high"]
+        which = "lower" if test.op in (">=", ">") else "upper"
+        passed = OPS[test.op](round(end, 9), round(test.threshold, 9))
+        reason = (
+            f"{diff['difference']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}] vs {test.relative_to} "
+            f"over {diff['problems']} problems: {which} bound {end:+.4f} {test.op} {test.threshold:+.4f}"
+            + ("" if passed else " fails")
+        )
+        return result(
+            passed, reason, baseline, bound, difference=diff["difference"], interval=(diff["low"], diff["high"])
+        )
+    # Rounded so that float noise in `baseline + threshold` (0.40 - 0.05 = 0.35000000000000003)
+    # does not fail a candidate that sits exactly on the bound.
+    passed = OPS[test.op](round(value, 9), round(bound, 9))
+    reason = f"{value:.4f} {test.op} {bound:.4f}" + ("" if passed else " fails")
+    if test.relative_to != "absolute":
+        reason += " (point estimates: no per-problem outcomes to pair)"
+    return result(passed, reason, baseline, bound)
+
+
+def paired_outcomes(test, name: str, reference: str, outcomes: dict | None, champion_outcomes: dict | None):
+    """The `Paired` outcomes for a relative test of candidate `name`, or None when either
+    side has none for the test's suite and metric (then the test compares point values)."""
+    if outcomes is None or test.relative_to == "absolute":
+        return None
+    suite = outcomes.get("suites", {}).get(test.suite)
+    if suite is None:
+        return None
+    candidate = suite["models"].get(name, {}).get(test.metric)
+    if test.relative_to == "sft":
+        baseline = suite["models"].get(reference, {}).get(test.metric)
+    else:
+        recorded = (champion_outcomes or {}).get(test.suite)
+        same_problems = recorded is not None and recorded.get("digest") == suite.get("digest")
+        baseline = recorded["values"].get(test.metric) if same_problems else None
+    if not candidate or not baseline or len(candidate) != len(baseline):
+        return None
+    return Paired(candidate, baseline)
+
+
+def decide(
+    tests,
+    report: dict,
+    champion: dict | None,
+    select_metric: str,
+    select_suite: str,
+    outcomes: dict | None = None,
+    confidence: float = 0.95,
+    samples: int = 2000,
+) -> dict:
+    """The gate's verdict over every candidate in an eval `report` (see stages.evaluate).
+    `champion` is the champion's record (its `metrics` and, when recorded, its per-problem
+    `outcomes`); `outcomes` the eval's per-problem outcomes (reports/outcomes.json)."""
+    reference_name = report["reference"]
+    per_model = {
+        name: {suite: results[name] for suite, results in report["suites"].items() if name in results}
+        for name in [reference_name, *report["candidates"]]
+    }
+    champion_metrics = champion["metrics"] if champion else None
+    champion_outcomes = champion.get("outcomes") if champion else None
+    verdicts = {}
+    for name in report["candidates"]:
+        results = [
+            run_test(
+                t,
+                per_model[name],
+                per_model[reference_name],
+                champion_metrics,
+                paired_outcomes(t, name, reference_name, outcomes, champion_outcomes),
+                confidence,
+                samples,
+            )
+            for t in tests
+        ]
+        verdicts[name] = {
+            "passed": all(r.passed for r in results),
+            "tests": [asdict(r) for r in results],
+            "failures": [f"{r.name}: {r.reason}" for r in results if not r.passed],
+        }
+    passing = [n for n in report["candidates"] if verdicts[n]["passed"]]
+    missing = [n for n in passing if per_model[n].get(select_suite, {}).get(select_metric) is None]
+    if missing:
+        raise ValueError(
+            f"gate.select_metric {select_metric!r} on suite {select_suite!r} is missing for {missing} in the eval "
+            "report; choose a metric every candidate has (see reports/eval.json), e.g. reward or win_rate for a "
+            "suite without answers"
+        )
+    best = max(passing, key=lambda n: per_model[n][select_suite][select_metric], default=None)
+    return {"promote": best, "candidates": verdicts, "metrics": per_model.get(best) if best else None}

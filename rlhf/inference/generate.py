@@ -1,0 +1,127 @@
+"""The `generate` command: any saved candidate, any inference-time strategy.
+
+    rlhf-generate --model models/champion "12+7-3"
+    rlhf-generate --model models/sft --strategy best_of_n --prm models/prm --n 8 "12+7-3"
+    rlhf-generate --model models/sft --strategy mcts --prm models/prm "12+7-3"
+    rlhf-generate --model models/sft --strategy speculative --draft models/draft "12+7-3"
+    rlhf-generate --model models/sft --strategy ensemble --members models/sft models/policy/dpo "12+7-3"
+
+(`python -m rlhf.inference.generate` is the same command.) Prompts come from the
+arguments or, with none, one per line on stdin; the task (`--task`, default the built-in
+one) puts them in the form the model was trained on. Prints one JSON object per prompt:
+the completion, its answer, tokens generated and samples drawn. Every setting a flag does
+not give keeps the default of `rlhf.inference.settings.Strategies`, the same default that
+params.yaml `infer` has. Best-of-n reranks with the PRM (`--prm`) unless `--reward-model`
+names an RM ensemble.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import rlhf  # noqa: F401  (offline environment)
+from rlhf.inference.settings import STRATEGIES, Strategies
+from rlhf.tasks import TASKS, TaskConfig, get_task
+
+# flag -> where its value goes in the Strategies settings (None: the flag is not given)
+_SETTINGS = {
+    "max_new_tokens": ("max_new_tokens",),
+    "seed": ("seed",),
+    "n": ("best_of_n", "n"),
+    "samples": ("self_consistency", "max_samples"),
+    "stop_share": ("self_consistency", "stop_share"),
+    "simulations": ("mcts", "simulations"),
+    "draft": ("speculative", "draft"),
+    "members": ("ensemble", "members"),
+    "ensemble_mode": ("ensemble", "mode"),
+    "prm": ("prm",),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    defaults = Strategies()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
+    parser.add_argument("--model", required=True, help="a saved candidate: a local Hugging Face model directory")
+    parser.add_argument("--task", choices=sorted(TASKS), default=TaskConfig().kind, help="reads answers and steps")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="greedy")
+    parser.add_argument("--max-new-tokens", type=int, help=f"default {defaults.max_new_tokens}")
+    parser.add_argument(
+        "--temperature", type=float, help="sampling temperature of every sampling strategy (default: each one's own)"
+    )
+    parser.add_argument("--seed", type=int, help=f"default {defaults.seed}")
+    parser.add_argument("--n", type=int, help=f"best_of_n: samples per prompt (default {defaults.best_of_n.n})")
+    parser.add_argument("--prm", help="process reward model directory (mcts; the best_of_n scorer)")
+    parser.add_argument("--reward-model", help="best_of_n: rerank with this RM ensemble instead of the PRM")
+    parser.add_argument(
+        "--samples", type=int, help=f"self_consistency: most samples (default {defaults.self_consistency.max_samples})"
+    )
+    parser.add_argument(
+        "--stop-share",
+        type=float,
+        help=f"self_consistency: early stop (default {defaults.self_consistency.stop_share})",
+    )
+    parser.add_argument("--simulations", type=int, help=f"mcts: simulations (default {defaults.mcts.simulations})")
+    parser.add_argument("--draft", help="speculative: the draft model directory")
+    parser.add_argument("--members", nargs="+", help="ensemble: member model directories")
+    parser.add_argument("--ensemble-mode", choices=("logits", "vote"), help=f"default {defaults.ensemble.mode}")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    return parser.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> Strategies:
+    """The Strategies defaults, with every flag that was given put in its place."""
+    settings = Strategies().model_dump()
+    for flag, where in _SETTINGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            target = settings
+            for key in where[:-1]:
+                target = target[key]
+            target[where[-1]] = value
+    if args.temperature is not None:
+        for strategy in ("best_of_n", "self_consistency", "mcts"):
+            settings[strategy]["temperature"] = args.temperature
+    if args.reward_model:
+        settings["best_of_n"]["rewards"] = [{"name": "reward_model", "path": args.reward_model}]
+    elif args.prm:
+        settings["best_of_n"]["rewards"] = [{"name": "prm", "path": args.prm}]
+    settings["trust_remote_code"] = args.trust_remote_code
+    return Strategies.model_validate(settings)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.strategy == "speculative" and not args.draft:
+        raise SystemExit("--strategy speculative needs --draft DIR (a smaller model with the same tokenizer)")
+    if args.strategy == "ensemble" and len(args.members or []) < 2:
+        raise SystemExit("--strategy ensemble needs --members DIR DIR [...]")
+    if args.strategy == "mcts" and not args.prm:
+        raise SystemExit("--strategy mcts needs --prm DIR (the pipeline writes models/prm)")
+    if args.strategy == "best_of_n" and not (args.prm or args.reward_model):
+        raise SystemExit("--strategy best_of_n needs a scorer: --prm DIR or --reward-model DIR")
+    from rlhf.inference.strategies import run_strategy
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+
+    task = get_task(TaskConfig(kind=args.task))
+    prompts = args.prompts or [line for line in sys.stdin.read().splitlines() if line.strip()]
+    prompts = [task.normalize_prompt(p) for p in prompts]
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    model = load_causal_lm(args.model, args.trust_remote_code, what="--model")
+    for prompt, answer in zip(
+        prompts, run_strategy(args.strategy, settings_from(args), model, tokenizer, prompts, task)
+    ):
+        record = {
+            "prompt": prompt.strip(),
+            "completion": answer.completion,
+            "answer": task.extract_answer(answer.completion),
+            "tokens": answer.tokens,
+            "samples": answer.samples,
+        }
+        print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

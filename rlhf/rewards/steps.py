@@ -1,0 +1,101 @@
+"""What every process reward model shares, whatever its kind: splitting a completion into
+steps, aggregating step scores into one, and the held-out metrics of step labels.
+
+Light on purpose (no torch): the rewards, MCTS and the stages import it freely. The kinds
+are `rlhf.rewards.prm_classifier` and `rlhf.rewards.prm_likelihood`; `rlhf.rewards.prm`
+loads either from its folder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+PRM_FILE = "prm.json"  # beside a PRM's weights: its kind, step separator and settings
+AGGREGATIONS = ("min", "prod", "last")
+# When a caller names no separator (the stage passes its task's): one step per line.
+DEFAULT_SEPARATOR = "\n"
+
+
+def aggregate(step_scores: Sequence[float], how: str = "min") -> float:
+    """One score for a solution from its step scores: the weakest step (`min`), the chance
+    that every step is good if steps were independent (`prod`), or the last step's (`last`,
+    which under Math-Shepherd labels already says whether the whole chain is good)."""
+    if how not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {how!r}; expected one of {AGGREGATIONS}")
+    if not step_scores:
+        raise ValueError("no step scores to aggregate")
+    if how == "min":
+        return float(min(step_scores))
+    if how == "prod":
+        return float(math.prod(step_scores))
+    return float(step_scores[-1])
+
+
+def split_completion(completion: str, separator: str) -> list[str]:
+    """Steps of a completion, split on the separator the PRM was trained with."""
+    return [step for step in completion.strip().split(separator) if step.strip()]
+
+
+class StepScorer:
+    """Scoring whole completions from per-step scores; a PRM kind supplies `score_steps`
+    and `separator`."""
+
+    separator: str
+
+    def score_steps(self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64):
+        raise NotImplementedError
+
+    def score_completions(
+        self, prompts: Sequence, completions: Sequence[str], how: str = "min", batch_size: int = 64
+    ) -> list[float]:
+        """One score per completion: its steps' P(good) aggregated by `how`. A completion
+        with no steps scores 0.0 (there is nothing to verify as good)."""
+        steps = [split_completion(c, self.separator) for c in completions]
+        step_scores = self.score_steps(prompts, steps, batch_size)
+        return [aggregate(s, how) if s else 0.0 for s in step_scores]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def f1(predicted: Sequence[bool], actual: Sequence[bool]) -> float:
+    """F1 of the positive (True) class; 0.0 when it is neither predicted nor present."""
+    tp = sum(p and a for p, a in zip(predicted, actual))
+    fp = sum(p and not a for p, a in zip(predicted, actual))
+    fn = sum(a and not p for p, a in zip(predicted, actual))
+    return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+
+
+def prm_metrics(
+    step_scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]], threshold: float = 0.5
+) -> dict:
+    """Held-out quality of a PRM. A step is predicted good when P(good) > threshold.
+
+    * step_accuracy: predicted == label over every step;
+    * f1_bad (the headline F1: finding wrong steps is what a verifier is for, and bad steps
+      are the minority) and f1_good;
+    * first_error_accuracy: over flawed solutions, the first step predicted bad is exactly
+      the first bad step;
+    * outcome_accuracy_<how>: aggregated score > threshold agrees with "every step good".
+    """
+    predicted = [[s > threshold for s in row] for row in step_scores]
+    flat_predicted = [p for row in predicted for p in row]
+    flat_actual = [bool(a) for row in labels for a in row]
+    flawed = [(p, a) for p, a in zip(predicted, labels) if not all(a)]
+    first_bad = [p.index(False) if False in p else -1 for p, _ in flawed]
+    metrics = {
+        "step_accuracy": sum(p == a for p, a in zip(flat_predicted, flat_actual)) / len(flat_actual),
+        "f1_bad": f1([not p for p in flat_predicted], [not a for a in flat_actual]),
+        "f1_good": f1(flat_predicted, flat_actual),
+        "first_error_accuracy": (
+            sum(f == list(a).index(False) for f, (_, a) in zip(first_bad, flawed)) / len(flawed) if flawed else None
+        ),
+        "bad_step_fraction": flat_actual.count(False) / len(flat_actual),
+        "eval_solutions": len(labels),
+        "eval_steps": len(flat_actual),
+    }
+    for how in AGGREGATIONS:
+        outcome = [(aggregate(s, how) > threshold) == all(a) for s, a in zip(step_scores, labels)]
+        metrics[f"outcome_accuracy_{how}"] = sum(outcome) / len(outcome)
+    return metrics

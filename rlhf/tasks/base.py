@@ -1,0 +1,62 @@
+"""The task interface: what generic code may ask of a task.
+
+A task is a small object with no state beyond its settings. Every method has a plain-text
+default that suits a task with no structure (a completion is one step, any text is well
+formed, nothing can be checked), so a new task overrides only what it knows.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+class Task:
+    """Reading and checking completions for one kind of problem."""
+
+    name = "none"
+    # Between the steps of a solution; the PRM and MCTS work step by step.
+    step_separator = "\n"
+    # Whether the task defines a well-formed completion (`is_well_formatted`); when not,
+    # evaluate reports no format rate and the gate's default tests do not ask for one.
+    has_format = False
+
+    def normalize_prompt(self, prompt: str) -> str:
+        """A prompt as the model was trained to see it (e.g. a trailing newline)."""
+        return prompt
+
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer stated by `completion`, normalised for comparison and votes;
+        None when it states none."""
+        lines = [line for line in completion.strip().splitlines() if line.strip()]
+        return lines[-1].strip().lower() if lines else None
+
+    def is_correct(self, completion: str, answer) -> bool:
+        """Whether `completion` reaches the reference `answer`."""
+        predicted = self.extract_answer(completion)
+        return predicted is not None and predicted == normalize_text(answer)
+
+    def is_well_formatted(self, completion: str) -> bool:
+        return True
+
+    def split_steps(self, completion: str) -> list[str]:
+        """The steps of a solution, the final answer included."""
+        return [step for step in completion.strip().split(self.step_separator) if step.strip()]
+
+    def join_steps(self, steps: list[str]) -> str:
+        return self.step_separator.join(steps)
+
+    def is_final_step(self, step: str) -> bool:
+        """Whether `step` ends a solution (MCTS stops expanding there)."""
+        return False
+
+    def check_steps(self, prompt: str, completion: str) -> list[bool] | None:
+        """Exact good/bad labels of each step, for tasks that can check steps; else None."""
+        return None
+
+    def classify_error(self, prompt: str, completion: str) -> str | None:
+        """A name for the kind of mistake a wrong completion makes (reports), or None."""
+        return None
+
+
+def normalize_text(value) -> str:
+    return re.sub(r"\s+", " ", str(value)).strip().lower()

@@ -1,0 +1,110 @@
+"""The params blocks of the training stages: optimisation settings, LoRA, PPO.
+
+Plain pydantic models with no torch, transformers or TRL import, so that params.yaml
+validates in a second; the code that turns them into trainers is in
+`rlhf.training.trainer_setup` and `rlhf.training.ppo`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlhf.params import StageConfig, reject_unused
+
+
+class TrainingParams(StageConfig):
+    """Optimisation settings shared by the training stages (a TRL config subset)."""
+
+    max_steps: int = Field(300, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(32, gt=0, description="examples per step per device")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
+    lr_scheduler_type: str = Field("cosine", description="transformers scheduler name")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of steps spent warming up")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+    max_length: int = Field(128, gt=0, description="tokens per sequence (longer ones are truncated)")
+    logging_steps: int = Field(10, gt=0, description="log loss every N steps")
+    save_steps: int = Field(100, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
+    seed: int = Field(0, description="data order and initialisation seed")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    bf16: bool = Field(False, description="bf16 mixed precision (GPU only)")
+    gradient_checkpointing: bool = Field(False, description="trade compute for memory (large models)")
+
+
+class LoraParams(StageConfig):
+    """A peft LoRA adapter; merged into the base weights when the model is saved."""
+
+    enabled: bool = Field(False, description="train a LoRA adapter instead of all weights")
+    r: int = Field(8, gt=0, description="adapter rank")
+    alpha: int = Field(16, gt=0, description="scaling numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: str | list[str] = Field("all-linear", description="modules to adapt")
+
+    def peft_config(self, task_type: str = "CAUSAL_LM"):
+        if not self.enabled:
+            return None
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=self.target_modules,
+            task_type=task_type,
+        )
+
+
+class PPOParams(TrainingParams):
+    """PPO with a KL penalty to the reference (Ouyang et al. 2022). `max_steps` counts PPO
+    iterations and `max_length` bounds prompt + response (long prompts lose their start).
+    Inherited keys not used: per_device_train_batch_size and gradient_accumulation_steps
+    (rollout_batch_size and mini_batch_size set the batches), bf16 and gradient_checkpointing
+    (PPO runs in float32)."""
+
+    max_steps: int = Field(60, gt=0, description="PPO iterations (one rollout batch and its updates each)")
+    learning_rate: float = Field(1e-5, gt=0, lt=1, description="policy learning rate")
+    lr_scheduler_type: str = Field("constant", description="transformers scheduler name, over all updates")
+    rollout_batch_size: int = Field(64, gt=0, description="prompts sampled per PPO iteration")
+    mini_batch_size: int = Field(16, gt=0, description="responses per optimizer step")
+    ppo_epochs: int = Field(2, gt=0, description="passes over each rollout batch")
+    max_new_tokens: int = Field(64, gt=0, description="longest sampled response")
+    temperature: float = Field(0.7, gt=0, description="sampling temperature (log-probs use the same)")
+    kl_coef: float = Field(0.05, ge=0, description="beta: KL penalty per token (initial value if adaptive)")
+    adaptive_kl: bool = Field(False, description="adapt beta towards target_kl (Ziegler et al. 2019)")
+    target_kl: float = Field(6.0, gt=0, description="adaptive: target KL per response, in nats")
+    kl_horizon: int = Field(10000, gt=0, description="adaptive: responses over which beta adapts")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per token")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (1 = Monte Carlo returns)")
+    cliprange: float = Field(0.2, gt=0, lt=1, description="policy ratio clip epsilon")
+    cliprange_value: float = Field(0.2, gt=0, description="value clip around the rollout's values")
+    value_learning_rate: float | None = Field(None, gt=0, lt=1, description="value model lr; null = learning_rate")
+    whiten_advantages: bool = Field(True, description="normalise advantages to mean 0, variance 1 per batch")
+    value_init: Literal["sft", "rm"] = Field(
+        "sft", description="value model init (the caller loads it): SFT model or reward model"
+    )
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA on the policy, merged at the end")
+
+    @model_validator(mode="after")
+    def _check_batches(self):
+        reject_unused(
+            self,
+            ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "gradient_checkpointing"),
+            "by PPO (rollout_batch_size and mini_batch_size set its batches; it runs in float32)",
+        )
+        problems = []
+        if self.rollout_batch_size % self.mini_batch_size:
+            problems.append(
+                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of mini_batch_size "
+                f"({self.mini_batch_size})"
+            )
+        if self.max_new_tokens >= self.max_length:
+            problems.append(
+                f"max_new_tokens ({self.max_new_tokens}) must be less than max_length ({self.max_length}), "
+                "which bounds prompt + response"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
