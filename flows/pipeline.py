@@ -116,6 +116,18 @@ def read_metrics(root: Path = ROOT) -> dict:
     }
 
 
+def number(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def with_interval(metrics: dict, name: str) -> str:
+    """`0.934 [0.912, 0.955]`: a mean and its bootstrap interval, when the report has one."""
+    value, low, high = metrics.get(name), metrics.get(f"{name}_low"), metrics.get(f"{name}_high")
+    if value is None or low is None:
+        return number(value)
+    return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+
 def summary_markdown(results: list[dict], metrics: dict) -> str:
     lines = ["# rlhf-pipeline run", "", "| stage | status | seconds |", "|---|---|---|"]
     lines += [f"| {r['stage']} | {r['status']} | {r['seconds']:.1f} |" for r in results]
@@ -129,15 +141,14 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
                 "",
                 f"## Eval suite `{suite}`",
                 "",
-                "| model | accuracy | format | KL to ref | reward | win-rate |",
+                "| model | accuracy [95% CI] | format | KL to ref | reward | win-rate |",
             ]
             lines.append("|---|---|---|---|---|---|")
             for name, m in models.items():
                 if isinstance(m, dict):
-                    acc = "n/a" if m["accuracy"] is None else f"{m['accuracy']:.3f}"
                     lines.append(
-                        f"| {name} | {acc} | {m['format_rate']:.3f} | {m['kl_to_ref']:.3f} | {m['reward']:.3f} "
-                        f"| {m['win_rate']:.3f} |"
+                        f"| {name} | {with_interval(m, 'accuracy')} | {number(m.get('format_rate'))} "
+                        f"| {m['kl_to_ref']:.3f} | {m['reward']:.3f} | {m['win_rate']:.3f} |"
                     )
     if metrics.get("infer"):
         infer = metrics["infer"]
@@ -145,12 +156,13 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
             "",
             f"## Inference-time compute on `{infer['candidate']}` ({infer['problems']} problems)",
             "",
-            "| strategy | accuracy | tokens / problem | samples / problem | seconds |",
+            "| strategy | accuracy [95% CI] | tokens / problem | samples / problem | seconds |",
             "|---|---|---|---|---|",
         ]
         for name, m in infer["strategies"].items():
             lines.append(
-                f"| {name} | {m['accuracy']:.3f} | {m['tokens_per_problem']:.1f} | {m['samples_per_problem']:.1f} "
+                f"| {name} | {with_interval(m, 'accuracy')} | {m['tokens_per_problem']:.1f} "
+                f"| {m['samples_per_problem']:.1f} "
                 f"| {m['seconds']:.1f} |"
             )
     gate = metrics["gate"]

@@ -32,7 +32,8 @@ TINY_OVERRIDES = {
                 "prm": 32,
                 "prm_eval": 16,
                 "prompts": 32,
-                "eval_heldout": 24,
+                "eval_dev": 24,
+                "eval_test": 24,
             }
         }
     },
@@ -40,9 +41,8 @@ TINY_OVERRIDES = {
     "sft": {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
     "verifier": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
     "rm": {"max_steps": 2, "num_members": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
-    "prm": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
     "policy": {
-        "methods": ["dpo"],
+        "offline": ["dpo"],
         "dpo": {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8},
     },
     "evaluate": {"kl_prompts": 8, "max_new_tokens": 24, "samples": 2},
