@@ -46,6 +46,30 @@ def test_repo_params_validate(repo_params):
                 assert getattr(configs[section], key) == value, f"{section}.{key}"
 
 
+def test_params_yaml_writes_out_the_config_defaults():
+    """One source of defaults: every section of params.yaml validates to exactly its
+    Config's defaults, so a value changed in one place and not the other fails here."""
+    configs = stages.load_all(str(REPO / "params.yaml"))
+    classes = stages.all_configs()
+    differ = [
+        f"{section}: params.yaml {configs[section].model_dump()} != Config() {classes[section]().model_dump()}"
+        for section in stages.SECTIONS
+        if configs[section] != classes[section]()
+    ]
+    assert differ == []
+
+
+def test_validation_imports_no_training_library():
+    """Validating params imports no torch, transformers, TRL, datasets or MLflow (what made
+    check_params and gate take 10-14 s), so a bad key fails in about a second."""
+    code = (
+        "import sys, stages; stages.load_all(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'trl', 'datasets', 'mlflow') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_every_section_has_a_config():
     configs = stages.all_configs()
     assert set(configs) == set(stages.SECTIONS)
@@ -110,7 +134,7 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
         "policy.dpo.loss_type: Value error, unknown DPO loss type(s) ['sigmoidd']",
         "gate.tests.2.op: Input should be '>=', '<=', '>' or '<' (got '==')",
         "prepare.builtin: Value error, min_operands (6) is larger than max_operands (5)",
-        "rewards: unknown section (known: prepare, base, sft, verifier, rm, prm, policy, merge, evaluate, gate, infer)",
+        "rewards: unknown section (known: task, prepare, base, sft, verifier, rm, prm, policy, merge, evaluate, gate, infer)",
     ]:
         assert sum(problem.startswith(expected) for problem in error.problems) == 1, expected
     assert "(got 'many')" in message  # says what was given
@@ -127,10 +151,29 @@ def test_unknown_dpo_loss_type_lists_the_known_ones(tmp_path, repo_params):
 
 def test_unknown_policy_method(tmp_path, repo_params):
     params = copy.deepcopy(repo_params)
-    params["policy"]["methods"] = ["dpo", "ppoo"]
+    params["policy"]["offline"] = ["dpo", "ppoo"]
     error = params_error(write_params(tmp_path, params))
-    assert [p.split(":")[0] for p in error.problems] == ["policy.methods"]
+    assert [p.split(":")[0] for p in error.problems] == ["policy.offline"]
     assert "unknown method(s) ['ppoo']" in error.problems[0]
+
+
+def test_online_method_listed_as_offline(tmp_path, repo_params):
+    """grpo reads prompts and rewards, so it belongs in policy.online (its own DVC template)."""
+    params = copy.deepcopy(repo_params)
+    params["policy"]["offline"] = ["dpo", "grpo"]
+    error = params_error(write_params(tmp_path, params))
+    assert error.problems == ["policy.offline: Value error, ['grpo'] belong in policy.online (got ['dpo', 'grpo'])"]
+
+
+def test_a_key_the_kind_ignores_is_an_error(tmp_path, repo_params):
+    """The likelihood PRM trains no weights: a training key under it fails, naming the key."""
+    params = copy.deepcopy(repo_params)
+    params["prm"]["max_steps"] = 400
+    error = params_error(write_params(tmp_path, params))
+    assert len(error.problems) == 1
+    assert error.problems[0].startswith("prm: Value error, max_steps: not read by kind likelihood")
+    params["prm"]["kind"] = "classifier"
+    assert stages.load_all(write_params(tmp_path, params))["prm"].max_steps == 400
 
 
 def test_missing_section_takes_defaults(tmp_path, repo_params):

@@ -1,11 +1,17 @@
 """dvc.yaml, params.yaml and the stage Configs stay in sync.
 
-* every params.yaml section has a stage Config and validates;
-* each dvc.yaml stage runs its own module, lists it as a dep, reads exactly its params
-  section, and lists exactly the rlhf/ modules it imports (transitively), except the
-  infrastructure modules that cannot change an output (environment, params validation,
-  MLflow tracking);
-* rlhf/ imports neither stages/ nor flows/, and stages/ does not import flows/.
+* every params.yaml section has a Config and validates;
+* each dvc.yaml stage runs its own module, lists it as a dep, lists exactly the params
+  sections its module reads (and of `policy`, in stages other than the policy ones, only
+  the method lists), and lists exactly the rlhf/ modules it imports (transitively), except
+  the infrastructure modules that cannot change an output (environment, params validation,
+  MLflow tracking, docstring-only package files);
+* offline policy methods depend on no reward model;
+* rlhf/ imports neither stages/ nor flows/, stages/ does not import flows/, and rlhf/ has no
+  import cycle.
+
+The files a stage reads at run time are checked against its deps by the end-to-end test
+(tests/test_pipeline_e2e.py), which traces every file each stage opens.
 """
 
 from __future__ import annotations
@@ -20,6 +26,22 @@ from stages import SECTIONS, load_all
 
 REPO = Path(__file__).resolve().parent.parent
 INFRASTRUCTURE = {"rlhf/__init__.py", "rlhf/environment.py", "rlhf/params.py", "rlhf/tracking/runs.py"}
+MODULE_OF = {section: target.split(":")[0] for section, target in SECTIONS.items()}
+STAGE_MODULE = {
+    "check_params": "stages.check_params",
+    "prepare": "stages.prepare",
+    "base": "stages.base",
+    "sft": "stages.sft",
+    "verifier": "stages.verifier",
+    "rm": "stages.reward_model",
+    "prm": "stages.process_reward_model",
+    "policy": "stages.policy",
+    "rl": "stages.policy",
+    "merge": "stages.merge",
+    "evaluate": "stages.evaluate",
+    "gate": "stages.capability_gate",
+    "infer": "stages.infer",
+}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -33,65 +55,121 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def rlhf_closure(path: Path) -> set[str]:
-    """rlhf/ files imported by `path`, directly or through other rlhf modules or through
-    another stage module it reuses (stage `verifier` runs stage `sft`'s trainer)."""
-    return {f for f in code_closure(path) if f.startswith("rlhf/")}
+def module_file(name: str) -> Path | None:
+    base = REPO / name.replace(".", "/")
+    if base.with_suffix(".py").exists():
+        return base.with_suffix(".py")
+    if (base / "__init__.py").exists():
+        return base / "__init__.py"
+    return None
+
+
+def docstring_only(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
 
 
 def code_closure(path: Path) -> set[str]:
     """rlhf/ and stages/ module files imported by `path`, transitively (the `stages`
-    package itself, which only validates params, excluded)."""
+    package itself, which validates params and names folders, excluded)."""
     seen: set[str] = set()
     todo = [path]
     while todo:
         for name in imported_modules(todo.pop()):
-            if name.startswith(("rlhf", "stages.")) and name != "rlhf":
-                file = REPO / (name.replace(".", "/") + ".py")
+            if name.startswith(("rlhf.", "stages.")):
+                file = module_file(name)
+                if file is None:
+                    continue
                 rel = file.relative_to(REPO).as_posix()
-                if file.exists() and rel not in seen:
+                if rel not in seen:
                     seen.add(rel)
                     todo.append(file)
     return seen
+
+
+def rlhf_closure(path: Path) -> set[str]:
+    return {
+        f
+        for f in code_closure(path)
+        if f.startswith("rlhf/") and f not in INFRASTRUCTURE and not docstring_only(REPO / f)
+    }
+
+
+def sections_read(path: Path, own_section: str) -> set[str]:
+    """params.yaml sections a stage module reads: `load_config("x")` and `params["x"]`;
+    `load_config(variable)` reads the stage's own section (stage verifier runs stage sft's
+    trainer with its own section)."""
+    sections = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_config" and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant):
+                sections.add(arg.value)
+            else:
+                sections.add(own_section)
+        if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "params":
+            if isinstance(node.slice, ast.Constant):
+                sections.add(node.slice.value)
+    return sections
 
 
 def dvc_stages() -> dict:
     return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 
 
-def test_params_yaml_sections_match_the_stage_configs_and_validate():
+def test_params_yaml_sections_match_the_configs_and_validate():
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     assert set(params) == set(SECTIONS)
     load_all(str(REPO / "params.yaml"))
 
 
 def test_each_stage_lists_its_module_params_and_rlhf_imports():
-    module_of = {section: module.split(".")[1] for section, module in SECTIONS.items()}
+    assert set(dvc_stages()) == set(STAGE_MODULE)
     for name, stage in dvc_stages().items():
         body = stage.get("do", stage)
         if name == "check_params":
-            assert set(body["deps"]) == {"stages", "params.yaml"} and "params" not in body
+            assert set(body["deps"]) == {"stages", "rlhf/tasks", "params.yaml"} and "params" not in body
             continue
         assert "reports/params.ok" in body["deps"], f"stage {name} must run after check_params"
-        module = re.match(r"python -m stages\.(\w+)", body["cmd"]).group(1)
-        assert module_of[name] == module, f"stage {name} runs stages.{module}"
-        source = f"stages/{module}.py"
-        assert source in body["deps"], f"stage {name} must depend on its module {source}"
-        reused = {f for f in code_closure(REPO / source) if f.startswith("stages/")}
+        module = re.match(r"python -m (stages\.\w+)", body["cmd"]).group(1)
+        assert STAGE_MODULE[name] == module, f"stage {name} runs {module}"
+        source = REPO / (module.replace(".", "/") + ".py")
+        assert source.relative_to(REPO).as_posix() in body["deps"], f"stage {name} must depend on {source.name}"
+        reused = {f for f in code_closure(source) if f.startswith("stages/") and f != "stages/__init__.py"}
         assert reused <= set(body["deps"]), f"stage {name} must depend on the stage modules it runs: {sorted(reused)}"
         listed = {d for d in body["deps"] if d.startswith("rlhf/")}
-        needed = rlhf_closure(REPO / source) - INFRASTRUCTURE
+        needed = rlhf_closure(source)
         assert listed == needed, f"stage {name}: rlhf deps listed {sorted(listed)} but imports {sorted(needed)}"
-        expected_params = {"policy.${item}"} if name == "policy" else {name}
-        if name in ("evaluate", "merge"):
-            expected_params.add("policy.methods")
-        assert set(body["params"]) == expected_params, f"stage {name} params"
+
+        params = body.get("params", [])
+        files = {source.relative_to(REPO).as_posix(), *reused}
+        read = set().union(*(sections_read(REPO / f, name) for f in files))
+        assert {p.split(".")[0] for p in params} == read, f"stage {name}: params {params} but reads {sorted(read)}"
+        if name not in ("policy", "rl"):
+            policy_keys = {p for p in params if p.startswith("policy")}
+            assert policy_keys in (set(), {"policy.offline", "policy.online"}), f"stage {name}: {policy_keys}"
 
 
-def test_layering():
-    for path in (REPO / "rlhf").glob("*.py"):
+def test_policy_templates_read_their_own_method_list():
+    """policy@<m> iterates policy.offline and rl@<m> policy.online, each with the method's
+    own section and the shared trust flag; the offline template depends on no reward model,
+    so retraining the RM or PRM leaves an offline method up to date."""
+    stages = dvc_stages()
+    assert stages["policy"]["foreach"] == "${policy.offline}"
+    assert stages["rl"]["foreach"] == "${policy.online}"
+    for name, listed in (("policy", "policy.offline"), ("rl", "policy.online")):
+        assert set(stages[name]["do"]["params"]) == {listed, "policy.trust_remote_code", "policy.${item}", "task"}
+    offline_deps = set(stages["policy"]["do"]["deps"])
+    assert not offline_deps & {"models/rm", "models/prm", "models/verifier", "data/prepared/prompts.parquet"}
+
+
+def test_layering_and_no_import_cycles():
+    for path in (REPO / "rlhf").rglob("*.py"):
         bad = {m for m in imported_modules(path) if m.split(".")[0] in {"stages", "flows"}}
-        assert not bad, f"{path.name} imports {bad}"
+        assert not bad, f"{path.relative_to(REPO)} imports {bad}"
     for path in (REPO / "stages").glob("*.py"):
         bad = {m for m in imported_modules(path) if m.split(".")[0] == "flows"}
         assert not bad, f"{path.name} imports {bad}"
+    for path in (REPO / "rlhf").rglob("*.py"):
+        rel = path.relative_to(REPO).as_posix()
+        assert rel not in code_closure(path), f"{rel} imports itself through a cycle"
