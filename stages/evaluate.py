@@ -132,8 +132,7 @@ def evaluate_model(config: Config, task: Task, model, reference, tokenizer, judg
 def run(config: Config, task: Task, methods: list[str]) -> tuple[dict, dict, dict]:
     """The eval report, the per-problem outcomes and the samples. The reference stays
     loaded (for KL); candidates are loaded one at a time."""
-    import pandas as pd
-
+    from rlhf.data.contracts import read_prepared
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble
 
@@ -146,7 +145,7 @@ def run(config: Config, task: Task, methods: list[str]) -> tuple[dict, dict, dic
                 f"evaluate.suites: {name!r} has no {path}; prepare writes one per eval suite "
                 f"(the built-in task: dev and test; files: prepare.files.eval_{name})"
             )
-        suites[name] = pd.read_parquet(path)
+        suites[name] = read_prepared(path, "evaluate")
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
     reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
     judge = RewardEnsemble.load(RM_DIR, config.trust_remote_code)

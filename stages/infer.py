@@ -71,15 +71,14 @@ def summarise(task: Task, answers: list, references: list, seconds: float) -> di
 
 
 def run(config: Config, task: Task) -> tuple[dict, dict]:
-    import pandas as pd
-
+    from rlhf.data.contracts import read_prepared
     from rlhf.inference.strategies import run_strategy
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     path = eval_suite_path(config.suite)
     if not path.exists():
         raise FileNotFoundError(f"infer.suite {config.suite!r}: {path} not found; check prepare and infer.suite")
-    suite = pd.read_parquet(path).head(config.limit)
+    suite = read_prepared(path, "infer").head(config.limit)
     if "answer" not in suite:
         raise ValueError(f"{path} has no `answer` column: inference strategies are scored by exact answers")
     prompts, references = suite["prompt"].tolist(), suite["answer"].tolist()

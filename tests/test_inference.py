@@ -1,30 +1,54 @@
-"""Inference-time strategies on micro models built in the test: speculative decoding and
-logit ensembles reproduce plain greedy decoding exactly, votes stop early by the rule,
-best-of-n keeps the best-scored sample, and the tree search's pieces behave as specified."""
+"""Inference-time strategies on micro models built in the test.
+
+Untrained micro models check what holds for any model (speculative decoding and logit
+ensembles reproduce greedy decoding). Micro models trained in a second on one problem
+give answers the tests control: `good` always writes the right solution of 12+7-3,
+`bad` always writes a wrong one, and `mixed` (trained on both) samples a mix of the two
+step by step, so a search or a rerank that reads the steps can do better than its
+greedy answer (the wrong one). Also checked: the `generate` command's and params.yaml's
+defaults are the settings' defaults."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from rlhf.models.generation import generate
+import rlhf.inference.strategies as strategies
+from rlhf.inference.generate import main as generate_main
+from rlhf.inference.generate import parse_args, settings_from
+from rlhf.inference.settings import MCTS, BestOfN, SelfConsistency, Strategies
 from rlhf.inference.strategies import (
     Node,
-    answer_key,
     best_of_n,
+    count_tokens,
     ensemble_logits,
     ensemble_vote,
+    greedy,
     mcts,
     puct,
+    run_strategy,
+    sample,
     self_consistency,
     speculative,
     vote_is_decided,
 )
+from rlhf.models.generation import generate
 from rlhf.models.loading import build_tiny_model, build_tokenizer
+from rlhf.tasks import get_task
+from rlhf.tasks.arithmetic import ArithmeticTask, check_steps
 
+REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["12+7-3\n", "4+4+4+4\n", "29-9\n"]
+
+PROBLEM = "12+7-3\n"
+GOOD = "12+7=19; 19-3=16; answer 16"  # every step right
+BAD = "12+7=18; 18-3=15; answer 15"  # a slip in the first step, carried forward
+BUDGET = 40  # tokens: a whole solution (27 characters) and its end-of-sequence token
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +57,68 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
+def task():
+    return ArithmeticTask()
+
+
+@pytest.fixture(scope="module")
 def models(tokenizer):
-    torch.manual_seed(0)
+    """Two untrained micro models (seeds 0 and 1)."""
     return [build_tiny_model("micro", tokenizer, seed=seed).eval() for seed in (0, 1)]
 
 
+def train_on(tokenizer, completions: list[str], steps: int = 150) -> torch.nn.Module:
+    """A micro model trained (full batch, Adam) on PROBLEM followed by each completion."""
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    texts = [PROBLEM + c + tokenizer.eos_token for c in completions]
+    batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def good(tokenizer):
+    model = train_on(tokenizer, [GOOD])
+    assert greedy(model, tokenizer, [PROBLEM], BUDGET)[0].completion == GOOD
+    return model
+
+
+@pytest.fixture(scope="module")
+def bad(tokenizer):
+    model = train_on(tokenizer, [BAD])
+    assert greedy(model, tokenizer, [PROBLEM], BUDGET)[0].completion == BAD
+    return model
+
+
+@pytest.fixture(scope="module")
+def mixed(tokenizer):
+    model = train_on(tokenizer, [GOOD, BAD])
+    assert greedy(model, tokenizer, [PROBLEM], BUDGET)[0].completion != GOOD, "the greedy answer should be wrong"
+    return model
+
+
+def exact_step_scorer(prompts, steps_lists):
+    """A stand-in PRM: 1.0 for each step the task's exact checker labels good, else 0.0."""
+    return [[float(label) for label in check_steps(p, "; ".join(s))] for p, s in zip(prompts, steps_lists)]
+
+
+def inverted_step_scorer(prompts, steps_lists):
+    """Rates exactly the steps `exact_step_scorer` rejects."""
+    return [[1.0 - score for score in row] for row in exact_step_scorer(prompts, steps_lists)]
+
+
+# ----------------------------------------------------------------------------- greedy, speculative, logits
+
+
 def test_speculative_output_equals_the_targets_greedy_output(models, tokenizer):
+    """Assisted generation with a different draft model changes only how the target's
+    tokens are found: the text is the target's greedy text, within the 20-token budget."""
     target, draft = models
     plain = [generate(target, tokenizer, [p], max_new_tokens=20)[0] for p in PROMPTS]
     assisted = speculative(target, draft, tokenizer, PROMPTS, max_new_tokens=20, num_assistant_tokens=4)
@@ -47,90 +127,273 @@ def test_speculative_output_equals_the_targets_greedy_output(models, tokenizer):
 
 
 def test_logit_ensemble_of_one_model_is_its_greedy_decoding(models, tokenizer):
+    """One member: the mean of one log-softmax is that model's, so the ensemble decodes
+    its greedy text; the same model twice averages to itself too (prompts of different
+    lengths, so left padding is exercised)."""
     plain = generate(models[0], tokenizer, PROMPTS, max_new_tokens=20)
     assert [a.completion for a in ensemble_logits(models[:1], tokenizer, PROMPTS, 20)] == plain
-    # The same model twice averages to itself.
     assert [a.completion for a in ensemble_logits([models[0], models[0]], tokenizer, PROMPTS, 20)] == plain
 
 
-def test_logit_ensemble_follows_the_mean_log_probs(models, tokenizer):
-    """First token of the two-model ensemble = argmax of the mean of the two log-softmaxes."""
-    batch = tokenizer([PROMPTS[0]], return_tensors="pt", add_special_tokens=False)
+def test_logit_ensemble_follows_the_mean_log_probs_at_every_token(good, bad, tokenizer):
+    """Two different members (the good and the bad solver): every token of the batched,
+    cached ensemble equals the argmax of the mean of the two log-softmaxes recomputed from
+    scratch for each prompt alone, up to the end-of-sequence token."""
+    prompts = [PROBLEM, "4+4\n", "29-9+1\n"]
+    expected = []
     with torch.inference_mode():
-        mean = sum(m(**batch).logits[0, -1].log_softmax(-1) for m in models) / 2
-    first = tokenizer.decode([int(mean.argmax())], skip_special_tokens=True)
-    assert ensemble_logits(models, tokenizer, PROMPTS[:1], 1)[0].completion == first
+        for prompt in prompts:
+            ids = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)["input_ids"]
+            new = []
+            for _ in range(BUDGET):
+                mean = sum(m(input_ids=ids).logits[0, -1].log_softmax(-1) for m in (good, bad)) / 2
+                token = int(mean.argmax())
+                new.append(token)
+                if token == tokenizer.eos_token_id:
+                    break
+                ids = torch.cat([ids, torch.tensor([[token]])], 1)
+            expected.append(tokenizer.decode(new, skip_special_tokens=True))
+    assert [a.completion for a in ensemble_logits([good, bad], tokenizer, prompts, BUDGET)] == expected
+
+
+# ----------------------------------------------------------------------------- ensemble vote
+
+
+def test_ensemble_vote_picks_the_majority_answer(good, bad, tokenizer, task):
+    """Greedy answers: good -> 16, bad -> 15. Members [bad, good, good]: 16 has 2 votes,
+    15 has 1 -> the good solution wins with 2 votes; 3 samples; tokens are the three
+    greedy completions' tokens (27 characters + end-of-sequence = 28 each, 84)."""
+    assert task.extract_answer(greedy(good, tokenizer, [PROBLEM], BUDGET)[0].completion) == "16"
+    assert task.extract_answer(greedy(bad, tokenizer, [PROBLEM], BUDGET)[0].completion) == "15"
+    (answer,) = ensemble_vote([bad, good, good], tokenizer, [PROBLEM], task, BUDGET)
+    assert answer.completion == GOOD
+    assert answer.extra["votes"] == 2 and answer.samples == 3 and answer.tokens == 3 * 28 == 84
+
+
+def test_ensemble_vote_breaks_ties_by_member_order(good, bad, tokenizer, task):
+    """One vote each for 16 and 15: the earlier member's answer wins, so [bad, good]
+    returns the bad solution and [good, bad] the good one, each with 1 vote."""
+    (first_bad,) = ensemble_vote([bad, good], tokenizer, [PROBLEM], task, BUDGET)
+    (first_good,) = ensemble_vote([good, bad], tokenizer, [PROBLEM], task, BUDGET)
+    assert (first_bad.completion, first_bad.extra["votes"]) == (BAD, 1)
+    assert (first_good.completion, first_good.extra["votes"]) == (GOOD, 1)
+
+
+def test_ensemble_vote_without_any_answer_returns_the_first_members_text(models, tokenizer, task):
+    """Untrained members state no answer: no votes (0), and the completion is the first
+    member's greedy text."""
+    per_model = [greedy(m, tokenizer, PROMPTS, 8) for m in models]
+    assert all(task.extract_answer(a.completion) is None for answers in per_model for a in answers)
+    answers = ensemble_vote(models, tokenizer, PROMPTS, task, 8)
+    assert [a.completion for a in answers] == [a.completion for a in per_model[0]]
+    assert all(a.extra["votes"] == 0 and a.samples == 2 for a in answers)
+
+
+# ----------------------------------------------------------------------------- self-consistency
 
 
 def test_vote_is_decided_by_the_rule():
-    """Leader 3, runner-up 1, 1 vote left: 3 > 1 + 1 -> decided. Leader 2, runner-up 1, 2
-    left: 2 > 3 is false, share 2/3 < 0.9 -> not decided; with stop_share 0.6 -> decided."""
+    """Leader 3, runner-up 1, 1 vote left: 3 > 1 + 1 -> decided (share 3/4 < 1.0 plays no
+    part). Leader 2, runner-up 1, 2 left: 2 > 1 + 2 is false and share 2/3 < 0.9 -> not
+    decided; with stop_share 0.6, 2/3 >= 0.6 -> decided. Leader 3, runner-up 1, 2 left:
+    3 > 1 + 2 is false (a tie is still possible), share 3/4 < 0.8 -> not decided. A lone
+    answer with 4 of 4 votes and 12 left: 4 > 0 + 12 is false, share 4/4 >= 0.75 ->
+    decided. No votes: decided only when none are left."""
     assert vote_is_decided(Counter({"5": 3, "6": 1}), remaining=1, stop_share=1.0, taken=4)
     assert not vote_is_decided(Counter({"5": 2, "6": 1}), remaining=2, stop_share=0.9, taken=3)
     assert vote_is_decided(Counter({"5": 2, "6": 1}), remaining=2, stop_share=0.6, taken=3)
+    assert not vote_is_decided(Counter({"5": 3, "6": 1}), remaining=2, stop_share=0.8, taken=4)
+    assert vote_is_decided(Counter({"16": 4}), remaining=12, stop_share=0.75, taken=4)
     assert not vote_is_decided(Counter(), remaining=2, stop_share=0.5, taken=2)
+    assert vote_is_decided(Counter(), remaining=0, stop_share=0.5, taken=2)
 
 
-def test_self_consistency_stops_early_when_the_vote_is_unanimous(models, tokenizer):
-    """At a very low temperature every sample is the greedy one: the first round of 4 is
-    unanimous, 4 > 0 + 12 is false, but the share 4/4 >= 0.75 stops it."""
-    kwargs = {"max_samples": 16, "round_size": 4, "max_new_tokens": 12, "temperature": 1e-4}
-    early = self_consistency(models[0], tokenizer, PROMPTS, stop_share=0.75, **kwargs)
-    full = self_consistency(models[0], tokenizer, PROMPTS, early_stop=False, **kwargs)
-    assert [a.samples for a in full] == [16, 16, 16]
-    for e, f in zip(early, full):
-        assert answer_key(e.completion) == answer_key(f.completion)
-        if e.extra["votes"]:
-            assert e.samples == 4
+def test_self_consistency_stops_early_when_the_vote_is_unanimous(good, tokenizer, task):
+    """At temperature 1e-4 every sample of the good solver is its greedy solution: the
+    first round of 4 votes 4 for 16; 4 > 0 + 12 is false but the share 4/4 >= 0.75 stops
+    it after 4 samples. Without the early stop it takes all 16, and 16 votes for 16."""
+    options = SelfConsistency(max_samples=16, round_size=4, stop_share=0.75, temperature=1e-4)
+    (early,) = self_consistency(good, tokenizer, [PROBLEM], task, options, BUDGET)
+    (full,) = self_consistency(good, tokenizer, [PROBLEM], task, options, BUDGET, early_stop=False)
+    assert (early.samples, early.extra["votes"], early.extra["answer"], early.completion) == (4, 4, "16", GOOD)
+    assert (full.samples, full.extra["votes"], full.extra["answer"], full.completion) == (16, 16, "16", GOOD)
 
 
-def test_best_of_n_returns_the_best_scored_sample(models, tokenizer):
-    """A scorer that prefers long completions: the chosen one is the longest of its N."""
-    answers = best_of_n(models[0], tokenizer, PROMPTS, scorer=lambda p, c: [len(x) for x in c], n=4, max_new_tokens=12)
-    assert all(a.samples == 4 and a.extra["score"] == len(a.completion) for a in answers)
+def test_self_consistency_returns_the_majority_of_its_samples(mixed, tokenizer, task):
+    """Without the early stop, 2 rounds of 4 samples (seeds 0 and 1): the answer is the
+    most common extracted answer over those 8 samples, with its count as votes, and the
+    completion is the first sample that states it; tokens add up over all 8."""
+    options = SelfConsistency(max_samples=8, round_size=4, temperature=1.0)
+    (answer,) = self_consistency(mixed, tokenizer, [PROBLEM], task, options, BUDGET, early_stop=False)
+    drawn = [c for seed in (0, 1) for c in sample(mixed, tokenizer, [PROBLEM], 4, BUDGET, 1.0, 64, seed)[0]]
+    votes = Counter(task.extract_answer(c) for c in drawn if task.extract_answer(c) is not None)
+    (winner, count), *rest = votes.most_common()
+    assert rest and count > rest[0][1], "the samples should disagree, with one clear leader"
+    assert (answer.extra["answer"], answer.extra["votes"], answer.samples) == (winner, count, 8)
+    assert answer.completion == next(c for c in drawn if task.extract_answer(c) == winner)
+    assert answer.tokens == sum(count_tokens(tokenizer, drawn))
 
 
-def test_answer_key():
-    assert answer_key("1+2=3; answer 3") == "3"
-    assert answer_key("The capital.\nAnswer: Paris ") == "paris"
-    assert answer_key("") is None
+# ----------------------------------------------------------------------------- best-of-n
 
 
-def test_puct_prefers_unvisited_children_with_prior():
-    """Parent visits 4: child a (Q 0.5, P 0.5, N 1) scores 0.5 + 1*0.5*2/2 = 1.0; child b
-    (unvisited, P 0.5) scores 0 + 0.5*2/1 = 1.0 + 0 -> tie broken by value elsewhere; with
-    c 2: a = 0.5 + 1.0 = 1.5, b = 2.0."""
+def test_best_of_n_returns_the_best_scored_sample(mixed, tokenizer):
+    """Scorer: the number of good steps (exact checker). The answer is the first of the
+    same 8 samples (seed 0) with the highest score, which is not every sample's score,
+    and tokens add up over all 8."""
+
+    def good_steps(prompts, completions):
+        return [sum(check_steps(p, c)) for p, c in zip(prompts, completions)]
+
+    (answer,) = best_of_n(mixed, tokenizer, [PROBLEM], good_steps, BestOfN(n=8, temperature=1.0), BUDGET)
+    (group,) = sample(mixed, tokenizer, [PROBLEM], 8, BUDGET, 1.0, 64, 0)
+    scores = good_steps([PROBLEM] * 8, group)
+    assert len(set(scores)) > 1, "the samples should differ in score"
+    assert answer.completion == group[scores.index(max(scores))]
+    assert answer.extra["score"] == max(scores) and answer.samples == 8
+    assert answer.tokens == sum(count_tokens(tokenizer, group))
+
+
+# ----------------------------------------------------------------------------- MCTS
+
+
+def test_puct_adds_the_prior_weighted_exploration_bonus():
+    """Parent visits 4 (sqrt 2). Child a: Q 0.5/1, P 0.5, N 1 -> 0.5 + c*0.5*2/2 = 0.5 + 0.5c;
+    child b: unvisited, P 0.5 -> 0 + c*0.5*2/1 = c. c 1: a 1.0, b 1.0; c 2: a 1.5, b 2.0;
+    c 0: a 0.5, b 0.0 (Q alone)."""
     parent = Node(steps=(), visits=4)
     a = Node(steps=("x",), prior=0.5, visits=1, total=0.5)
     b = Node(steps=("y",), prior=0.5)
     assert puct(parent, a, 1.0) == pytest.approx(1.0) and puct(parent, b, 1.0) == pytest.approx(1.0)
     assert puct(parent, a, 2.0) == pytest.approx(1.5) and puct(parent, b, 2.0) == pytest.approx(2.0)
+    assert puct(parent, a, 0.0) == pytest.approx(0.5) and puct(parent, b, 0.0) == pytest.approx(0.0)
 
 
-def test_mcts_runs_its_simulations_and_returns_a_path(models, tokenizer):
-    """On the micro model, with a scorer that likes steps containing '=': the answer is made
-    of sampled steps and the search stops at the simulation budget."""
+def test_mcts_follows_the_step_scorer_to_a_terminal_answer(mixed, tokenizer, task):
+    """The mixed model's greedy answer is wrong and it samples right and wrong steps. Guided
+    by the exact step checker, MCTS returns the right solution step by step, ending in a
+    terminal answer valued 1.0; guided by the inverted scorer it returns a path whose every
+    step the checker rejects (the scorer rates it good), also terminal at 1.0."""
+    options = MCTS()
+    right = mcts(mixed, tokenizer, PROBLEM, task, exact_step_scorer, options, BUDGET)
+    assert right.completion == GOOD
+    assert right.extra["terminal"] is True and right.extra["value"] == 1.0
+    assert right.samples == options.simulations and right.tokens > 0
+    wrong = mcts(mixed, tokenizer, PROBLEM, task, inverted_step_scorer, options, BUDGET)
+    steps = task.split_steps(wrong.completion)
+    assert task.is_final_step(steps[-1]) and not any(check_steps(PROBLEM, wrong.completion))
+    assert wrong.extra["terminal"] is True and wrong.extra["value"] == 1.0
 
-    def scorer(prompts, steps_lists):
-        return [[float("=" in s) for s in steps] for steps in steps_lists]
 
-    answer = mcts(models[0], tokenizer, PROMPTS[0], scorer, simulations=4, expand=3, max_depth=3, max_step_tokens=6)
-    assert answer.samples == 4 and answer.tokens > 0 and isinstance(answer.completion, str)
+def test_mcts_without_a_terminal_completes_the_most_visited_path_greedily(mixed, tokenizer, task):
+    """max_depth 1: no path gets past its first step, so none reaches an answer. The most
+    visited first step is the one the scorer rates good (12+7=19); the completion is that
+    step, the separator, and the model's greedy continuation of it."""
+    answer = mcts(mixed, tokenizer, PROBLEM, task, exact_step_scorer, MCTS(max_depth=1), BUDGET)
+    rest = generate(mixed, tokenizer, [PROBLEM + "12+7=19; "], BUDGET)[0]
+    assert answer.extra["terminal"] is False
+    assert answer.completion == "12+7=19; " + rest
 
 
-def test_ensemble_vote_counts_each_models_answer(models, tokenizer):
-    answers = ensemble_vote(models, tokenizer, PROMPTS, max_new_tokens=8)
-    assert all(a.samples == 2 for a in answers)
+def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task, monkeypatch):
+    """A scorer that rejects every step, 5 simulations, at most 3 expansions: with
+    widen_below 0.5 (0.0 < 0.5) simulations 0, 1, 2 each expand the root again, with seeds
+    0, 1, 2, and simulations 3 and 4 descend -> 3 root expansions. With widen_below 0.0
+    (0.0 < 0.0 is false) the root is expanded once. With the exact checker, a good first
+    step (score 1.0 >= 0.5) exists after the first expansion -> once."""
+    expansions = []
+    real_next_steps = strategies.next_steps
 
+    def recording(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed):
+        expansions.append((steps, seed))
+        return real_next_steps(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed)
 
-def test_mcts_widens_a_node_whose_children_all_score_low(models, tokenizer):
-    """A scorer that rejects every step: with widening below 0.5 and at most 3 expansions,
-    the root is expanded 3 times (then the search descends); without widening, once."""
+    monkeypatch.setattr(strategies, "next_steps", recording)
 
     def reject(prompts, steps_lists):
         return [[0.0] * len(steps) for steps in steps_lists]
 
-    kwargs = {"simulations": 5, "expand": 2, "max_depth": 2, "max_step_tokens": 6, "temperature": 1.0}
-    widened = mcts(models[0], tokenizer, PROMPTS[0], reject, widen_below=0.5, max_expansions=3, **kwargs)
-    plain = mcts(models[0], tokenizer, PROMPTS[0], reject, **kwargs)
-    assert widened.extra["root_expansions"] == 3 and plain.extra["root_expansions"] == 1
+    def root_seeds(scorer, widen_below):
+        expansions.clear()
+        options = MCTS(simulations=5, expand=4, max_depth=2, widen_below=widen_below, max_expansions=3)
+        answer = mcts(mixed, tokenizer, PROBLEM, task, scorer, options, BUDGET)
+        seeds = [seed for steps, seed in expansions if steps == ()]
+        assert answer.extra["root_expansions"] == len(seeds)
+        return seeds
+
+    assert root_seeds(reject, 0.5) == [0, 1, 2]
+    assert root_seeds(reject, 0.0) == [0]
+    assert root_seeds(exact_step_scorer, 0.5) == [0]
+
+
+# ----------------------------------------------------------------------------- dispatch and the command
+
+
+def test_run_strategy_dispatches_with_the_settings(mixed, tokenizer, task):
+    """greedy = greedy(max_new_tokens); best_of_n with a format reward = best_of_n with
+    that scorer, the settings' options, budget and seed; mcts without a PRM, or an unknown
+    name, is an error."""
+    settings = Strategies(max_new_tokens=BUDGET, seed=3, best_of_n={"n": 4, "temperature": 1.0, "rewards": [{"name": "format"}]})
+    assert run_strategy("greedy", settings, mixed, tokenizer, [PROBLEM], task) == greedy(
+        mixed, tokenizer, [PROBLEM], BUDGET
+    )
+
+    def formatted(prompts, completions):
+        return [float(task.is_well_formatted(c)) for c in completions]
+
+    expected = best_of_n(mixed, tokenizer, [PROBLEM], formatted, settings.best_of_n, BUDGET, seed=3)
+    assert run_strategy("best_of_n", settings, mixed, tokenizer, [PROBLEM], task) == expected
+    with pytest.raises(ValueError, match="process reward model"):
+        run_strategy("mcts", settings, mixed, tokenizer, [PROBLEM], task)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        run_strategy("beam", settings, mixed, tokenizer, [PROBLEM], task)
+
+
+def test_generate_command_defaults_are_the_strategies_defaults():
+    """No flags but --model: the settings are Strategies() (trust_remote_code is the flag's
+    False, also the default)."""
+    settings = settings_from(parse_args(["--model", "m", "12+7-3"]))
+    assert settings.model_dump() == Strategies().model_dump()
+
+
+def test_generate_command_flags_land_in_their_settings():
+    """Each flag sets its own setting; --temperature sets all three sampling strategies';
+    --prm is both the MCTS PRM and the best-of-n scorer; everything else keeps its default."""
+    args = parse_args(
+        ["--model", "m", "--n", "3", "--samples", "5", "--stop-share", "0.6", "--simulations", "2",
+         "--temperature", "0.7", "--prm", "p", "--max-new-tokens", "9", "--seed", "4"]
+    )  # fmt: skip
+    settings = settings_from(args)
+    defaults = Strategies()
+    assert (settings.max_new_tokens, settings.seed, settings.prm) == (9, 4, "p")
+    assert (settings.best_of_n.n, settings.best_of_n.temperature) == (3, 0.7)
+    assert [r.model_dump() for r in settings.best_of_n.rewards] == [
+        {"name": "prm", "path": "p", "aggregate": "min", "weight": 1.0}
+    ]
+    assert settings.self_consistency == defaults.self_consistency.model_copy(
+        update={"max_samples": 5, "stop_share": 0.6, "temperature": 0.7}
+    )
+    assert settings.mcts == defaults.mcts.model_copy(update={"simulations": 2, "temperature": 0.7})
+    assert (settings.speculative, settings.ensemble) == (defaults.speculative, defaults.ensemble)
+
+
+def test_params_yaml_infer_defaults_are_the_strategies_defaults():
+    """params.yaml `infer`: max_new_tokens, seed and the best_of_n, self_consistency and
+    mcts blocks, read as settings, equal Strategies() defaults."""
+    infer = yaml.safe_load((REPO / "params.yaml").read_text())["infer"]
+    defaults = Strategies()
+    assert (infer["max_new_tokens"], infer["seed"]) == (defaults.max_new_tokens, defaults.seed)
+    for name, kind in (("best_of_n", BestOfN), ("self_consistency", SelfConsistency), ("mcts", MCTS)):
+        assert kind.model_validate(infer[name]).model_dump() == getattr(defaults, name).model_dump(), name
+
+
+def test_generate_command_prints_one_record_per_prompt(micro_dir, models, tokenizer, capsys):
+    """The saved micro model (seed 0) answers greedily: the prompt gets its trailing newline
+    from the task, the completion is models[0]'s greedy text for it, with 1 sample."""
+    generate_main(["--model", str(micro_dir), "--max-new-tokens", "8", "12+7-3", "29-9"])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = generate(models[0], tokenizer, ["12+7-3\n", "29-9\n"], 8)
+    assert [r["prompt"] for r in records] == ["12+7-3", "29-9"]
+    assert [r["completion"] for r in records] == expected
+    task = get_task()
+    assert all(r["samples"] == 1 and r["answer"] == task.extract_answer(r["completion"]) for r in records)

@@ -21,11 +21,12 @@ from safetensors.torch import load_file
 from rlhf.models.merging import IncompatibleModelsError, check_compatible, greedy_soup, merge_configuration, run_mergekit
 from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, load_tokenizer, save_model
 from rlhf.params import ParamsError, validate_params
-from stages import SECTIONS
+from rlhf.tasks import get_task
 from stages.merge import Config, member_names, run
 from tests.conftest import tiny_params, write_params
 
 ATOL = 1e-5
+TASK = get_task()
 LAYER_0, LAYER_1 = "model.layers.0.", "model.layers.1."  # the micro model has 2 layers
 
 
@@ -243,7 +244,7 @@ def test_greedy_soup_stage_writes_the_uniform_average_of_its_members(zoo):
         "C": norm_model(zoo, "stage-C", 1.0, 2.0),
     }
     out = zoo / "stage-soup"
-    metrics = run(Config(method="greedy_soup"), candidates, zoo / "base", Path("unused"), out, score=distance_score)
+    metrics = run(Config(method="greedy_soup"), TASK, candidates, zoo / "base", Path("unused"), out, score=distance_score)
     assert metrics["members"] == ["A", "C"] and metrics["weights"] == [1.0, 1.0]
     assert [r["accepted"] for r in metrics["greedy_soup"]["trace"]] == [True, False, True]
     a, c = weights(candidates["A"]), weights(candidates["C"])
@@ -252,12 +253,13 @@ def test_greedy_soup_stage_writes_the_uniform_average_of_its_members(zoo):
 
 
 def test_greedy_soup_scores_by_greedy_decoding_accuracy_on_prompts(zoo):
-    """The real score: task accuracy on the first prompts. The untrained micro models solve
+    """The real score: task accuracy (the task's answer check) on the first prompts of the
+    suite. The untrained micro models solve
     nothing, so every soup scores 0 and (>=) every candidate joins."""
     prompts = zoo / "prompts.parquet"
     pd.DataFrame({"prompt": ["1+2-3\n", "4+5-6\n", "7-1+2\n"], "answer": [0, 3, 8]}).to_parquet(prompts)
     config = Config(method="greedy_soup", greedy_soup_prompts=2, max_new_tokens=4, batch_size=2)
-    metrics = run(config, {"a": zoo / "a", "b": zoo / "b"}, zoo / "base", prompts, zoo / "soup-real")
+    metrics = run(config, TASK, {"a": zoo / "a", "b": zoo / "b"}, zoo / "base", prompts, zoo / "soup-real")
     assert metrics["greedy_soup"]["individual"] == {"a": 0.0, "b": 0.0}
     assert metrics["members"] == ["a", "b"] and metrics["greedy_soup"]["prompts"] == 2
     assert load_causal_lm(zoo / "soup-real").config.vocab_size == len(build_tokenizer())
@@ -272,7 +274,7 @@ def test_a_different_vocabulary_fails_naming_both_models_before_any_compute(zoo)
     save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, zoo / "odd")
     out = zoo / "never-written"
     with pytest.raises(IncompatibleModelsError) as error:
-        run(Config(method="linear"), {"a": zoo / "a", "odd": zoo / "odd"}, zoo / "base", Path("unused"), out)
+        run(Config(method="linear"), TASK, {"a": zoo / "a", "odd": zoo / "odd"}, zoo / "base", Path("unused"), out)
     message = str(error.value)
     assert "odd (" in message and "vs sft (" in message
     assert not any(line.strip().startswith("a (") for line in message.splitlines()), "a is compatible"
@@ -319,9 +321,9 @@ def test_config_errors_name_the_key():
 def test_members_are_checked_against_policy_methods():
     assert member_names(Config(), ["dpo", "kto"]) == ["dpo", "kto"]
     assert member_names(Config(models=["kto"]), ["dpo", "kto"]) == ["kto"]
-    with pytest.raises(ParamsError, match=r"merge.models: \['ppo'\] not in policy.methods \['dpo'\]"):
+    with pytest.raises(ParamsError, match=r"merge.models: \['ppo'\] not in policy.offline \+ policy.online \['dpo'\]"):
         member_names(Config(models=["dpo", "ppo"]), ["dpo"])
-    with pytest.raises(ParamsError, match=r"merge.weights: 2 weights for 1 models from policy.methods"):
+    with pytest.raises(ParamsError, match=r"merge.weights: 2 weights for 1 models from every policy method"):
         member_names(Config(weights=[1.0, 2.0]), ["dpo"])
     with pytest.raises(ParamsError, match=r"merge.models: slerp interpolates exactly 2 models, got 3"):
         member_names(Config(method="slerp"), ["dpo", "kto", "orpo"])
@@ -330,7 +332,6 @@ def test_members_are_checked_against_policy_methods():
 # ----------------------------------------------------------------------------- the stage's CLI
 
 
-@pytest.mark.skipif("merge" not in SECTIONS, reason="stages/__init__.py SECTIONS has no `merge` entry yet")
 def test_main_merges_the_configured_policies_into_models_merged(zoo, tmp_path, monkeypatch, mlflow_store):
     import stages.merge
 
@@ -338,7 +339,7 @@ def test_main_merges_the_configured_policies_into_models_merged(zoo, tmp_path, m
     for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
         monkeypatch.delenv(name, raising=False)
     params = tiny_params()
-    params["policy"]["methods"] = ["dpo", "kto"]
+    params["policy"]["offline"] = ["dpo", "kto"]
     params["merge"] = {"method": "ties", "density": 0.5, "weights": [1.0, 0.5]}
     write_params(tmp_path, params)
     shutil.copytree(zoo / "base", tmp_path / "models/sft")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.evaluation.metrics import completion_kl, distinct_n, win_rate
+from rlhf.evaluation.metrics import completion_kl, distinct_n, win_rate, wins
 from rlhf.models.loading import build_tiny_model, build_tokenizer
 from rlhf.rewards.ensemble import pairwise_accuracy
 
@@ -53,6 +53,17 @@ def test_win_rate_with_ties():
     assert win_rate(candidate, reference) == pytest.approx(0.6)
     # Swapped: loss, tie, win, loss, tie -> (0 + 0.5 + 1 + 0 + 0.5) / 5 = 0.4 = 1 - 0.6.
     assert win_rate(reference, candidate) == pytest.approx(0.4)
+
+
+def test_wins_per_problem():
+    """The per-problem outcomes behind win-rate (what reports/outcomes.json keeps for the
+    gate's paired tests): candidate [3, 1, 2, 2, 7] vs reference [1, 1, 5, 0, 7] is win,
+    tie, loss, win, tie -> [1, 0.5, 0, 1, 0.5], whose mean is the win-rate 0.6."""
+    candidate = torch.tensor([3.0, 1.0, 2.0, 2.0, 7.0])
+    reference = torch.tensor([1.0, 1.0, 5.0, 0.0, 7.0])
+    outcome = wins(candidate, reference)
+    assert outcome.tolist() == [1.0, 0.5, 0.0, 1.0, 0.5]
+    assert float(outcome.mean()) == pytest.approx(win_rate(candidate, reference))
 
 
 def test_win_rate_extremes():

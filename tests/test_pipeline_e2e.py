@@ -3,7 +3,10 @@ test harness, MLflow in the project's sqlite store), then with plain `dvc repro`
 
 1. the flow runs every stage once, ends with a markdown artifact, and leaves one MLflow
    parent run with a nested run per stage, each tagged with its dvc.lock entry hash;
-2. `dvc repro` again runs nothing;
+   every file a stage opened is one of its dvc.yaml deps (or under one), and every data
+   and model dep is read (but for the few that a param's value decides);
+2. `dvc repro` again runs nothing; retraining the reward model leaves the DPO policy up to
+   date;
 3. changing a policy param reruns exactly that policy stage and the stages after it (and
    the params check, which every change of params.yaml triggers);
 4. changing it back restores the policy and evaluation outputs from DVC's run-cache
@@ -35,9 +38,20 @@ ALL_STAGES = [
 # Edges of the DAG the flow's task order must respect (it may order independent stages freely).
 ORDER = [
     ("check_params", "prepare"), ("prepare", "sft"), ("base", "sft"), ("sft", "verifier"), ("verifier", "prm"),
-    ("sft", "rm"), ("rm", "policy@dpo"), ("prm", "policy@dpo"), ("policy@dpo", "merge"), ("merge", "evaluate"),
+    ("sft", "rm"), ("sft", "policy@dpo"), ("policy@dpo", "merge"), ("merge", "evaluate"), ("rm", "evaluate"),
     ("evaluate", "gate"), ("prm", "infer"),
 ]  # fmt: skip
+# Data and model deps a stage may leave unread in the default run, because a param's value
+# decides whether it reads them (DVC deps cannot follow a value).
+UNREAD_BY_DESIGN = {
+    ("prepare", "data/raw"): "read only with prepare.source: files",
+    ("merge", "data/prepared/eval/dev.parquet"): "read only by merge.method: greedy_soup",
+    ("infer", "models/rm"): "read only by a reward_model scorer (the default best-of-n scorer is the PRM)",
+    ("policy@dpo", "data/prepared/unpaired.parquet"): "the offline template's KTO input",
+    ("gate", "models/policy"): "read only when a policy is promoted (here: dpo)",
+    ("gate", "models/merged"): "read only when the merge is promoted",
+}
+TRACE = Path(__file__).resolve().parent / "trace"
 
 
 def dvc_repro(root: Path) -> str:
@@ -71,6 +85,9 @@ def flow_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID", "RLHF_ARTIFACT_ROOT"):
             mp.delenv(name, raising=False)
+        # Every stage process records the files it reads (tests/trace/sitecustomize.py).
+        mp.setenv("RLHF_TRACE_READS", str(root.parent / "reads.log"))
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(TRACE), os.environ.get("PYTHONPATH", "")]))
         try:
             with prefect_test_harness(server_startup_timeout=120):
                 result = pipeline(root=str(root))
@@ -120,6 +137,68 @@ def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
         assert child.data.tags["mlflow.source.git.commit"] == parent.data.tags["mlflow.source.git.commit"]
     assert parent.data.tags["gate.promoted"] == "True"
     assert client.get_model_version_by_alias("rlhf-policy", "champion").tags["candidate"] == "dpo"
+
+
+def stage_files(root: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Each stage's resolved deps and outs (paths relative to the project), from DVC."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return {
+            stage.addressing: (
+                [Path(d.def_path).as_posix() for d in stage.deps],
+                [Path(o.def_path).as_posix() for o in stage.outs],
+            )
+            for stage in repo.index.stages
+        }
+
+
+def covered(path: str, folders: list[str]) -> bool:
+    return any(path == f or path.startswith(f + "/") for f in folders)
+
+
+def test_every_file_a_stage_reads_is_a_dep(flow_run):
+    """The traced reads of the first run: each file under data/, models/ or reports/ that a
+    stage opened (its own outputs and their temporary siblings aside) is one of its deps or
+    inside one; and each data, model or report dep is read, but for those a param decides."""
+    root, _, _ = flow_run
+    reads: dict[str, set[str]] = {}
+    for line in (root.parent / "reads.log").read_text().splitlines():
+        stage, path = line.split("\t")
+        relative = Path(path).resolve().relative_to(root.resolve()) if Path(path).is_relative_to(root) else None
+        if relative is not None and relative.parts[0] in ("data", "models", "reports"):
+            if not any(part.startswith(".") and ".tmp-" in part for part in relative.parts):
+                reads.setdefault(stage, set()).add(relative.as_posix())
+    files = stage_files(root)
+    assert set(reads) >= set(ALL_STAGES) - {"check_params"}, sorted(reads)
+    for stage, paths in reads.items():
+        deps, outs = files[stage]
+        undeclared = sorted(p for p in paths if not covered(p, deps) and not covered(p, outs))
+        assert undeclared == [], f"{stage} reads files that are not its deps: {undeclared}"
+    for stage, (deps, _) in files.items():
+        for dep in deps:
+            if dep.split("/")[0] not in ("data", "models", "reports") or dep == "reports/params.ok":
+                continue
+            if (stage, dep) in UNREAD_BY_DESIGN:
+                continue
+            assert any(covered(p, [dep]) for p in reads.get(stage, ())), f"{stage} never reads its dep {dep}"
+
+
+def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
+    """DPO reads no reward model: a new rm.learning_rate reruns rm and what reads it (the
+    evaluation's judge, the gate after it, infer's scorers), never policy@dpo or merge."""
+    root, _, _ = flow_run
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    original = params["rm"]["learning_rate"]
+    params["rm"]["learning_rate"] = original * 2
+    write_params(root, params)
+    try:
+        output = dvc_repro(root)
+        assert sorted(ran(output)) == sorted(["check_params", "rm", "evaluate", "gate", "infer"]), output
+    finally:
+        params["rm"]["learning_rate"] = original
+        write_params(root, params)
+        dvc_repro(root)
 
 
 def test_dvc_reruns_only_what_changed_and_restores_from_run_cache(flow_run):

@@ -37,6 +37,7 @@ def sft_project(tmp_path_factory):
 @pytest.mark.parametrize("method", ["dpo", "simpo", "orpo", "kto", "grpo", "rloo", "ppo"])
 def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method, lora):
     import stages.policy
+    from rlhf.tasks import get_task
     from stages import load_config
 
     monkeypatch.chdir(sft_project)
@@ -48,6 +49,7 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
         # reward that varies continuously, so that the advantages are not all zero.
         updates |= {"num_generations": 2, "max_completion_length": 8, "rewards": [{"name": "reward_model"}]}
     if method == "ppo":
+        del updates["per_device_train_batch_size"]  # PPO's batches are rollout_batch_size and mini_batch_size
         updates |= {
             "rollout_batch_size": 4,
             "mini_batch_size": 2,
@@ -58,11 +60,12 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
         # LoRA's B starts at zero: a larger step makes the merged change visible at 2 steps.
         updates["lora"] = {"enabled": True, "r": 4}
     params = getattr(config, method)
-    params = type(params).model_validate({**params.model_dump(), **updates})
-    config = config.model_copy(update={"methods": [method], method: params})
+    params = type(params).model_validate({**params.model_dump(exclude_unset=True), **updates})
+    listed = "offline" if method in stages.policy.OFFLINE_METHODS else "online"
+    config = config.model_copy(update={"offline": [], "online": [], listed: [method], method: params})
 
     out = sft_project / f"models/policy/{method}-{'lora' if lora else 'full'}"
-    metrics, curve = stages.policy.run(config, method, out)
+    metrics, curve = stages.policy.run(config, get_task(), method, out)
     assert metrics["steps"] == 2 and math.isfinite(metrics["train_loss"])
     assert len(curve) == 2 and all(math.isfinite(row["loss"]) for row in curve)
     assert not any(p.name.startswith("adapter") for p in out.iterdir()), "adapters are merged on save"
@@ -77,6 +80,7 @@ def test_reference_logps_are_computed_once_per_reference_and_data(sft_project, m
     import pyarrow.parquet as pq
 
     import stages.policy
+    from rlhf.tasks import get_task
     from rlhf.training.ref_logprobs import CACHE_DIR_ENV
     from stages import load_config
 
@@ -89,7 +93,7 @@ def test_reference_logps_are_computed_once_per_reference_and_data(sft_project, m
     def run_dpo(**updates):
         params = config.dpo.model_copy(update={"max_steps": 1, "per_device_train_batch_size": 4, **updates})
         out = tmp_path / "dpo"
-        metrics, _ = stages.policy.run(config.model_copy(update={"methods": ["dpo"], "dpo": params}), "dpo", out)
+        metrics, _ = stages.policy.run(config.model_copy(update={"dpo": params}), get_task(), "dpo", out)
         return metrics
 
     assert run_dpo(beta=0.1)["ref_logps_cache_hit"] is False

@@ -16,7 +16,6 @@ from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_l
 from rlhf.training.ppo import (
     AdaptiveKLController,
     FixedKLController,
-    PPOParams,
     clipped_policy_loss,
     clipped_value_loss,
     gae_advantages,
@@ -35,6 +34,7 @@ from rlhf.training.ppo import (
     whiten,
 )
 from rlhf.tasks.arithmetic import TaskSpec, sample_problem
+from rlhf.training.params import PPOParams, TrainingParams
 from tests.test_stages import changed
 
 T = torch.tensor
@@ -148,9 +148,11 @@ def test_policy_loss_clips_when_the_ratio_overshoots_in_the_advantage_direction(
 
 
 def test_policy_loss_does_not_clip_against_the_advantage_and_averages_over_tokens():
-    """Token 1: ratio 1.5, A = -1: min(-1.5, -1.2) = -1.5, unclipped -> +1.5 with gradient
-    -A * ratio = 1.5 / 3 tokens = 0.5. Token 2: ratio 1, A = 2 -> -2 (gradient -2/3).
-    Token 3 is padding (its huge ratio would clip). Loss = (1.5 - 2) / 2 = -0.25, clipfrac 0."""
+    """Token 1: ratio 1.5, A = -1: min(-1.5, -1.2) = -1.5, unclipped -> +1.5, whose gradient
+    in log pi is -A * ratio = 1.5, over 2 real tokens = 0.75. Token 2: ratio 1, A = 2 -> -2
+    (gradient -2 / 2 = -1). Token 3 is padding (its huge ratio would clip): no loss, no
+    gradient. Loss = (1.5 - 2) / 2 = -0.25, clipfrac 0; approx_kl = (0.5 * ln(1.5)^2 + 0) / 2
+    = 0.25 * ln(1.5)^2."""
     logprobs = T([[LOG_1_5, 0.0, 5.0]], requires_grad=True)
     loss, clipfrac, approx_kl = clipped_policy_loss(
         logprobs, torch.zeros(1, 3), T([[-1.0, 2.0, 1.0]]), T([[1, 1, 0]]), cliprange=0.2
@@ -164,7 +166,8 @@ def test_policy_loss_does_not_clip_against_the_advantage_and_averages_over_token
 def test_value_loss_takes_the_larger_of_clipped_and_unclipped_errors():
     """eps 0.2. Token 1: V_old 1, V 2, R 2: unclipped 0, clipped V = 1.2 -> 0.64: the clipped
     branch is the max. Token 2: V_old 1, V 0.5, R 2: unclipped 2.25, clipped V = 0.8 -> 1.44:
-    unclipped is the max. Loss = 0.5 * (0.64 + 2.25) / 2 = 0.7225, clipfrac 1/2."""
+    unclipped is the max. Loss = 0.5 * (0.64 + 2.25) / 2 = 0.7225; clipfrac (the share of
+    tokens where the clipped error is the larger) 1/2."""
     loss, clipfrac = clipped_value_loss(T([[2.0, 0.5]]), T([[1.0, 1.0]]), T([[2.0, 2.0]]), T([[1, 1]]), 0.2)
     assert loss.item() == pytest.approx(0.7225) and clipfrac.item() == pytest.approx(0.5)
 
@@ -181,6 +184,27 @@ def test_params_name_the_keys_of_an_impossible_batch_split():
         PPOParams(cliprange=0)
     params = PPOParams()
     assert params.value_learning_rate is None and not params.lora.enabled and params.value_init == "sft"
+    assert (params.max_steps, params.temperature) == (60, 0.7)
+
+
+@pytest.mark.parametrize(
+    "key", ["per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "gradient_checkpointing"]
+)
+def test_params_reject_an_inherited_key_ppo_ignores(key):
+    """PPOParams inherits TrainingParams' keys, but its batches are rollout_batch_size and
+    mini_batch_size and it runs in float32: setting a key it would ignore is an error naming
+    the key, even at its default value; keys it reads are accepted."""
+    value = TrainingParams.model_fields[key].default
+    with pytest.raises(ValidationError, match=rf"{key}: not read by PPO") as error:
+        PPOParams(**{key: value})
+    assert "remove it" in str(error.value)
+
+
+def test_params_name_every_ignored_key_and_accept_the_keys_ppo_reads():
+    with pytest.raises(ValidationError, match="bf16, per_device_train_batch_size: not read by PPO.*remove them"):
+        PPOParams(per_device_train_batch_size=8, bf16=True)
+    params = PPOParams(max_steps=5, learning_rate=1e-4, max_length=96, seed=3, save_steps=1)
+    assert (params.max_steps, params.learning_rate, params.max_length, params.seed) == (5, 1e-4, 96, 3)
 
 
 # ----------------------------------------------------------------------------- the micro model

@@ -14,20 +14,26 @@ from safetensors.torch import load_file
 
 from rlhf.data.contracts import DataValidationError
 from rlhf.models.loading import build_tokenizer
+from rlhf.rewards.prm import load_prm
 from rlhf.rewards.prm_classifier import (
     IGNORE,
-    ProcessRewardModel,
-    aggregate,
+    ClassifierPRM,
     build_dataset,
     encode_steps,
     load_prm_model,
-    prm_metrics,
     prm_trainer,
     save_prm,
     truncate_to_steps,
 )
-from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
-from rlhf.training.trainer_setup import TrainingParams, train_resumable
+from rlhf.rewards.steps import DEFAULT_SEPARATOR, aggregate, prm_metrics, split_completion
+from rlhf.tasks import TaskConfig
+from rlhf.tasks.arithmetic import ArithmeticTask, TaskSizes, TaskSpec, generate_datasets
+from rlhf.training.params import TrainingParams
+from rlhf.training.trainer_setup import train_resumable
+
+# The built-in task's step separator: the PRM functions default to DEFAULT_SEPARATOR ("\n"),
+# so everything on built-in data passes the task's explicitly.
+SEP = ArithmeticTask.step_separator
 
 
 def weights(model_dir) -> dict[str, torch.Tensor]:
@@ -42,35 +48,35 @@ def test_labels_sit_on_the_last_token_of_each_separator():
     """Char-level tokens: "1+2\\n" is positions 0-3; "1+2=3" 4-8, "; " 9-10; "answer 3" 11-18,
     "; " 19-20. Step 1's label is at 10, step 2's at 20; all else is -100."""
     tokenizer = build_tokenizer()
-    row = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True, False])
+    row = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True, False], separator=SEP)
     assert tokenizer.decode(row["input_ids"]) == "1+2\n1+2=3; answer 3; "
     assert len(row["input_ids"]) == len(row["labels"]) == 21
     assert {i: label for i, label in enumerate(row["labels"]) if label != IGNORE} == {10: 1, 20: 0}
     # Scoring (no labels) marks the same positions.
-    unlabelled = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"])
+    unlabelled = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], separator=SEP)
     assert unlabelled["input_ids"] == row["input_ids"]
     assert [i for i, label in enumerate(unlabelled["labels"]) if label != IGNORE] == [10, 20]
     # A conversational prompt goes through the chat template (each chat marker is one token).
-    chat = encode_steps(tokenizer, [{"role": "user", "content": "1+2"}], ["1+2=3"], [True])
+    chat = encode_steps(tokenizer, [{"role": "user", "content": "1+2"}], ["1+2=3"], [True], separator=SEP)
     assert tokenizer.decode(chat["input_ids"]) == "<|user|>1+2<|end|><|assistant|>1+2=3; "
     assert [i for i, label in enumerate(chat["labels"]) if label != IGNORE] == [len(chat["input_ids"]) - 1]
     with pytest.raises(ValueError, match="2 steps but 1 labels"):
-        encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True])
+        encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True], separator=SEP)
 
 
 def test_long_rows_keep_their_whole_steps():
     """The 21-token row above: within 15 tokens only step 1 (ending at 10) fits, so it is cut
     to 11 tokens; within 8 tokens not even step 1 fits and the row is dropped."""
     tokenizer = build_tokenizer()
-    row = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True, False])
+    row = encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True, False], separator=SEP)
     cut = truncate_to_steps(row, 15)
     assert len(cut["input_ids"]) == 11 and cut["labels"][-1] == 1 and cut["labels"].count(IGNORE) == 10
     assert truncate_to_steps(row, 21) is row
     assert truncate_to_steps(row, 8) is None
     table = {"prompt": ["1+2\n", "1+2\n"], "completions": [["1+2=3", "answer 3"], ["1+2=3"]], "labels": [[1, 1], [1]]}
-    assert len(build_dataset(tokenizer, table, max_length=15)) == 2
+    assert len(build_dataset(tokenizer, table, SEP, max_length=15)) == 2
     with pytest.raises(ValueError, match="max_length=8"):
-        build_dataset(tokenizer, table, max_length=8)
+        build_dataset(tokenizer, table, SEP, max_length=8)
 
 
 def test_aggregation():
@@ -82,6 +88,16 @@ def test_aggregation():
         aggregate([0.9], "mean")
     with pytest.raises(ValueError, match="no step scores"):
         aggregate([], "min")
+
+
+def test_split_completion_on_the_default_and_the_task_separator():
+    """With no separator named the PRM splits one step per line; the built-in task's
+    solutions split on '; '. Blank steps are dropped, the text is stripped first."""
+    assert DEFAULT_SEPARATOR == "\n"
+    assert split_completion("  1+2=3; answer 3\n", SEP) == ["1+2=3", "answer 3"]
+    assert split_completion("1+2=3; answer 3", DEFAULT_SEPARATOR) == ["1+2=3; answer 3"]
+    assert split_completion("first\n\n  \nsecond\n", DEFAULT_SEPARATOR) == ["first", "second"]
+    assert split_completion("", SEP) == []
 
 
 def test_metrics_on_hand_made_predictions():
@@ -121,8 +137,9 @@ def write_prm_tables(root, train_rows: int = 16, eval_rows: int = 8):
 
 def test_prefix_of_k_steps_scores_k_steps_and_batching_changes_nothing(micro_dir):
     tokenizer = build_tokenizer()
-    save_prm(load_prm_model(micro_dir), tokenizer, micro_dir)
-    prm = ProcessRewardModel.load(micro_dir)
+    save_prm(load_prm_model(micro_dir), tokenizer, micro_dir, SEP)
+    prm = load_prm(micro_dir)
+    assert isinstance(prm, ClassifierPRM) and prm.separator == SEP
     steps = ["1+2=3", "3+4=7", "answer 7"]
     full, prefix, other = prm.score_steps(["1+2+4\n", "1+2+4\n", "5-1\n"], [steps, steps[:2], ["5-1=4"]])
     assert len(full) == 3 and len(prefix) == 2 and len(other) == 1
@@ -144,7 +161,7 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
         kind="classifier", init="sft", max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2, learning_rate=1e-2,
         lora={"enabled": lora, "r": 4},
     )  # fmt: skip
-    monkeypatch.setattr(stage, "load_config", lambda section: config)
+    monkeypatch.setattr(stage, "load_all", lambda *args, **kwargs: {"prm": config, "task": TaskConfig()})
     stage.main()
 
     metrics = json.loads((tmp_path / "metrics/prm.json").read_text())
@@ -155,6 +172,7 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
     assert len(curve) == 2 and curve["loss"].map(math.isfinite).all()
     out = tmp_path / "models/prm"
     assert not any(p.name.startswith("adapter") for p in out.iterdir()), "adapters are merged on save"
+    assert json.loads((out / "prm.json").read_text()) == {"kind": "classifier", "step_separator": SEP}
     trained = weights(out)
     assert trained["score.weight"].shape == (2, 32)
     assert changed(weights(micro_dir), trained, "model.layers"), "the body is trained, not only the head"
@@ -181,7 +199,7 @@ def test_a_resumed_run_reproduces_an_uninterrupted_one(tmp_path, monkeypatch, ml
     monkeypatch.chdir(tmp_path)
     data, _ = write_prm_tables(tmp_path)
     tokenizer = build_tokenizer()
-    train = build_dataset(tokenizer, validate_contract(pd.read_parquet(data), "prm", data))
+    train = build_dataset(tokenizer, validate_contract(pd.read_parquet(data), "prm", data), SEP)
     params = TrainingParams(max_steps=4, per_device_train_batch_size=4, save_steps=2, learning_rate=1e-2)
 
     def trainer(out):
@@ -210,7 +228,7 @@ def test_bad_rows_fail_before_training_naming_file_and_row(tmp_path):
     frame.at[1, "labels"] = [True]  # row 2: fewer labels than steps
     frame.to_parquet(data)
     with pytest.raises(DataValidationError) as error:
-        stage.run(stage.Config(), tmp_path / "no-model-needed", data, eval_data, tmp_path / "out")
+        stage.run(stage.Config(), SEP, tmp_path / "no-model-needed", data, eval_data, tmp_path / "out")
     assert str(data) in str(error.value) and "row 2: 'completions' has" in str(error.value)
 
 
@@ -238,7 +256,7 @@ def test_likelihood_features_are_the_lms_token_logprobs(micro_dir):
             [step2.min(), min(step1.min(), step2.min()), step2.mean()],
         ]
     )
-    (features,) = likelihood_features(lm, tokenizer, ["1+2\n"], [["1+2=3", "answer 3"]])
+    (features,) = likelihood_features(lm, tokenizer, ["1+2\n"], [["1+2=3", "answer 3"]], SEP)
     assert torch.allclose(features, expected, atol=1e-5)
 
 
@@ -260,13 +278,14 @@ def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatc
 
     monkeypatch.chdir(tmp_path)
     write_prm_tables(tmp_path)
-    monkeypatch.setattr(stage, "load_config", lambda section: stage.Config(kind="likelihood", init="sft"))
+    config = stage.Config(kind="likelihood", init="sft")
+    monkeypatch.setattr(stage, "load_all", lambda *args, **kwargs: {"prm": config, "task": TaskConfig()})
     stage.main()
     metrics = json.loads((tmp_path / "metrics/prm.json").read_text())
     assert metrics["kind"] == "likelihood" and 0.0 <= metrics["step_accuracy"] <= 1.0
     assert pd.read_csv(tmp_path / "plots/prm/loss.csv")["loss"].map(math.isfinite).all()
-    prm = ProcessRewardModel.load(tmp_path / "models/prm")
-    assert isinstance(prm, LikelihoodPRM)
+    prm = load_prm(tmp_path / "models/prm")
+    assert isinstance(prm, LikelihoodPRM) and prm.separator == SEP, "the task's separator is saved with it"
     (scores,) = prm.score_steps(["1+2+4\n"], [["1+2=3", "3+4=7", "answer 7"]])
     assert len(scores) == 3 and all(0.0 < s < 1.0 for s in scores)
 
@@ -279,4 +298,4 @@ def test_a_missing_reader_model_fails_naming_the_param(tmp_path, monkeypatch, ml
     monkeypatch.chdir(tmp_path)
     data, eval_data = write_prm_tables(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"prm.init 'verifier' \(models/verifier\) directory models/verifier"):
-        stage.run(stage.Config(), Path("models/verifier"), data, eval_data, tmp_path / "out")
+        stage.run(stage.Config(), SEP, Path("models/verifier"), data, eval_data, tmp_path / "out")

@@ -26,8 +26,10 @@ from rlhf.rewards.likelihood_rm import (
 )
 from rlhf.models.loading import build_tokenizer, load_causal_lm
 from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
-from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
-from rlhf.training.trainer_setup import TrainingParams, train_resumable, trl_config
+from rlhf.tasks import TaskConfig, get_task
+from rlhf.tasks.arithmetic import FLAW_KINDS, TaskSizes, TaskSpec, generate_datasets
+from rlhf.training.params import TrainingParams
+from rlhf.training.trainer_setup import train_resumable, trl_config
 
 
 def weights(model_dir) -> dict[str, torch.Tensor]:
@@ -200,7 +202,8 @@ def run_stage(tmp_path, monkeypatch, **config):
     monkeypatch.chdir(tmp_path)
     write_pairs(tmp_path)
     settings = {"max_steps": 2, "num_members": 2, "per_device_train_batch_size": 4, "save_steps": 2, **config}
-    monkeypatch.setattr(stage, "load_config", lambda section: stage.Config(logging_steps=1, **settings))
+    config = stage.Config(logging_steps=1, **settings)
+    monkeypatch.setattr(stage, "load_all", lambda *args, **kwargs: {"rm": config, "task": TaskConfig()})
     stage.main()
     return json.loads((tmp_path / "metrics/rm.json").read_text())
 
@@ -212,6 +215,8 @@ def test_likelihood_stage_trains_members_that_load_and_score(tmp_path, monkeypat
     metrics = run_stage(tmp_path, monkeypatch, lora={"enabled": lora})
     assert set(metrics["members"]) == {"member_0", "member_1"} and metrics["eval_pairs"] == 8
     assert 0.0 <= metrics["ensemble_accuracy"] <= 1.0 and math.isfinite(metrics["head_fit_loss"])
+    by_flaw = metrics["accuracy_by_flaw"]  # named by the task's classify_error
+    assert by_flaw and set(by_flaw) <= set(FLAW_KINDS) and all(0.0 <= a <= 1.0 for a in by_flaw.values())
     members = [tmp_path / f"models/rm/member_{i}" for i in range(2)]
     for member in members:
         head = json.loads((member / HEAD_FILE).read_text())
@@ -246,8 +251,29 @@ def test_a_missing_init_model_fails_naming_the_param(tmp_path, monkeypatch, mlfl
     data, eval_data = write_pairs(tmp_path)
     config = stage.Config(init="verifier")
     with pytest.raises(FileNotFoundError, match=r"rm.init 'verifier' \(models/verifier\) directory models/verifier"):
-        stage.run(config, stage.init_dir(config), data, eval_data, tmp_path / "out")
+        stage.run(config, get_task(), stage.init_dir(config), data, eval_data, tmp_path / "out")
 
 
 def test_pairwise_accuracy_counts_ties_as_half():
     assert pairwise_accuracy(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])) == pytest.approx(0.5)
+
+
+def test_accuracy_by_flaw_groups_pairs_by_the_tasks_error_kind():
+    """Rejected 1 and 3 are slips (23+58=82; 81-17=63), rejected 2 states a wrong answer after
+    right steps. Scores chosen/rejected 1/0 (win), 0/1 (loss), 2/2 (tie, 1/2):
+    slip (1 + 1/2) / 2 = 0.75, answer 0. A task that names no errors (the base Task), or a
+    prompt the built-in task cannot read, gives no groups."""
+    import stages.reward_model as stage
+    from rlhf.tasks.base import Task
+
+    pairs = pd.DataFrame(
+        {
+            "prompt": ["23+58-17\n"] * 3,
+            "rejected": ["23+58=82; 82-17=65; answer 65", "23+58=81; 81-17=64; answer 65", "23+58=81; 81-17=63; answer 63"],
+        }
+    )
+    chosen, rejected = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])
+    assert stage.accuracy_by_flaw(get_task(), pairs, chosen, rejected) == {"answer": 0.0, "slip": 0.75}
+    assert stage.accuracy_by_flaw(Task(), pairs, chosen, rejected) == {}
+    words = pairs.assign(prompt=["capital of France?\n"] * 3)
+    assert stage.accuracy_by_flaw(get_task(), words, chosen, rejected) == {}

@@ -1,9 +1,12 @@
-"""Reward functions: each a plain function of (prompts, completions, row fields) with
-hand-checked values, the params entries that declare them, and their weighted sum."""
+"""Reward functions: each a plain function of (prompts, completions, row fields) and the
+task (keyword `task`) with hand-checked values, the params entries that declare them, the
+model folders the model-based ones read, and their weighted sum."""
 
 from __future__ import annotations
 
 import pytest
+from pathlib import Path
+
 from pydantic import TypeAdapter, ValidationError
 
 from rlhf.params import format_validation_error
@@ -14,10 +17,15 @@ from rlhf.rewards.functions import (
     build_rewards,
     format_match,
     length_rule,
+    model_paths,
     numeric_tolerance,
     repetition_rule,
     weighted_sum,
 )
+from rlhf.tasks import get_task
+from rlhf.tasks.base import Task
+
+TASK = get_task()  # the built-in arithmetic task
 
 PROMPTS = ["3+4-2\n"] * 4
 COMPLETIONS = [
@@ -31,30 +39,58 @@ SPECS = TypeAdapter(list[RewardSpec])
 
 
 def test_answer_match_is_exact():
-    assert answer_match(PROMPTS, COMPLETIONS, answer=ANSWERS) == [1.0, 0.0, 0.0, 0.0]
+    assert answer_match(PROMPTS, COMPLETIONS, answer=ANSWERS, task=TASK) == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_answer_match_needs_an_answer_column():
     with pytest.raises(ValueError, match="`answer` column"):
-        answer_match(PROMPTS, COMPLETIONS)
+        answer_match(PROMPTS, COMPLETIONS, task=TASK)
+
+
+def test_answer_match_asks_the_task():
+    """The base Task reads the last non-blank line, lower-cased, and compares it with the
+    reference normalised the same way (case and runs of space): 'Paris' and 'the  CAPITAL
+    is paris' match 'paris' / 'The capital is Paris'; 'Lyon' does not."""
+    completions = ["I think...\nParis\n", "Lyon", "the  CAPITAL is paris"]
+    answers = ["paris", "Paris", " The capital is Paris "]
+    assert answer_match(["q"] * 3, completions, answer=answers, task=Task()) == [1.0, 0.0, 1.0]
 
 
 def test_numeric_tolerance_absolute_and_relative():
-    """|6-5| = 1 <= atol 1 passes, |15-5| = 10 does not; with rtol 2: 10 <= 2*|5| passes."""
-    assert numeric_tolerance(PROMPTS, COMPLETIONS, answer=ANSWERS, atol=1) == [1.0, 1.0, 0.0, 0.0]
-    assert numeric_tolerance(PROMPTS, COMPLETIONS, answer=ANSWERS, rtol=2) == [1.0, 1.0, 1.0, 0.0]
-    assert numeric_tolerance(PROMPTS[:1], COMPLETIONS[:1], answer=["five"], atol=100) == [0.0]
+    """|6-5| = 1 <= atol 1 passes, |15-5| = 10 does not; with rtol 2: 10 <= 2*|5| passes.
+    'five' states no answer (0 either way), and a reference that is not a number matches
+    nothing, however wide the tolerance."""
+    assert numeric_tolerance(PROMPTS, COMPLETIONS, answer=ANSWERS, atol=1, task=TASK) == [1.0, 1.0, 0.0, 0.0]
+    assert numeric_tolerance(PROMPTS, COMPLETIONS, answer=ANSWERS, rtol=2, task=TASK) == [1.0, 1.0, 1.0, 0.0]
+    assert numeric_tolerance(PROMPTS[:1], COMPLETIONS[:1], answer=["five"], atol=100, task=TASK) == [0.0]
+
+
+def test_numeric_tolerance_reads_the_tasks_answer_as_a_number():
+    """The base Task's answer is the last line: '1,000' reads as 1000 (|1000 - 999.5| = 0.5
+    <= atol 0.5), '3.25' against 3 is 0.25 off (passes atol 0.5), 'about ten' is no number."""
+    completions = ["so:\n1,000", "3.25", "about ten"]
+    rewards = numeric_tolerance(["q"] * 3, completions, answer=["999.5", "3", "10"], atol=0.5, task=Task())
+    assert rewards == [1.0, 1.0, 0.0]
 
 
 def test_format_builtin_and_pattern():
-    assert format_match(PROMPTS, COMPLETIONS) == [1.0, 1.0, 1.0, 0.0]
-    assert format_match(PROMPTS, COMPLETIONS, pattern=r"[a-z]+") == [0.0, 0.0, 0.0, 1.0]
+    assert format_match(PROMPTS, COMPLETIONS, task=TASK) == [1.0, 1.0, 1.0, 0.0]
+    assert format_match(PROMPTS, COMPLETIONS, pattern=r"[a-z]+", task=TASK) == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_format_without_a_pattern_needs_a_task_with_a_format():
+    """The base Task defines no format (has_format False): the format reward then needs a
+    `pattern`, and with one it works as on any task."""
+    with pytest.raises(ValueError, match="needs a `pattern`: task 'none' defines no format"):
+        format_match(PROMPTS, COMPLETIONS, task=Task())
+    assert format_match(PROMPTS, COMPLETIONS, pattern=r"[a-z]+", task=Task()) == [0.0, 0.0, 0.0, 1.0]
 
 
 def test_constitutional_rules():
     """Length: 22, 22, 24 and 4 characters against max 22. Repetition over characters
-    (fewer than 3 words): 'aaaa' has 2 bigrams, both 'aa' -> 1 - 1/2 = 0.5; 'abab' has
-    bigrams ab, ba, ab -> 1 - 1/3. Banned: case-insensitive substring."""
+    (fewer than 2 words): 'aaa' has 2 bigrams, both 'aa' -> 1 repeat -> 1 - 1/2 = 0.5;
+    'abab' has bigrams ab, ba, ab -> 1 - 1/3. Over words: 'one two' x 3 has 5 bigrams, 2
+    distinct -> 1 - 3/5. Banned: case-insensitive substring ('five' has FIVE, 'answer 15' has 15)."""
     assert length_rule(PROMPTS, COMPLETIONS, max_chars=22) == [1.0, 1.0, 0.0, 1.0]
     assert repetition_rule(PROMPTS[:2], ["aaa", "abab"], ngram=2) == [0.5, pytest.approx(2 / 3)]
     assert repetition_rule(PROMPTS[:1], ["one two one two one two"], ngram=2) == [pytest.approx(1 - 3 / 5)]
@@ -63,7 +99,7 @@ def test_constitutional_rules():
 
 def test_conversational_completions_are_read_as_text():
     completion = [{"role": "assistant", "content": "3+4=7; 7-2=5; answer 5"}]
-    assert answer_match(["x"], [completion], answer=["5"]) == [1.0]
+    assert answer_match(["x"], [completion], answer=["5"], task=TASK) == [1.0]
 
 
 def test_weighted_sum_of_declared_rewards():
@@ -77,7 +113,7 @@ def test_weighted_sum_of_declared_rewards():
             {"name": "banned", "weight": 2, "words": ["15"]},
         ]
     )
-    functions, weights = build_rewards(specs)
+    functions, weights = build_rewards(specs, TASK)
     assert [f.__name__ for f in functions] == ["0_answer_match", "1_format", "2_banned"]
     assert weights == [1.0, 0.5, 2.0]
     total = weighted_sum(functions, weights)
@@ -102,3 +138,19 @@ def test_bad_reward_entries_name_the_entry_and_key():
     assert "policy.grpo.rewards.3.numeric_tolerance.atol" in problems
     assert "policy.grpo.rewards.4" in problems and "'rouge'" in problems
     assert "policy.grpo.rewards.5.length.max_char: unknown key" in problems
+
+
+def test_model_based_rewards_read_their_path_or_the_callers_folder():
+    """reward_model and prm with no `path` read the caller's folder for their name; an
+    explicit `path` wins; rule rewards read no model. With neither, the error names the reward."""
+    specs = SPECS.validate_python(
+        [{"name": "answer_match"}, {"name": "reward_model"}, {"name": "prm", "path": "elsewhere/prm"}]
+    )
+    assert specs[1].path is None
+    folders = {"reward_model": "models/rm", "prm": "models/prm"}
+    assert model_paths(specs, folders) == [Path("models/rm"), Path("elsewhere/prm")]
+    assert model_paths(specs[:1]) == []
+    with pytest.raises(ValueError, match="reward 'reward_model' has no `path`"):
+        model_paths(specs)
+    with pytest.raises(ValueError, match="reward 'reward_model' has no `path`"):
+        build_rewards(specs[1:2], TASK)

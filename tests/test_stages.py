@@ -78,10 +78,18 @@ def test_prepare_writes_every_contract(project):
     assert manifest["source"] == "builtin"
     assert manifest["rows"] == {
         "sft": 400, "prefs": 64, "prefs_eval": 24, "unpaired": 32, "prm": 32, "prm_eval": 16, "prompts": 32,
-        "eval_heldout": 24,
+        "eval_dev": 24, "eval_test": 24,
     }  # fmt: skip
     for name in manifest["rows"]:
-        assert (project / f"data/prepared/{name}.parquet").is_file()
+        path = f"data/prepared/eval/{name[5:]}.parquet" if name.startswith("eval_") else f"data/prepared/{name}.parquet"
+        assert (project / path).is_file(), path
+    import pandas as pd
+
+    dev, test = (pd.read_parquet(project / f"data/prepared/eval/{s}.parquet") for s in ("dev", "test"))
+    assert not set(dev["prompt"]) & set(test["prompt"]), "dev and test share no problem"
+    training = set(pd.read_parquet(project / "data/prepared/sft.parquet")["prompt"])
+    assert not (set(dev["prompt"]) | set(test["prompt"])) & training, "no eval problem is trained on"
+    assert set(dev["difficulty"]) <= {"3", "4", "5"}
 
 
 def test_base_builds_a_loadable_model_and_tokenizer(project):
@@ -127,13 +135,23 @@ def test_dpo_changes_the_policy(project):
 def test_evaluate_reports_every_metric_for_reference_and_candidates(project):
     report = json.loads((project / "reports/eval.json").read_text())
     assert report["reference"] == "sft" and report["candidates"] == ["dpo", "merged"]
-    heldout = report["suites"]["heldout"]
+    assert set(report["suites"]) == {"dev", "test"}
+    dev = report["suites"]["dev"]
     for name in ("sft", "dpo", "merged"):
-        assert set(heldout[name]) >= {
-            "accuracy", "format_rate", "kl_to_ref", "reward", "reward_std", "win_rate", "distinct_1", "distinct_2",
+        assert set(dev[name]) >= {
+            "accuracy", "accuracy_low", "accuracy_high", "accuracy_by_difficulty", "format_rate", "kl_to_ref",
+            "reward", "reward_std", "win_rate", "distinct_1", "distinct_2",
         }  # fmt: skip
-    assert heldout["sft"]["kl_to_ref"] == 0.0 and heldout["sft"]["win_rate"] == 0.5
-    assert heldout["dpo"]["kl_to_ref"] >= 0.0
+        assert dev[name]["accuracy_low"] <= dev[name]["accuracy"] <= dev[name]["accuracy_high"]
+        counts = dev[name]["problems_by_difficulty"]
+        assert sum(counts.values()) == 24
+        by_level = dev[name]["accuracy_by_difficulty"]
+        assert sum(by_level[k] * counts[k] for k in counts) / 24 == pytest.approx(dev[name]["accuracy"])
+    assert dev["sft"]["kl_to_ref"] == 0.0 and dev["sft"]["win_rate"] == 0.5
+    assert dev["dpo"]["kl_to_ref"] >= 0.0
+    outcomes = json.loads((project / "reports/outcomes.json").read_text())
+    per_problem = outcomes["suites"]["dev"]["models"]["dpo"]["accuracy"]
+    assert len(per_problem) == 24 and sum(per_problem) / 24 == pytest.approx(dev["dpo"]["accuracy"])
 
 
 def test_gate_promotes_into_models_champion_and_the_registry(project):
@@ -152,7 +170,7 @@ def test_every_stage_logged_an_mlflow_run_with_params_and_commit(project):
     runs = client.search_runs([experiment.experiment_id])
     by_stage = {r.data.tags.get("rlhf.stage"): r for r in runs if r.data.tags.get("rlhf.stage")}
     assert set(by_stage) == {
-        "check_params", "prepare", "base", "sft", "verifier", "rm", "prm", "policy@dpo", "merge", "evaluate", "gate", "infer",
+        "prepare", "base", "sft", "verifier", "rm", "prm", "policy@dpo", "merge", "evaluate", "gate", "infer",
     }  # fmt: skip
     sft = by_stage["sft"]
     assert sft.data.params["max_steps"] == "4"
@@ -161,8 +179,9 @@ def test_every_stage_logged_an_mlflow_run_with_params_and_commit(project):
 
 
 def test_gate_rejects_a_worse_candidate_and_the_champion_stays(project):
-    """After `dpo` was promoted, a candidate whose held-out accuracy is below the champion's
-    recorded accuracy fails the `relative_to: champion` test: reports/gate.json lists the
+    """After `dpo` was promoted, a candidate whose dev accuracy is below the champion's
+    recorded accuracy (and that has no per-problem outcomes, so the test compares point
+    estimates) fails the `relative_to: champion` test: reports/gate.json lists the
     reason, models/champion is byte-for-byte the same, and the registry alias does not move."""
     import shutil
 
@@ -173,14 +192,14 @@ def test_gate_rejects_a_worse_candidate_and_the_champion_stays(project):
     alias_before = client.get_model_version_by_alias("rlhf-policy", "champion").version
     champion_before = tree_digest(project / "models/champion")
     record = json.loads((project / "models/champion/champion.json").read_text())
-    champion_accuracy = record["metrics"]["heldout"]["accuracy"]
+    champion_accuracy = record["metrics"]["dev"]["accuracy"]
 
     shutil.copytree(project / "models/sft", project / "models/policy/worse")
     report = json.loads((project / "reports/eval.json").read_text())
-    worse = dict(report["suites"]["heldout"]["dpo"], accuracy=champion_accuracy - 0.10)
+    worse = dict(report["suites"]["dev"]["dpo"], accuracy=champion_accuracy - 0.10)
     report["candidates"] = ["worse"]
-    report["suites"]["heldout"]["worse"] = worse
-    report["suites"]["heldout"]["sft"]["accuracy"] = champion_accuracy - 0.20  # passes the SFT test
+    report["suites"]["dev"]["worse"] = worse
+    report["suites"]["dev"]["sft"]["accuracy"] = champion_accuracy - 0.20  # passes the SFT test
     (project / "reports/eval.json").write_text(json.dumps(report))
 
     params = project / "params.yaml"
@@ -231,15 +250,15 @@ def test_infer_reports_every_strategy(project):
 
 
 def test_gate_promotes_the_merged_candidate_when_it_is_best(project):
-    """`merged` is a candidate like any policy: with the best held-out accuracy it passes
+    """`merged` is a candidate like any policy: with the best dev accuracy it passes
     and is promoted, and models/champion holds models/merged's weights."""
     import stages.capability_gate
 
     report = json.loads((project / "reports/eval.json").read_text())
-    heldout = report["suites"]["heldout"]
-    best = max(m["accuracy"] for m in heldout.values() if isinstance(m, dict))
+    dev = report["suites"]["dev"]
+    best = max(m["accuracy"] for m in dev.values() if isinstance(m, dict))
     report["candidates"] = ["dpo", "merged"]
-    heldout["merged"] = dict(heldout["dpo"], accuracy=best + 0.1)
+    dev["merged"] = dict(dev["dpo"], accuracy=best + 0.1)
     (project / "reports/eval.json").write_text(json.dumps(report))
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(project)

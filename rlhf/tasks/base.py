@@ -28,7 +28,8 @@ class Task:
         """The final answer stated by `completion`, normalised for comparison and votes;
         None when it states none."""
         lines = [line for line in completion.strip().splitlines() if line.strip()]
-        return lines[-1].strip().lower() if lines else None
+        # Normalised as `is_correct` normalises the reference (case and runs of space).
+        return normalize_text(lines[-1]) if lines else None
 
     def is_correct(self, completion: str, answer) -> bool:
         """Whether `completion` reaches the reference `answer`."""
