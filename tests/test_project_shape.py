@@ -150,6 +150,23 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
             assert policy_keys in (set(), {"policy.offline", "policy.online"}), f"stage {name}: {policy_keys}"
 
 
+def test_every_listed_param_is_in_params_yaml():
+    """DVC fails a stage whose listed param key is missing from params.yaml, whatever the
+    Config's default: every key a stage lists must be written out."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for name, stage in dvc_stages().items():
+        body = stage.get("do", stage)
+        items = [None]
+        if "foreach" in stage:
+            items = params["policy"]["offline" if name == "policy" else "online"] or ["dpo" if name == "policy" else "grpo"]
+        for item in items:
+            for key in body.get("params", []):
+                value = params
+                for part in key.replace("${item}", str(item)).split("."):
+                    assert isinstance(value, dict) and part in value, f"stage {name}: params.yaml has no {key}"
+                    value = value[part]
+
+
 def test_policy_templates_read_their_own_method_list():
     """policy@<m> iterates policy.offline and rl@<m> policy.online, each with the method's
     own section and the shared trust flag; the offline template depends on no reward model,
