@@ -1,11 +1,11 @@
 """Inference-time strategies on micro models built in the test.
 
 Untrained micro models check what holds for any model (speculative decoding and logit
-ensembles reproduce greedy decoding). Micro models trained in a second on one problem
-give answers the tests control: `good` always writes the right solution of 12+7-3,
-`bad` always writes a wrong one, and `mixed` (trained on both) samples a mix of the two
-step by step, so a search or a rerank that reads the steps can do better than its
-greedy answer (the wrong one). Also checked: the `generate` command's and params.yaml's
+ensembles reproduce greedy decoding). Micro models trained for about a second on one
+problem give answers the tests control: `good` greedily writes the right solution of
+12+7-3, `bad` a wrong one (a slip carried forward), and `mixed` (trained on both) samples
+a mix of their steps, so a search or a rerank that reads the steps can do better than
+its greedy answer (a wrong one). Also checked: the `generate` command's and params.yaml's
 defaults are the settings' defaults."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-import rlhf.inference.strategies as strategies
+from rlhf.inference import strategies
 from rlhf.inference.generate import main as generate_main
 from rlhf.inference.generate import parse_args, settings_from
 from rlhf.inference.settings import MCTS, BestOfN, SelfConsistency, Strategies
@@ -296,11 +296,13 @@ def test_mcts_without_a_terminal_completes_the_most_visited_path_greedily(mixed,
 
 
 def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task, monkeypatch):
-    """A scorer that rejects every step, 5 simulations, at most 3 expansions: with
-    widen_below 0.5 (0.0 < 0.5) simulations 0, 1, 2 each expand the root again, with seeds
-    0, 1, 2, and simulations 3 and 4 descend -> 3 root expansions. With widen_below 0.0
-    (0.0 < 0.0 is false) the root is expanded once. With the exact checker, a good first
-    step (score 1.0 >= 0.5) exists after the first expansion -> once."""
+    """A scorer that rejects every step, 5 simulations, at most 3 expansions per node. With
+    widen_below 0.5: simulation 0 expands the root (seed 0 + 0); after it every child
+    scores 0.0 < 0.5 with 1 < 3 expansions, so simulations 1 and 2 expand it again (seeds
+    1, 2); simulations 3 and 4 descend (3 < 3 is false) -> 3 root expansions, seeds
+    [0, 1, 2], as extra["root_expansions"] reports. With widen_below 0.0 (0.0 < 0.0 is
+    false) the root is expanded once, [0]. With the exact checker and widen_below 0.5, the
+    first expansion already holds a good first step (1.0 >= 0.5) -> once, [0]."""
     expansions = []
     real_next_steps = strategies.next_steps
 
@@ -333,7 +335,9 @@ def test_run_strategy_dispatches_with_the_settings(mixed, tokenizer, task):
     """greedy = greedy(max_new_tokens); best_of_n with a format reward = best_of_n with
     that scorer, the settings' options, budget and seed; mcts without a PRM, or an unknown
     name, is an error."""
-    settings = Strategies(max_new_tokens=BUDGET, seed=3, best_of_n={"n": 4, "temperature": 1.0, "rewards": [{"name": "format"}]})
+    settings = Strategies(
+        max_new_tokens=BUDGET, seed=3, best_of_n={"n": 4, "temperature": 1.0, "rewards": [{"name": "format"}]}
+    )
     assert run_strategy("greedy", settings, mixed, tokenizer, [PROBLEM], task) == greedy(
         mixed, tokenizer, [PROBLEM], BUDGET
     )
@@ -351,9 +355,11 @@ def test_run_strategy_dispatches_with_the_settings(mixed, tokenizer, task):
 
 def test_generate_command_defaults_are_the_strategies_defaults():
     """No flags but --model: the settings are Strategies() (trust_remote_code is the flag's
-    False, also the default)."""
+    False, also the default). --trust-remote-code changes that one setting only."""
     settings = settings_from(parse_args(["--model", "m", "12+7-3"]))
     assert settings.model_dump() == Strategies().model_dump()
+    trusted = settings_from(parse_args(["--model", "m", "--trust-remote-code", "12+7-3"]))
+    assert trusted.model_dump() == Strategies(trust_remote_code=True).model_dump()
 
 
 def test_generate_command_flags_land_in_their_settings():

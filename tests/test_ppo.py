@@ -13,6 +13,8 @@ from pydantic import ValidationError
 
 from rlhf.models.generation import format_prompt
 from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, save_model
+from rlhf.tasks.arithmetic import TaskSpec, sample_problem
+from rlhf.training.params import PPOParams, TrainingParams
 from rlhf.training.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -33,8 +35,6 @@ from rlhf.training.ppo import (
     value_returns,
     whiten,
 )
-from rlhf.tasks.arithmetic import TaskSpec, sample_problem
-from rlhf.training.params import PPOParams, TrainingParams
 from tests.test_stages import changed
 
 T = torch.tensor

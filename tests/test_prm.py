@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from rlhf.data.contracts import DataValidationError
@@ -232,6 +233,26 @@ def test_bad_rows_fail_before_training_naming_file_and_row(tmp_path):
     assert str(data) in str(error.value) and "row 2: 'completions' has" in str(error.value)
 
 
+@pytest.mark.parametrize("kind", ["likelihood", None], ids=["likelihood", "default-kind"])
+def test_likelihood_config_rejects_training_keys_and_classifier_accepts_them(kind):
+    """Kind likelihood (the default) fits a calibration and trains no weights: a training key
+    such as max_steps is an error naming the key (all of them when several are set);
+    kind classifier reads them. The step separator is no param: it is the task's."""
+    import stages.process_reward_model as stage
+
+    chosen = {"kind": kind} if kind else {}
+    with pytest.raises(ValidationError, match="max_steps: not read by kind likelihood.*remove it"):
+        stage.Config(**chosen, max_steps=10)
+    with pytest.raises(ValidationError, match="lora, max_steps: not read by kind likelihood.*remove them"):
+        stage.Config(**chosen, max_steps=10, lora={"enabled": True})
+    likelihood = stage.Config(**chosen, init="sft", score_batch_size=8)
+    assert likelihood.kind == "likelihood" and likelihood.score_batch_size == 8
+    classifier = stage.Config(kind="classifier", max_steps=10, lora={"enabled": True})
+    assert classifier.max_steps == 10 and classifier.lora.enabled
+    with pytest.raises(ValidationError, match="step_separator"):
+        stage.Config(kind="classifier", step_separator="; ")
+
+
 # ----------------------------------------------------------------------------- likelihood PRM
 
 
@@ -239,8 +260,8 @@ def test_likelihood_features_are_the_lms_token_logprobs(micro_dir):
     """For prompt '1+2\n' and steps ['1+2=3', 'answer 3'], step 1's span is its 5 tokens plus
     the first separator token ';', step 2's is its 8 tokens plus EOS; each feature is read
     off log p(token_t | tokens < t) computed here by hand from one forward pass."""
-    from rlhf.rewards.prm_likelihood import encode, likelihood_features
     from rlhf.models.loading import load_causal_lm
+    from rlhf.rewards.prm_likelihood import encode, likelihood_features
 
     tokenizer, lm = build_tokenizer(), load_causal_lm(micro_dir)
     ids, spans = encode(tokenizer, "1+2\n", ["1+2=3", "answer 3"], "; ")

@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf.models.loading import build_tokenizer, load_causal_lm
+from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
 from rlhf.rewards.likelihood_rm import (
     HEAD_FILE,
     LikelihoodRewardModel,
@@ -24,8 +26,6 @@ from rlhf.rewards.likelihood_rm import (
     pairs_dataset,
     response_features,
 )
-from rlhf.models.loading import build_tokenizer, load_causal_lm
-from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
 from rlhf.tasks import TaskConfig, get_task
 from rlhf.tasks.arithmetic import FLAW_KINDS, TaskSizes, TaskSpec, generate_datasets
 from rlhf.training.params import TrainingParams
@@ -269,7 +269,11 @@ def test_accuracy_by_flaw_groups_pairs_by_the_tasks_error_kind():
     pairs = pd.DataFrame(
         {
             "prompt": ["23+58-17\n"] * 3,
-            "rejected": ["23+58=82; 82-17=65; answer 65", "23+58=81; 81-17=64; answer 65", "23+58=81; 81-17=63; answer 63"],
+            "rejected": [
+                "23+58=82; 82-17=65; answer 65",
+                "23+58=81; 81-17=64; answer 65",
+                "23+58=81; 81-17=63; answer 63",
+            ],
         }
     )
     chosen, rejected = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])

@@ -4,9 +4,9 @@ model folders the model-based ones read, and their weighted sum."""
 
 from __future__ import annotations
 
-import pytest
 from pathlib import Path
 
+import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from rlhf.params import format_validation_error

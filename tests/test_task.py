@@ -1,13 +1,18 @@
-"""The built-in task (rlhf.tasks.arithmetic): problems, checkers, flawed solutions and the generator."""
+"""The built-in task (rlhf.tasks.arithmetic): problems, checkers, flawed solutions and the
+generator; and the Task interface (rlhf.tasks.base) with its plain-text defaults and the
+built-in task behind it."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
+from rlhf.tasks import TASKS, TaskConfig, get_task
 from rlhf.tasks.arithmetic import (
     FLAW_KINDS,
+    ArithmeticTask,
     Problem,
     TaskSizes,
     TaskSpec,
@@ -17,14 +22,19 @@ from rlhf.tasks.arithmetic import (
     generate_datasets,
     is_correct,
     is_well_formatted,
+    operand_count,
     parse_prompt,
     sample_problem,
     split_steps,
 )
+from rlhf.tasks.base import Task, normalize_text
 
 SPEC = TaskSpec(min_operands=3, max_operands=4, max_value=39)  # the difficulty in params.yaml
-SIZES = TaskSizes(sft=200, prefs=60, prefs_eval=30, unpaired=60, prm=60, prm_eval=30, prompts=40, eval_heldout=30)
-EVAL_SPLITS = ("eval_heldout", "prefs_eval", "prm_eval")
+SIZES = TaskSizes(
+    sft=200, prefs=60, prefs_eval=30, unpaired=60, prm=60, prm_eval=30, prompts=40, eval_dev=30, eval_test=20
+)
+EVAL_SUITES = ("eval_dev", "eval_test")
+EVAL_SPLITS = (*EVAL_SUITES, "prefs_eval", "prm_eval")
 TRAIN_SPLITS = ("sft", "prefs", "unpaired", "prm", "prompts")
 EXAMPLE = Problem(operands=(23, 58, 17), ops=("+", "-"))
 EXAMPLE_SOLUTION = "23+58=81; 81-17=64; answer 64"
@@ -256,7 +266,7 @@ def test_generate_datasets_is_deterministic_per_seed(datasets):
     assert generate_datasets(SPEC, SIZES, seed=7) == datasets
     other = generate_datasets(SPEC, SIZES, seed=8)
     assert other["sft"] != datasets["sft"]
-    assert other["eval_heldout"] != datasets["eval_heldout"]
+    assert other["eval_dev"] != datasets["eval_dev"] and other["eval_test"] != datasets["eval_test"]
 
 
 def test_generate_datasets_sizes(datasets):
@@ -337,18 +347,37 @@ def test_prm_rows_carry_checked_labels(datasets):
 
 
 def test_prompt_rows_carry_the_answer(datasets):
-    for name in ("prompts", "eval_heldout"):
+    for name in ("prompts", *EVAL_SUITES):
         for row in datasets[name]:
             assert row["answer"] == str(parse_prompt(row["prompt"]).answer)
 
 
+def test_eval_suites_carry_their_difficulty(datasets):
+    """eval_dev and eval_test rows carry `difficulty`: the operand count as a string (3 or 4
+    with SPEC); the training prompts have no such column. The two suites share no prompt."""
+    for name in EVAL_SUITES:
+        rows = datasets[name]
+        assert all(set(row) == {"prompt", "answer", "difficulty"} for row in rows), name
+        assert all(row["difficulty"] == str(operand_count(row["prompt"])) for row in rows)
+        assert {row["difficulty"] for row in rows} <= {"3", "4"}
+    assert operand_count("23+58-17\n") == 3
+    assert all(set(row) == {"prompt", "answer"} for row in datasets["prompts"])
+    dev, test = ({row["prompt"] for row in datasets[name]} for name in EVAL_SUITES)
+    assert not dev & test
+
+
 def test_generate_datasets_too_few_distinct_problems():
-    """With 2 operands in 1..2 there are only 6 distinct prompts (1+1, 1+2, 2+1, 2+2, 2-1,
-    2-2), so 10 SFT rows cannot be drawn."""
+    """With 2 operands in 1..2 there are only 7 distinct prompts (1+1, 1-1, 1+2, 2+1, 2+2,
+    2-1, 2-2; a subtraction needs the left value >= the right one), so 10 SFT rows cannot be
+    drawn, while 7 can."""
     spec = TaskSpec(min_operands=2, max_operands=2, max_value=2)
-    sizes = TaskSizes(sft=10, prefs=0, prefs_eval=0, unpaired=0, prm=0, prm_eval=0, prompts=0, eval_heldout=0)
+    sizes = TaskSizes(sft=10, prefs=0, prefs_eval=0, unpaired=0, prm=0, prm_eval=0, prompts=0, eval_dev=0, eval_test=0)
     with pytest.raises(ValueError, match="too few distinct problems"):
         generate_datasets(spec, sizes, seed=0)
+    every = generate_datasets(spec, dataclasses.replace(sizes, sft=7), seed=0)["sft"]
+    assert sorted(row["prompt"] for row in every) == sorted(
+        f"{e}\n" for e in ("1+1", "1-1", "1+2", "2+1", "2+2", "2-1", "2-2")
+    )
 
 
 def test_classify_flaw_names_the_kind_of_each_generated_mistake():
@@ -372,3 +401,105 @@ def test_classify_flaw_names_the_kind_of_each_generated_mistake():
         for kind in FLAW_KINDS:
             text, _ = flawed_solution(problem, random.Random(seed), kind)
             assert classify_flaw(problem.prompt, text) in {kind, "answer"}  # "answer" is the documented fallback
+
+
+# ----------------------------------------------------------------------------- the Task interface
+
+TASK = ArithmeticTask()
+
+
+def test_get_task_gives_the_builtin_task():
+    assert isinstance(get_task(), ArithmeticTask) and isinstance(get_task(TaskConfig(kind="builtin")), ArithmeticTask)
+    assert TASKS == {"builtin": ArithmeticTask} and TASK.name == "builtin"
+    assert TASK.step_separator == "; " and TASK.has_format
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        (EXAMPLE_SOLUTION, "64"),
+        ("answer -5", "-5"),
+        ("answer 12; answer 13", "12"),
+        ("the answer is 64", None),
+        ("", None),
+    ],
+)
+def test_arithmetic_task_extract_answer_is_a_string(completion, expected):
+    """Through the interface the answer is a string (votes and the generic rewards compare
+    strings), the module's integer written out; None when none is stated."""
+    answer = TASK.extract_answer(completion)
+    assert answer == expected
+    assert answer is None or isinstance(answer, str)
+
+
+def test_arithmetic_task_checks_through_the_interface():
+    assert TASK.is_correct(EXAMPLE_SOLUTION, 64) and TASK.is_correct(EXAMPLE_SOLUTION, "64")
+    assert not TASK.is_correct(EXAMPLE_SOLUTION, "65")
+    assert TASK.is_well_formatted(EXAMPLE_SOLUTION) and not TASK.is_well_formatted("64")
+    assert TASK.split_steps(EXAMPLE_SOLUTION) == ["23+58=81", "81-17=64", "answer 64"]
+    assert TASK.join_steps(TASK.split_steps(EXAMPLE_SOLUTION)) == EXAMPLE_SOLUTION
+    assert TASK.check_steps(EXAMPLE.prompt, "23+58=81; 80-17=63; answer 63") == [True, False, False]
+    assert TASK.classify_error(EXAMPLE.prompt, "23+58=81; 80-17=63; answer 63") == "copy"
+    assert TASK.normalize_prompt("23+58-17") == TASK.normalize_prompt("23+58-17\n") == "23+58-17\n"
+
+
+@pytest.mark.parametrize(
+    ("step", "expected"),
+    [("answer 5", True), (" answer 5 ", True), ("answer -5", True), ("3+2=5", False), ("5", False), ("", False)],
+)
+def test_arithmetic_task_is_final_step(step, expected):
+    """MCTS stops expanding at the `answer N` step."""
+    assert TASK.is_final_step(step) is expected
+
+
+@pytest.mark.parametrize("prompt", ["What is the capital of France?\n", "", "1 2 3", "tell me a joke\n"])
+def test_arithmetic_task_cannot_check_a_non_arithmetic_prompt(prompt):
+    """A user suite run under the built-in task: check_steps and classify_error return None
+    (nothing to check) instead of raising as the module's `check_steps` does."""
+    assert TASK.check_steps(prompt, "answer 1") is None
+    assert TASK.classify_error(prompt, "answer 1") is None
+
+
+def test_base_task_extract_answer_is_the_last_line_normalised():
+    """With no structure the answer is the last non-blank line, lower-cased, its space
+    stripped and runs of space collapsed; None when there is no text at all."""
+    task = Task()
+    assert task.extract_answer("Let me think.\nThe  Capital is   PARIS \n\n  \n") == "the capital is paris"
+    assert task.extract_answer("42") == "42"
+    assert task.extract_answer("") is None and task.extract_answer(" \n\t\n") is None
+    assert normalize_text("  New\tYork  CITY ") == "new york city"
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "expected"),
+    [
+        ("I think it is\nParis", "paris", True),
+        ("I think it is\n  PARIS  \n", " Paris ", True),  # case and surrounding space
+        ("new   york", "New York", True),  # runs of space on the completion's side
+        ("New York", "new \t york", True),  # and on the reference's
+        ("new  york", "new  york", True),  # the same text is always correct
+        ("Paris\nLyon", "Paris", False),  # only the last line counts
+        ("Paris, France", "Paris", False),
+        ("answer 42", 42, False),  # no `answer` parsing: the whole last line is compared
+        ("42", 42, True),
+        ("", "", False),  # no answer stated
+    ],
+)
+def test_base_task_is_correct_normalises_case_and_space(completion, reference, expected):
+    assert Task().is_correct(completion, reference) is expected
+
+
+def test_base_task_defaults():
+    """A task with no structure: no format (every completion is well formed), steps are
+    lines, no step ends a solution, nothing can be checked or classified, prompts unchanged."""
+    task = Task()
+    assert task.name == "none" and task.has_format is False and task.step_separator == "\n"
+    assert task.is_well_formatted("anything at all") and task.is_well_formatted("")
+    assert task.split_steps("first step\n\n  \nsecond step\n") == ["first step", "second step"]
+    assert task.split_steps("23+58=81; answer 81") == ["23+58=81; answer 81"]
+    assert task.split_steps("") == []
+    assert task.join_steps(["a", "b"]) == "a\nb"
+    assert task.is_final_step("answer 5") is False
+    assert task.check_steps(EXAMPLE.prompt, EXAMPLE_SOLUTION) is None
+    assert task.classify_error(EXAMPLE.prompt, "answer 1") is None
+    assert task.normalize_prompt("23+58-17") == "23+58-17"
