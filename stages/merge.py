@@ -31,11 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rlhf.artifacts import atomic_dir, write_json
 from rlhf.models.folders import resolve_model_dir
-from rlhf.params import ParamsError, StageConfig
+from rlhf.params import ParamsError, StageConfig, reject_unused
 from rlhf.tasks import Task, get_task
 from stages import MERGED_DIR, MODELS_DIR, POLICY_DIR, eval_suite_path, load_all
 
@@ -103,6 +103,21 @@ class Config(StageConfig):
         if not values or any(not 0 <= v <= 1 for v in values):
             raise ValueError(f"must be in [0, 1] (or a non-empty list of such values), got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _keys_of_other_methods(self):
+        # greedy_soup_suite stays allowed: dvc.yaml names its file as the stage's dep.
+        reads = {
+            "density": self.method in ("ties", "dare_ties", "dare_linear"),
+            "int8_mask": self.method in ("task_arithmetic", "ties", "dare_ties", "dare_linear"),
+            "t": self.method == "slerp",
+            "seed": self.method in ("dare_ties", "dare_linear"),
+            "greedy_soup_prompts": self.method == "greedy_soup",
+            "max_new_tokens": self.method == "greedy_soup",
+            "batch_size": self.method == "greedy_soup",
+        }
+        reject_unused(self, [key for key, read in reads.items() if not read], f"by merge method {self.method}")
+        return self
 
 
 def member_names(config: Config, methods: list[str]) -> list[str]:

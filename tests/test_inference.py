@@ -302,13 +302,17 @@ def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task,
     1, 2); simulations 3 and 4 descend (3 < 3 is false) -> 3 root expansions, seeds
     [0, 1, 2], as extra["root_expansions"] reports. With widen_below 0.0 (0.0 < 0.0 is
     false) the root is expanded once, [0]. With the exact checker and widen_below 0.5, the
-    first expansion already holds a good first step (1.0 >= 0.5) -> once, [0]."""
-    expansions = []
+    first expansion already holds a good first step (1.0 >= 0.5) -> once, [0]. Every
+    expansion's whole samples count towards the answer's tokens (the text after a step's
+    separator is generated too), so the tokens are at least their sum."""
+    expansions, generated = [], []
     real_next_steps = strategies.next_steps
 
     def recording(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed):
         expansions.append((steps, seed))
-        return real_next_steps(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed)
+        counted, tokens = real_next_steps(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed)
+        generated.append(tokens)
+        return counted, tokens
 
     monkeypatch.setattr(strategies, "next_steps", recording)
 
@@ -317,10 +321,12 @@ def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task,
 
     def root_seeds(scorer, widen_below):
         expansions.clear()
+        generated.clear()
         options = MCTS(simulations=5, expand=4, max_depth=2, widen_below=widen_below, max_expansions=3)
         answer = mcts(mixed, tokenizer, PROBLEM, task, scorer, options, BUDGET)
         seeds = [seed for steps, seed in expansions if steps == ()]
         assert answer.extra["root_expansions"] == len(seeds)
+        assert answer.tokens >= sum(generated) >= 4 * len(expansions), "every sample has at least its end token"
         return seeds
 
     assert root_seeds(reject, 0.5) == [0, 1, 2]

@@ -316,6 +316,12 @@ def test_config_errors_name_the_key():
     assert "merge.density" in problems({"density": 0})
     assert "merge.t" in problems({"method": "slerp", "t": [0.0, 1.5]})
     assert "merge.merge_method: unknown key" in problems({"merge_method": "ties"})
+    # A key the chosen method does not read is an error, not a silent no-op.
+    assert "merge: Value error, density, t: not read by merge method linear" in problems({"density": 0.3, "t": 0.2})
+    assert "merge: Value error, greedy_soup_prompts: not read by merge method ties" in problems(
+        {"method": "ties", "density": 0.3, "greedy_soup_prompts": 50}
+    )
+    assert Config(method="dare_ties", density=0.3, seed=1, int8_mask=True).seed == 1
 
 
 def test_members_are_checked_against_policy_methods():

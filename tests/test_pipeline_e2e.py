@@ -131,7 +131,8 @@ def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     by_stage = {r.data.tags["rlhf.stage"]: r for r in children}
-    assert set(by_stage) == set(ALL_STAGES)
+    # check_params only validates (in half a second, no MLflow import): it logs no run.
+    assert set(by_stage) == set(ALL_STAGES) - {"check_params"}
     for stage, child in by_stage.items():
         assert child.data.tags["dvc.lock_hash"] == lock_entry_hash(stage, root / "dvc.lock")
         assert child.data.tags["mlflow.source.git.commit"] == parent.data.tags["mlflow.source.git.commit"]

@@ -183,9 +183,11 @@ def next_steps(
     temperature: float,
     max_step_tokens: int,
     seed,
-) -> Counter:
+) -> tuple[Counter, int]:
     """Sample `k` continuations of a partial solution and cut each at the task's step
-    separator. Returns the distinct next steps with how often each was sampled."""
+    separator. Returns the distinct next steps with how often each was sampled, and the
+    tokens generated for them (the whole samples: the text after the separator is
+    generated too, then dropped)."""
     separator = task.step_separator
     prefix = format_prompt(tokenizer, prompt) + "".join(s + separator for s in steps)
     texts = generate(model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed)
@@ -194,7 +196,7 @@ def next_steps(
         step = text.split(separator)[0].strip()
         if step:
             counted[step] += 1
-    return counted
+    return counted, sum(count_tokens(tokenizer, texts))
 
 
 def mcts(
@@ -232,11 +234,11 @@ def mcts(
             node = max(node.children, key=lambda child, parent=node: puct(parent, child, c_puct))
             path.append(node)
         if not node.terminal and len(node.steps) < max_depth:
-            counted = next_steps(
+            counted, generated = next_steps(
                 model, tokenizer, prompt, task, node.steps, expand, temperature, max_step_tokens, seed + simulation
             )
             node.expansions += 1
-            tokens += sum(count_tokens(tokenizer, list(counted.elements())))
+            tokens += generated
             known = {child.steps[-1] for child in node.children}
             candidates = [node.steps + (step,) for step in counted if step not in known]
             if candidates:
