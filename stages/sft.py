@@ -6,7 +6,8 @@ Out: models/sft (a plain model: a LoRA adapter is merged on save), metrics/sft.j
 
 TRL's `SFTTrainer` with loss on the completion only (prompt-completion data) or on the
 assistant turns only (conversational data, through the chat template's generation
-markers). Checkpoints go to checkpoints/sft/<fingerprint>/ every `save_steps`; a killed
+markers), each batch run as length-sorted sub-batches (rlhf.training.bucketed_sft: the
+same loss, less padding). Checkpoints go to checkpoints/sft/<fingerprint>/ every `save_steps`; a killed
 run restarted with the same params and inputs (`dvc repro` again) resumes from the last one.
 
     python -m stages.sft
@@ -37,6 +38,9 @@ class Config(TrainingParams):
     learning_rate: float = Field(3e-3, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(96, gt=0, description="tokens per example (longer ones are truncated)")
     loss_on: str = Field("completion", pattern="^(completion|all)$", description="completion only, or every token")
+    length_buckets: int = Field(
+        4, ge=1, description="run each batch as this many length-sorted sub-batches: same loss, less padding (1 = off)"
+    )
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
@@ -45,7 +49,9 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
     """Fine-tune `base_dir`, save the model into `out_dir`; return metrics and the loss
     curve. `stage` names the checkpoint folder (stage `verifier` trains the same way)."""
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
+
+    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer
 
     from rlhf.data.contracts import read_prepared
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
@@ -75,12 +81,13 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
         assistant_only_loss=only_target and conversational,
         packing=False,
     )
-    trainer = SFTTrainer(
+    trainer = LengthBucketedSFTTrainer(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=config.lora.peft_config(),
+        buckets=config.length_buckets,
     )
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
