@@ -36,6 +36,7 @@ def loss_and_grads(trainer: LengthBucketedSFTTrainer, batch: dict, num_items) ->
     return float(loss.detach()), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given_count", [True, False], ids=["count-given", "count-computed"])
 def test_sub_batches_give_the_batch_loss_and_gradients(tmp_path, given_count):
     """Ten rows of 6 to 45 tokens, right-padded to the longest: the loss of 4 (and of 3)

@@ -116,6 +116,7 @@ def inverted_step_scorer(prompts, steps_lists):
 # ----------------------------------------------------------------------------- greedy, speculative, logits
 
 
+@pytest.mark.slow
 def test_speculative_output_equals_the_targets_greedy_output(models, tokenizer):
     """Assisted generation with a different draft model changes only how the target's
     tokens are found: the text is the target's greedy text, within the 20-token budget."""
@@ -126,6 +127,7 @@ def test_speculative_output_equals_the_targets_greedy_output(models, tokenizer):
     assert all(0 < a.tokens <= 20 for a in assisted)
 
 
+@pytest.mark.slow
 def test_logit_ensemble_of_one_model_is_its_greedy_decoding(models, tokenizer):
     """One member: the mean of one log-softmax is that model's, so the ensemble decodes
     its greedy text; the same model twice averages to itself too (prompts of different
@@ -135,6 +137,7 @@ def test_logit_ensemble_of_one_model_is_its_greedy_decoding(models, tokenizer):
     assert [a.completion for a in ensemble_logits([models[0], models[0]], tokenizer, PROMPTS, 20)] == plain
 
 
+@pytest.mark.slow
 def test_logit_ensemble_follows_the_mean_log_probs_at_every_token(good, bad, tokenizer):
     """Two different members (the good and the bad solver): every token of the batched,
     cached ensemble equals the argmax of the mean of the two log-softmaxes recomputed from
@@ -159,6 +162,7 @@ def test_logit_ensemble_follows_the_mean_log_probs_at_every_token(good, bad, tok
 # ----------------------------------------------------------------------------- ensemble vote
 
 
+@pytest.mark.slow
 def test_ensemble_vote_picks_the_majority_answer(good, bad, tokenizer, task):
     """Greedy answers: good -> 16, bad -> 15. Members [bad, good, good]: 16 has 2 votes,
     15 has 1 -> the good solution wins with 2 votes; 3 samples; tokens are the three
@@ -170,6 +174,7 @@ def test_ensemble_vote_picks_the_majority_answer(good, bad, tokenizer, task):
     assert answer.extra["votes"] == 2 and answer.samples == 3 and answer.tokens == 3 * 28 == 84
 
 
+@pytest.mark.slow
 def test_ensemble_vote_breaks_ties_by_member_order(good, bad, tokenizer, task):
     """One vote each for 16 and 15: the earlier member's answer wins, so [bad, good]
     returns the bad solution and [good, bad] the good one, each with 1 vote."""
@@ -179,6 +184,7 @@ def test_ensemble_vote_breaks_ties_by_member_order(good, bad, tokenizer, task):
     assert (first_good.completion, first_good.extra["votes"]) == (GOOD, 1)
 
 
+@pytest.mark.slow
 def test_ensemble_vote_without_any_answer_returns_the_first_members_text(models, tokenizer, task):
     """Untrained members state no answer: no votes (0), and the completion is the first
     member's greedy text."""
@@ -208,6 +214,7 @@ def test_vote_is_decided_by_the_rule():
     assert vote_is_decided(Counter(), remaining=0, stop_share=0.5, taken=2)
 
 
+@pytest.mark.slow
 def test_self_consistency_stops_early_when_the_vote_is_unanimous(good, tokenizer, task):
     """At temperature 1e-4 every sample of the good solver is its greedy solution: the
     first round of 4 votes 4 for 16; 4 > 0 + 12 is false but the share 4/4 >= 0.75 stops
@@ -219,6 +226,7 @@ def test_self_consistency_stops_early_when_the_vote_is_unanimous(good, tokenizer
     assert (full.samples, full.extra["votes"], full.extra["answer"], full.completion) == (16, 16, "16", GOOD)
 
 
+@pytest.mark.slow
 def test_self_consistency_returns_the_majority_of_its_samples(mixed, tokenizer, task):
     """Without the early stop, 2 rounds of 4 samples (seeds 0 and 1): the answer is the
     most common extracted answer over those 8 samples, with its count as votes, and the
@@ -237,6 +245,7 @@ def test_self_consistency_returns_the_majority_of_its_samples(mixed, tokenizer, 
 # ----------------------------------------------------------------------------- best-of-n
 
 
+@pytest.mark.slow
 def test_best_of_n_returns_the_best_scored_sample(mixed, tokenizer):
     """Scorer: the number of good steps (exact checker). The answer is the first of the
     same 8 samples (seed 0) with the highest score, which is not every sample's score,
@@ -269,6 +278,7 @@ def test_puct_adds_the_prior_weighted_exploration_bonus():
     assert puct(parent, a, 0.0) == pytest.approx(0.5) and puct(parent, b, 0.0) == pytest.approx(0.0)
 
 
+@pytest.mark.slow
 def test_mcts_follows_the_step_scorer_to_a_terminal_answer(mixed, tokenizer, task):
     """The mixed model's greedy answer is wrong and it samples right and wrong steps. Guided
     by the exact step checker, MCTS returns the right solution step by step, ending in a
@@ -285,6 +295,7 @@ def test_mcts_follows_the_step_scorer_to_a_terminal_answer(mixed, tokenizer, tas
     assert wrong.extra["terminal"] is True and wrong.extra["value"] == 1.0
 
 
+@pytest.mark.slow
 def test_mcts_without_a_terminal_completes_the_most_visited_path_greedily(mixed, tokenizer, task):
     """max_depth 1: no path gets past its first step, so none reaches an answer. The most
     visited first step is the one the scorer rates good (12+7=19); the completion is that
@@ -295,6 +306,7 @@ def test_mcts_without_a_terminal_completes_the_most_visited_path_greedily(mixed,
     assert answer.completion == "12+7=19; " + rest
 
 
+@pytest.mark.slow
 def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task, monkeypatch):
     """A scorer that rejects every step, 5 simulations, at most 3 expansions per node. With
     widen_below 0.5: simulation 0 expands the root (seed 0 + 0); after it every child
@@ -337,6 +349,7 @@ def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task,
 # ----------------------------------------------------------------------------- dispatch and the command
 
 
+@pytest.mark.slow
 def test_run_strategy_dispatches_with_the_settings(mixed, tokenizer, task):
     """greedy = greedy(max_new_tokens); best_of_n with a format reward = best_of_n with
     that scorer, the settings' options, budget and seed; mcts without a PRM, or an unknown
@@ -399,6 +412,7 @@ def test_params_yaml_infer_defaults_are_the_strategies_defaults():
         assert kind.model_validate(infer[name]).model_dump() == getattr(defaults, name).model_dump(), name
 
 
+@pytest.mark.slow
 def test_generate_command_prints_one_record_per_prompt(micro_dir, models, tokenizer, capsys):
     """The saved micro model (seed 0) answers greedily: the prompt gets its trailing newline
     from the task, the completion is models[0]'s greedy text for it, with 1 sample."""

@@ -18,8 +18,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rlhf.models.merging import IncompatibleModelsError, check_compatible, greedy_soup, merge_configuration, run_mergekit
 from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, load_tokenizer, save_model
+from rlhf.models.merging import (
+    IncompatibleModelsError,
+    check_compatible,
+    greedy_soup,
+    merge_configuration,
+    run_mergekit,
+)
 from rlhf.params import ParamsError, validate_params
 from rlhf.tasks import get_task
 from stages.merge import Config, member_names, run
@@ -76,6 +82,7 @@ def merge(zoo: Path, out: str, method: str, mix=None, seed: int = 0, **options) 
 # ----------------------------------------------------------------------------- every method
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "slerp"])
 def test_each_method_writes_a_loadable_model_with_the_base_tokenizer(zoo, method):
     out = zoo / f"loadable-{method}"
@@ -100,6 +107,7 @@ def test_each_method_writes_a_loadable_model_with_the_base_tokenizer(zoo, method
 # ----------------------------------------------------------------------------- against hand-computed merges
 
 
+@pytest.mark.slow
 def test_linear_is_the_weighted_average_normalized_or_not(zoo):
     """normalize (default): (1 a + 3 b) / 4. Not normalized: 0.5 a + 2 b."""
     a, b = weights(zoo / "a"), weights(zoo / "b")
@@ -108,6 +116,7 @@ def test_linear_is_the_weighted_average_normalized_or_not(zoo):
     assert_close(merge(zoo, "lin-uniform", "linear"), {k: (a[k] + b[k]) / 2 for k in a})
 
 
+@pytest.mark.slow
 def test_task_arithmetic_adds_weighted_task_vectors_to_the_base(zoo):
     """theta = base + 0.5 (a - base) + 0.8 (b - base)  (Ilharco et al. 2023), not normalized."""
     base, a, b = weights(zoo / "base"), weights(zoo / "a"), weights(zoo / "b")
@@ -140,6 +149,7 @@ def ties_by_hand(base: dict, tuned: list[dict], density: float) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("density", [1.0, 0.3])
 def test_ties_trims_elects_signs_and_takes_the_disjoint_mean(zoo, density):
     base, a, b = weights(zoo / "base"), weights(zoo / "a"), weights(zoo / "b")
@@ -155,6 +165,7 @@ def test_ties_trims_elects_signs_and_takes_the_disjoint_mean(zoo, density):
 SEEDS = (("s0", 0), ("s0-again", 0), ("s1", 1))
 
 
+@pytest.mark.slow
 def test_dare_keeps_everything_at_density_one_and_is_seeded_below(zoo):
     """dare_linear with density 1 drops nothing: it is task arithmetic. Below 1 the drops are
     random: the same seed gives the same merge, another seed another one."""
@@ -166,6 +177,7 @@ def test_dare_keeps_everything_at_density_one_and_is_seeded_below(zoo):
     assert not torch.equal(runs["s0"][key], runs["s1"][key])
 
 
+@pytest.mark.slow
 def test_slerp_endpoints_are_the_two_models(zoo):
     a, b = weights(zoo / "a"), weights(zoo / "b")
     assert_close(merge(zoo, "slerp-0", "slerp", t=0.0), a)
@@ -175,6 +187,7 @@ def test_slerp_endpoints_are_the_two_models(zoo):
     assert not torch.allclose(middle[key], a[key]) and not torch.allclose(middle[key], b[key])
 
 
+@pytest.mark.slow
 def test_per_layer_weights_fade_from_the_first_model_to_the_second(zoo):
     """Weights [1, 0] for a and [0, 1] for b (linear), or t = [0, 1] (slerp): layer 0 is a,
     the last layer is b; weights outside the layers (embeddings, final norm) take the
@@ -209,6 +222,7 @@ def distance_score(model) -> float:
     return -(abs(x - 1) + abs(y - 1))
 
 
+@pytest.mark.slow
 def test_greedy_soup_keeps_only_candidates_that_do_not_lower_the_score(zoo):
     """Scores (x, y -> -(|x-1| + |y-1|)): A (1, 0.4) -0.6, B (0.6, 0.6) -0.8, C (1, 2) -1.0,
     D (4, 4) -6.0, so the order is A, B, C, D. Soup A: -0.6. +B: mean (0.8, 0.5) -0.7 < -0.6,
@@ -229,6 +243,7 @@ def test_greedy_soup_keeps_only_candidates_that_do_not_lower_the_score(zoo):
     assert [r["soup"] for r in soup.trace] == pytest.approx([-0.6, -0.7, -0.2, -(1 + 3.4 / 3)], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_greedy_soup_accepts_an_ingredient_that_leaves_the_score_level(zoo):
     """The paper's rule is >=: a copy of the best candidate leaves the soup's score exactly
     where it was (all values are exact in binary), and joins."""
@@ -237,6 +252,7 @@ def test_greedy_soup_accepts_an_ingredient_that_leaves_the_score_level(zoo):
     assert soup.members == ["A", "A2"] and soup.score == -0.5
 
 
+@pytest.mark.slow
 def test_greedy_soup_stage_writes_the_uniform_average_of_its_members(zoo):
     candidates = {
         "A": norm_model(zoo, "stage-A", 1.0, 0.4),
@@ -252,6 +268,7 @@ def test_greedy_soup_stage_writes_the_uniform_average_of_its_members(zoo):
     assert distance_score(load_causal_lm(out)) == pytest.approx(metrics["greedy_soup"]["score"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_greedy_soup_scores_by_greedy_decoding_accuracy_on_prompts(zoo):
     """The real score: task accuracy (the task's answer check) on the first prompts of the
     suite. The untrained micro models solve
@@ -268,6 +285,7 @@ def test_greedy_soup_scores_by_greedy_decoding_accuracy_on_prompts(zoo):
 # ----------------------------------------------------------------------------- compatibility
 
 
+@pytest.mark.slow
 def test_a_different_vocabulary_fails_naming_both_models_before_any_compute(zoo):
     tokenizer = build_tokenizer()
     tokenizer.add_tokens(["<extra>"])
@@ -283,6 +301,7 @@ def test_a_different_vocabulary_fails_naming_both_models_before_any_compute(zoo)
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_swapped_token_ids_of_the_same_size_are_incompatible(zoo):
     shutil.copytree(zoo / "a", zoo / "swapped")
     path = zoo / "swapped/tokenizer.json"
@@ -338,6 +357,7 @@ def test_members_are_checked_against_policy_methods():
 # ----------------------------------------------------------------------------- the stage's CLI
 
 
+@pytest.mark.slow
 def test_main_merges_the_configured_policies_into_models_merged(zoo, tmp_path, monkeypatch, mlflow_store):
     import stages.merge
 

@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import make_project
 from tests.test_stages import changed, weights
 
+pytestmark = pytest.mark.slow  # trains real models: the full suite runs it, the quick tier does not
+
 
 @pytest.fixture(scope="module")
 def sft_project(tmp_path_factory):

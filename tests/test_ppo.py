@@ -347,6 +347,7 @@ def run_ppo(model_dir, tokenizer, checkpoints, models=None, **overrides):
     return history, logged
 
 
+@pytest.mark.slow
 def test_ppo_updates_policy_and_value_and_reports_finite_metrics(model_dir, tokenizer, tmp_path):
     policy, ref, value = fresh_models(model_dir)
     before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in zip("prv", (policy, ref, value))}
@@ -359,6 +360,7 @@ def test_ppo_updates_policy_and_value_and_reports_finite_metrics(model_dir, toke
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-2"], "only the last checkpoint is kept"
 
 
+@pytest.mark.slow
 def test_ppo_with_lora_returns_a_merged_plain_policy(model_dir, tokenizer, tmp_path):
     policy, ref, value = fresh_models(model_dir)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
@@ -369,6 +371,7 @@ def test_ppo_with_lora_returns_a_merged_plain_policy(model_dir, tokenizer, tmp_p
     assert changed(before, policy.state_dict(), "model.layers")
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_from_its_checkpoint_and_reproduces(model_dir, tokenizer, tmp_path):
     """Run 2 iterations checkpointing every one, then restart with max_steps 3: only iteration
     3 runs, and it ends where a 3-iteration run that was never stopped ends."""

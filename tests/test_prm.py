@@ -152,6 +152,7 @@ def test_prefix_of_k_steps_scores_k_steps_and_batching_changes_nothing(micro_dir
     assert whole == pytest.approx([math.prod(full), 0.0], abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, micro_dir, lora):
     import stages.process_reward_model as stage
@@ -180,6 +181,7 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
     assert not (tmp_path / "checkpoints/prm").exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reproduces_an_uninterrupted_one(tmp_path, monkeypatch, mlflow_store, micro_dir):
     """Stop after step 2 (checkpoint-2), resume in a fresh trainer to step 4: the weights
     equal those of a run that was never stopped."""
@@ -293,6 +295,7 @@ def test_fit_logistic_separates_a_separable_feature():
     assert curve[-1]["loss"] < curve[0]["loss"]
 
 
+@pytest.mark.slow
 def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatch, mlflow_store, micro_dir):
     import stages.process_reward_model as stage
     from rlhf.rewards.prm_likelihood import LikelihoodPRM

@@ -86,6 +86,7 @@ def test_the_reward_is_the_head_over_the_lms_response_logprobs(micro_dir):
     assert abs(float(padded) - float(alone)) < 1e-4
 
 
+@pytest.mark.slow
 def test_the_head_fit_beats_the_initial_head_and_centres_rewards(micro_dir, tmp_path):
     """The Bradley-Terry fit on the frozen LM lowers the pairwise loss below the initial
     head's (1, 1, 0) and puts the mean reward of the training responses at 0."""
@@ -153,6 +154,7 @@ def likelihood_trainer(micro_dir, tmp_path, out, max_steps=4, stop_at=None, **tr
     return trainer
 
 
+@pytest.mark.slow
 def test_a_resumed_likelihood_rm_run_reproduces_an_uninterrupted_one(micro_dir, tmp_path, mlflow_store):
     """Stop after step 2 (checkpoint-2, the tied embeddings stored once), resume in a fresh
     trainer to step 4: LM and head equal those of a run that was never stopped."""
@@ -168,6 +170,7 @@ def test_a_resumed_likelihood_rm_run_reproduces_an_uninterrupted_one(micro_dir, 
         torch.testing.assert_close(resumed.model.state_dict()[name], value)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_trains_the_lm(micro_dir, tmp_path, mlflow_store):
     """Trainer enables activation checkpointing through the wrapper, on the LM inside it."""
     trainer = likelihood_trainer(micro_dir, tmp_path, tmp_path / "ckpt", max_steps=2, gradient_checkpointing=True)
@@ -208,6 +211,7 @@ def run_stage(tmp_path, monkeypatch, **config):
     return json.loads((tmp_path / "metrics/rm.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_likelihood_stage_trains_members_that_load_and_score(tmp_path, monkeypatch, mlflow_store, micro_dir, lora):
     """Each member's LM is trained (and differs from the other's: a different data order),
@@ -232,6 +236,7 @@ def test_likelihood_stage_trains_members_that_load_and_score(tmp_path, monkeypat
     assert not (tmp_path / "checkpoints/rm").exists()
 
 
+@pytest.mark.slow
 def test_classifier_stage_trains_differing_score_heads(tmp_path, monkeypatch, mlflow_store, micro_dir):
     metrics = run_stage(tmp_path, monkeypatch, kind="classifier", learning_rate=1e-3)
     assert math.isfinite(metrics["members"]["member_0"]["train_loss"]) and "head_fit_loss" not in metrics

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import make_project
 
+pytestmark = pytest.mark.slow  # trains real models: the full suite runs it, the quick tier does not
+
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
     state = {}
