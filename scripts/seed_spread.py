@@ -75,7 +75,9 @@ def run_job(out: Path, setting: str, seed: int, threads: int) -> dict:
         start = time.perf_counter()
         log = folder / "log.txt"
         with log.open("a") as handle:
-            subprocess.run([sys.executable, "-m", *command], cwd=folder, env=env, stdout=handle, stderr=handle, check=True)
+            subprocess.run(
+                [sys.executable, "-m", *command], cwd=folder, env=env, stdout=handle, stderr=handle, check=True
+            )
         seconds[" ".join(command[-1:])] = time.perf_counter() - start
     score = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--score", str(folder)],
@@ -139,7 +141,9 @@ def table(results: list[dict]) -> str:
             by_level = " / ".join(
                 f"{statistics.mean(r['models'][model]['by_operands'][k] for r in runs):.3f}" for k in levels
             )
-            lines.append(f"| {setting} | {model} | {statistics.mean(values):.3f} ± {spread:.3f} | {per_seed} | {by_level} |")
+            lines.append(
+                f"| {setting} | {model} | {statistics.mean(values):.3f} ± {spread:.3f} | {per_seed} | {by_level} |"
+            )
     return "\n".join(lines)
 
 

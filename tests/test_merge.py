@@ -260,7 +260,9 @@ def test_greedy_soup_stage_writes_the_uniform_average_of_its_members(zoo):
         "C": norm_model(zoo, "stage-C", 1.0, 2.0),
     }
     out = zoo / "stage-soup"
-    metrics = run(Config(method="greedy_soup"), TASK, candidates, zoo / "base", Path("unused"), out, score=distance_score)
+    metrics = run(
+        Config(method="greedy_soup"), TASK, candidates, zoo / "base", Path("unused"), out, score=distance_score
+    )
     assert metrics["members"] == ["A", "C"] and metrics["weights"] == [1.0, 1.0]
     assert [r["accepted"] for r in metrics["greedy_soup"]["trace"]] == [True, False, True]
     a, c = weights(candidates["A"]), weights(candidates["C"])

@@ -158,7 +158,9 @@ def test_every_listed_param_is_in_params_yaml():
         body = stage.get("do", stage)
         items = [None]
         if "foreach" in stage:
-            items = params["policy"]["offline" if name == "policy" else "online"] or ["dpo" if name == "policy" else "grpo"]
+            items = params["policy"]["offline" if name == "policy" else "online"] or [
+                "dpo" if name == "policy" else "grpo"
+            ]
         for item in items:
             for key in body.get("params", []):
                 value = params
