@@ -25,7 +25,7 @@ INPUTS = ("models/sft", "data/prepared")
 
 def set_dpo(beta: float, precompute: bool):
     def update(params: dict) -> None:
-        params["policy"]["methods"] = ["dpo"]
+        params["policy"]["offline"], params["policy"]["online"] = ["dpo"], []
         params["policy"]["dpo"].update(beta=beta, precompute_ref_log_probs=precompute)
 
     return update

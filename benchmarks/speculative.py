@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     ensure_outputs("sft", needed=INPUTS)
-    prompts = pd.read_parquet(ROOT / "data/prepared/eval_heldout.parquet")["prompt"].tolist()[: args.prompts]
+    prompts = pd.read_parquet(ROOT / "data/prepared/eval/test.parquet")["prompt"].tolist()[: args.prompts]
     target, tokenizer = load_causal_lm(ROOT / "models/sft"), load_tokenizer(ROOT / "models/sft")
     with tempfile.TemporaryDirectory() as tmp:
         work = scratch_project(Path(tmp), ("data/prepared",), micro_draft(args.draft_steps))
