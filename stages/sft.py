@@ -51,7 +51,7 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
     from datasets import Dataset
     from trl import SFTConfig
 
-    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer
+    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenize_prompt_completion
 
     from rlhf.data.contracts import read_prepared
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
@@ -68,8 +68,12 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
 
     tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
     model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir))
-    dataset = Dataset.from_pandas(read_prepared(data, "sft"), preserve_index=False)
-    conversational = "messages" in dataset.column_names
+    table = read_prepared(data, "sft")
+    conversational = "messages" in table.columns
+    if conversational or not isinstance(table["prompt"].iloc[0], str):
+        dataset = Dataset.from_pandas(table, preserve_index=False)
+    else:  # tokenised here in one batched call, to the ids TRL would make row by row
+        dataset = tokenize_prompt_completion(tokenizer, table["prompt"].tolist(), table["completion"].tolist())
     only_target = config.loss_on == "completion"
     key = fingerprint(config, [base_dir, data])
     args = trl_config(

@@ -17,14 +17,18 @@ ROWS = [
 ] + [{"prompt": "5+5\n", "completion": "answer 10"}, {"prompt": "1000+2000+3000\n", "completion": "answer 6000"}]
 
 
-def trainer(tmp_path, buckets: int) -> LengthBucketedSFTTrainer:
+def trainer(tmp_path, buckets: int, dataset: Dataset | None = None) -> LengthBucketedSFTTrainer:
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     model = build_tiny_model("micro", tokenizer, seed=0)
     args = SFTConfig(output_dir=str(tmp_path / f"b{buckets}"), per_device_train_batch_size=len(ROWS), report_to=[],
                      use_cpu=True, max_length=96, completion_only_loss=True, bf16=False)  # fmt: skip
     return LengthBucketedSFTTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer, buckets=buckets
+        model=model,
+        args=args,
+        train_dataset=dataset if dataset is not None else Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        buckets=buckets,
     )
 
 
@@ -64,3 +68,19 @@ def test_left_padded_batches_take_trls_path(tmp_path):
     """A left-padded batch is not cut into sub-batches (the padding would come first)."""
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
     assert not right_padded(mask) and right_padded(mask.flip(1))
+
+
+def test_batched_tokenisation_matches_trls_own(tmp_path):
+    """SFTTrainer given raw prompt/completion rows and given `tokenize_prompt_completion`'s
+    rows ends with the same input_ids and labels, row for row (EOS appended, the completion
+    mask starting after the prompt: for '5+5\\n' + 'answer 10', 4 masked tokens then 10)."""
+    from rlhf.training.bucketed_sft import tokenize_prompt_completion
+
+    tokenizer = build_tokenizer()
+    ours = tokenize_prompt_completion(tokenizer, [r["prompt"] for r in ROWS], [r["completion"] for r in ROWS])
+    assert ours["completion_mask"][8] == [0] * 4 + [1] * 10
+    assert ours["input_ids"][8][-1] == tokenizer.eos_token_id
+    raw = trainer(tmp_path, 1).train_dataset
+    pretokenized = trainer(tmp_path, 1, dataset=ours).train_dataset
+    assert pretokenized["input_ids"] == raw["input_ids"]
+    assert pretokenized["labels"] == raw["labels"]
