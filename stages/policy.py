@@ -93,7 +93,7 @@ class DPOParams(OfflineParams):
     sft_weight: float = Field(
         5.0,
         ge=0,
-        description="weight of an NLL term on chosen (RPO, Pang et al. 2024; plain DPO loses accuracy on the tiny model); 0 = off",
+        description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off. Plain DPO loses accuracy here",
     )
     save_steps: int = Field(50, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
     precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")

@@ -51,10 +51,9 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
     from datasets import Dataset
     from trl import SFTConfig
 
-    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenize_prompt_completion
-
     from rlhf.data.contracts import read_prepared
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenize_prompt_completion
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
         discard_checkpoints,
