@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.evaluation.metrics import completion_kl, distinct_n, win_rate, wins
+from rlhf.evaluation.metrics import completion_kl, distinct_n, wins
 from rlhf.models.loading import build_tiny_model, build_tokenizer
 from rlhf.rewards.ensemble import pairwise_accuracy
 
@@ -50,9 +50,9 @@ def test_win_rate_with_ties():
     -> (1 + 0.5 + 0 + 1 + 0.5) / 5 = 3 / 5 = 0.6."""
     candidate = torch.tensor([3.0, 1.0, 2.0, 2.0, 7.0])
     reference = torch.tensor([1.0, 1.0, 5.0, 0.0, 7.0])
-    assert win_rate(candidate, reference) == pytest.approx(0.6)
+    assert float(wins(candidate, reference).mean()) == pytest.approx(0.6)
     # Swapped: loss, tie, win, loss, tie -> (0 + 0.5 + 1 + 0 + 0.5) / 5 = 0.4 = 1 - 0.6.
-    assert win_rate(reference, candidate) == pytest.approx(0.4)
+    assert float(wins(reference, candidate).mean()) == pytest.approx(0.4)
 
 
 def test_wins_per_problem():
@@ -63,15 +63,15 @@ def test_wins_per_problem():
     reference = torch.tensor([1.0, 1.0, 5.0, 0.0, 7.0])
     outcome = wins(candidate, reference)
     assert outcome.tolist() == [1.0, 0.5, 0.0, 1.0, 0.5]
-    assert float(outcome.mean()) == pytest.approx(win_rate(candidate, reference))
+    assert float(outcome.mean()) == pytest.approx(0.6)
 
 
 def test_win_rate_extremes():
-    """All ties -> 0.5; all wins -> 1; no pairs -> 0."""
+    """All ties -> 0.5 each; all wins -> 1 each; no pairs -> no outcomes."""
     scores = torch.tensor([0.5, -2.0])
-    assert win_rate(scores, scores.clone()) == 0.5
-    assert win_rate(scores + 1, scores) == 1.0
-    assert win_rate(torch.empty(0), torch.empty(0)) == 0.0
+    assert wins(scores, scores.clone()).tolist() == [0.5, 0.5]
+    assert wins(scores + 1, scores).tolist() == [1.0, 1.0]
+    assert wins(torch.empty(0), torch.empty(0)).numel() == 0
 
 
 def test_pairwise_accuracy_with_ties():

@@ -36,10 +36,6 @@ def wins(candidate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (candidate > reference).float() + 0.5 * (candidate == reference).float()
 
 
-def win_rate(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    outcome = wins(candidate, reference)
-    return float(outcome.mean()) if len(outcome) else 0.0
-
 
 @torch.inference_mode()
 def completion_kl(
