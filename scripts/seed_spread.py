@@ -95,7 +95,7 @@ def score(folder: Path) -> dict:
     os.chdir(folder)
     sys.path.insert(0, str(folder))
     from rlhf.data.contracts import read_prepared
-    from rlhf.evaluation.statistics import bootstrap_interval
+    from rlhf.evaluation.statistics import bootstrap_interval, group_by
     from rlhf.models.generation import generate
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.tasks import get_task
@@ -109,14 +109,12 @@ def score(folder: Path) -> dict:
         texts = generate(model, tokenizer, prompts, 64, 128)
         correct = [float(task.is_correct(t, a)) for t, a in zip(texts, answers)]
         low, high = bootstrap_interval(correct)
-        by_level: dict[str, list[float]] = {}
-        for level, value in zip(levels, correct):
-            by_level.setdefault(str(level), []).append(value)
+        by_level = group_by(correct, levels)
         results[name] = {
             "accuracy": sum(correct) / len(correct),
             "low": low,
             "high": high,
-            "by_operands": {k: sum(v) / len(v) for k, v in sorted(by_level.items())},
+            "by_operands": {k: sum(v) / len(v) for k, v in by_level.items()},
         }
     return results
 

@@ -74,7 +74,7 @@ def suite_digest(prompts: list, answers: list) -> str:
 
 def summarise(config: Config, outcomes: dict[str, list], difficulty: list | None) -> dict:
     """The means of the per-problem outcomes, with intervals, and accuracy per difficulty."""
-    from rlhf.evaluation.statistics import bootstrap_interval
+    from rlhf.evaluation.statistics import bootstrap_interval, group_by
 
     summary: dict = {}
     for name, values in outcomes.items():
@@ -85,11 +85,9 @@ def summarise(config: Config, outcomes: dict[str, list], difficulty: list | None
         low, high = bootstrap_interval(values, config.confidence, config.bootstrap_samples)
         summary[f"{name}_low"], summary[f"{name}_high"] = low, high
     if difficulty is not None and outcomes.get("accuracy"):
-        groups: dict[str, list] = {}
-        for level, correct in zip(difficulty, outcomes["accuracy"]):
-            groups.setdefault(str(level), []).append(correct)
-        summary["accuracy_by_difficulty"] = {k: sum(v) / len(v) for k, v in sorted(groups.items())}
-        summary["problems_by_difficulty"] = {k: len(v) for k, v in sorted(groups.items())}
+        groups = group_by(outcomes["accuracy"], difficulty)
+        summary["accuracy_by_difficulty"] = {k: sum(v) / len(v) for k, v in groups.items()}
+        summary["problems_by_difficulty"] = {k: len(v) for k, v in groups.items()}
     return summary
 
 

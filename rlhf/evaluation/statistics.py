@@ -62,3 +62,11 @@ def paired_difference(
         "p_not_better": float((means <= 0).mean()),
         "problems": int(a.size),
     }
+
+
+def group_by(values: Sequence[float], labels: Sequence) -> dict[str, list[float]]:
+    """The values of each label (e.g. accuracy outcomes per difficulty), labels as strings, sorted."""
+    groups: dict[str, list[float]] = {}
+    for label, value in zip(labels, values):
+        groups.setdefault(str(label), []).append(value)
+    return dict(sorted(groups.items()))
