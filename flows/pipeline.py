@@ -148,7 +148,7 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
                 if isinstance(m, dict):
                     lines.append(
                         f"| {name} | {with_interval(m, 'accuracy')} | {number(m.get('format_rate'))} "
-                        f"| {m['kl_to_ref']:.3f} | {m['reward']:.3f} | {m['win_rate']:.3f} |"
+                        f"| {m['kl_to_ref']:.3f} | {number(m.get('reward'))} | {number(m.get('win_rate'))} |"
                     )
     if metrics.get("infer"):
         infer = metrics["infer"]

@@ -1,10 +1,10 @@
 """rlhf: the library the pipeline stages share.
 
-Importing the package first puts the process in offline, no-telemetry mode (see
-`rlhf.environment`), so every entry point that imports anything from `rlhf` is safe to run
-on a machine with no internet.
+Importing the package first puts the process in no-telemetry mode (see
+`rlhf.environment`); the Hugging Face Hub stays reachable unless the user sets
+`HF_HUB_OFFLINE=1`.
 """
 
-from rlhf.environment import configure_offline_environment
+from rlhf.environment import configure_environment
 
-configure_offline_environment()
+configure_environment()

@@ -1,19 +1,19 @@
-"""Process environment for every entry point: offline hubs, no telemetry, quiet threads.
+"""Process environment for every entry point: no telemetry, quiet threads.
 
-Nothing here may be downloaded at run time and nothing may phone home: with no internet a
-telemetry call would only add timeouts. Values already set by the user win (`setdefault`),
-so `HF_HUB_OFFLINE=0` still works for someone who wants the hub.
+Nothing may phone home: with no internet a telemetry call would only add timeouts. The
+Hugging Face Hub is not switched off: a user who names a Hub model or dataset id gets it
+downloaded (and cached) when online, and the default pipeline never asks the Hub for
+anything. Offline mode is the user's choice (`HF_HUB_OFFLINE=1`); when it is set, a Hub id
+that is not in the local cache fails with a message that names it and says what to do.
+Values already set by the user win (`setdefault`).
 """
 
 from __future__ import annotations
 
 import os
 
-OFFLINE_ENV = {
-    # Hugging Face: no hub look-ups, no telemetry.
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
+QUIET_ENV = {
+    # Hugging Face: no telemetry, no update checks.
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "HF_HUB_DISABLE_UPDATE_CHECK": "1",
     # Telemetry of Prefect, MLflow and DVC.
@@ -30,6 +30,14 @@ OFFLINE_ENV = {
 }
 
 
-def configure_offline_environment() -> None:
-    for key, value in OFFLINE_ENV.items():
+def configure_environment() -> None:
+    for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def hub_offline() -> bool:
+    """Whether the user switched the Hugging Face Hub off."""
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    )

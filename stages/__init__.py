@@ -16,10 +16,11 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from rlhf.params import PARAMS_FILE, read_params, validate_params
+from rlhf.params import PARAMS_FILE, ParamsError, read_params, validate_params
 
 SECTIONS = {
     "task": "rlhf.tasks:TaskConfig",
+    "compute": "rlhf.models.compute:ComputeConfig",
     "prepare": "stages.prepare:Config",
     "base": "stages.base:Config",
     "sft": "stages.sft:Config",
@@ -60,12 +61,148 @@ def all_configs() -> dict:
 
 
 def load_all(path: str = PARAMS_FILE) -> dict:
-    """Every section of params.yaml, validated; raises one ParamsError listing all problems."""
-    return validate_params(read_params(path), all_configs(), path)
+    """Every section of params.yaml, validated, and checked against the data the params
+    provide (`input_problems`); raises one ParamsError listing all problems."""
+    params = validate_params(read_params(path), all_configs(), path)
+    problems = input_problems(params)
+    if problems:
+        raise ParamsError(path, problems)
+    return params
+
+
+# ----------------------------------------------------------------------------- eval suites
+# The decision suite (tuning, the gate, the greedy soup) is `dev` when there is one; the
+# reported suite (infer) is `test` when there is one. A user with a single eval suite gets
+# it in both roles, and the eval report says so.
+
+
+def eval_suites(params: dict) -> list[str]:
+    """The eval suites prepare writes, from params `prepare`."""
+    from stages.prepare import EVAL_PREFIX
+
+    return sorted(name[len(EVAL_PREFIX) :] for name in params["prepare"].given() if name.startswith(EVAL_PREFIX))
+
+
+def decision_suite(params: dict) -> str:
+    suites = eval_suites(params)
+    return "dev" if "dev" in suites else suites[0]
+
+
+def report_suite(params: dict) -> str:
+    suites = eval_suites(params)
+    return "test" if "test" in suites else decision_suite(params)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+OFFLINE_DATA = {"dpo": "prefs", "simpo": "prefs", "orpo": "prefs", "kto": "unpaired"}
+ANSWER_REWARDS = ("answer_match", "numeric_tolerance")
+
+
+def prm_available(params: dict, task) -> bool:
+    """Given step labels, or a task whose answers let stage prm derive them."""
+    return "prm" in params["prepare"].available() or task.checks_answers
+
+
+def input_problems(params: dict) -> list[str]:
+    """What the params ask for that the data they provide cannot feed, each naming the key
+    to change or the file to add (prepare.files.<name>)."""
+    from rlhf.tasks import get_task
+
+    task = get_task(params["task"])
+    available = params["prepare"].available()
+    suites = eval_suites(params)
+    problems: list[str] = []
+
+    def need_model(what: str, name: str, key: str) -> None:
+        if name == "reward_model" and "prefs" not in available:
+            problems.append(
+                f"{key}: {what} needs the reward model, which needs preference data: add prepare.files.prefs"
+            )
+        if name == "prm" and not prm_available(params, task):
+            problems.append(
+                f"{key}: {what} needs a process reward model: add prepare.files.prm (step labels), or use a "
+                f"task whose answers can be checked (task.kind), from which stage prm derives them"
+            )
+
+    def need_answers(what: str, key: str) -> None:
+        if not task.checks_answers:
+            problems.append(f"{key}: {what} needs checkable answers; task.kind {task.name!r} has none")
+
+    policy = params["policy"]
+    for method in policy.offline:
+        data = OFFLINE_DATA[method]
+        if data not in available:
+            problems.append(
+                f"policy.offline: {method} needs {data} data: add prepare.files.prefs (prompt, chosen, rejected), "
+                f"or remove {method} from policy.offline"
+            )
+    for method in policy.online:
+        settings = getattr(policy, method)
+        for index, reward in enumerate(settings.rewards):
+            key = f"policy.{method}.rewards[{index}]"
+            if reward.name in ANSWER_REWARDS:
+                need_answers(f"reward {reward.name}", key)
+            if getattr(reward, "path", None) is None:
+                need_model(f"reward {reward.name}", reward.name, key)
+            if reward.name == "format" and reward.pattern is None and not task.has_format:
+                problems.append(f"{key}: the format reward needs a pattern: task {task.name!r} defines no format")
+        if method == "ppo" and settings.value_init == "rm":
+            need_model("value_init rm", "reward_model", "policy.ppo.value_init")
+    infer = params["infer"]
+    if "mcts" in infer.strategies and infer.prm is None:
+        need_model("strategy mcts", "prm", "infer.strategies")
+    if "best_of_n" in infer.strategies:
+        for index, reward in enumerate(infer.best_of_n.rewards):
+            if getattr(reward, "path", None) is None:
+                need_model(f"best_of_n reward {reward.name}", reward.name, f"infer.best_of_n.rewards[{index}]")
+    named = [("evaluate.suites", s) for s in params["evaluate"].suites or []]
+    named += [("infer.suite", infer.suite), ("merge.greedy_soup_suite", params["merge"].greedy_soup_suite)]
+    named += [("gate.select_suite", params["gate"].select_suite)]
+    named += [(f"gate.tests[{i}].suite", t.suite) for i, t in enumerate(params["gate"].tests or [])]
+    for key, suite in named:
+        if suite is not None and suite not in suites:
+            problems.append(
+                f"{key}: no eval suite {suite!r} (prepare writes {suites}); add prepare.files.eval_{suite} "
+                "or name one of those (null: the default role)"
+            )
+    gate = params["gate"]
+    if not task.checks_answers and "prefs" not in available and (gate.tests is None or gate.select_metric is None):
+        problems.append(
+            f"gate: task.kind {task.name!r} has no checkable answers, so the default gate judges the reward "
+            "model's reward, which needs preference data: add prepare.files.prefs, or set gate.tests and "
+            "gate.select_metric"
+        )
+    for index, test in enumerate(gate.tests or []):
+        if test.metric == "accuracy":
+            need_answers("metric accuracy", f"gate.tests[{index}]")
+        if test.metric == "format_rate" and not task.has_format:
+            problems.append(f"gate.tests[{index}]: task {task.name!r} defines no format (set task.format_pattern)")
+        if test.metric in ("reward", "win_rate"):
+            need_model(f"metric {test.metric}", "reward_model", f"gate.tests[{index}]")
+    return problems
 
 
 def load_config(section: str, path: str = PARAMS_FILE):
     return load_all(path)[section]
+
+
+def load_model_stage(path: str = PARAMS_FILE) -> dict:
+    """`load_all` for a stage that runs a model: also sets this process's device and dtype
+    from the `compute` section (rlhf.models.compute)."""
+    from rlhf.models.compute import configure
+
+    params = load_all(path)
+    configure(params["compute"])
+    return params
+
+
+def has_rows(path: str | Path) -> bool:
+    """Whether a prepared table has rows (prepare writes absent tables with none)."""
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as file:  # opened here, so the end-to-end test's read trace sees it
+        return pq.ParquetFile(file).metadata.num_rows > 0
 
 
 def eval_suite_path(suite: str) -> Path:

@@ -1,14 +1,18 @@
 """Stage `base`: the model every later stage starts from.
 
 In:  params `base.model` — `builtin:<size>` (a small Llama-style model and a character-level
-     tokenizer built here from a seed; sizes in rlhf.models.folders.BUILTIN_SIZES) or the path of
-     a local Hugging Face causal-LM directory.
-Out: models/base — the built model, or for a user directory a `pointer.json` naming it
-     (a multi-GB model is not copied into DVC's cache). Downstream stages resolve both
-     through `rlhf.models.folders.resolve_model_dir`.
+     tokenizer built here from a seed; sizes in rlhf.models.folders.BUILTIN_SIZES), the path of
+     a local Hugging Face causal-LM directory, or a Hub model id (`owner/name`, at
+     `base.revision`); params `compute`.
+Out: models/base — the built model, or for a user directory or Hub id a `pointer.json`
+     naming the local folder (a multi-GB model is not copied into DVC's cache; a Hub model
+     is the snapshot in the Hugging Face cache, and the pointer records its commit).
+     Downstream stages resolve both through `rlhf.models.folders.resolve_model_dir`.
 
 A user directory is checked for config, safetensors weights and tokenizer files before
 anything is loaded; a model that needs custom code loads only with `trust_remote_code`.
+A Hub id is fetched with safetensors weights only (never pickles), into the Hugging Face
+cache; offline (`HF_HUB_OFFLINE=1`) it must already be there, and the error says so.
 After editing a user model in place, `dvc repro -f base` picks up the change.
 
     python -m stages.base
@@ -21,15 +25,25 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from rlhf.artifacts import atomic_dir, write_json
-from rlhf.models.folders import BUILTIN_PREFIX, BUILTIN_SIZES, POINTER_FILE, check_model_dir
+from rlhf.models.folders import (
+    BUILTIN_PREFIX,
+    BUILTIN_SIZES,
+    POINTER_FILE,
+    check_model_dir,
+    fetch_from_hub,
+    looks_like_hub_id,
+)
 from rlhf.params import StageConfig
-from stages import MODELS_DIR, load_config
+from stages import MODELS_DIR, load_model_stage
 
 OUT_DIR = MODELS_DIR / "base"
 
 
 class Config(StageConfig):
-    model: str = Field("builtin:tiny", description="builtin:<size> or a local Hugging Face model directory")
+    model: str = Field(
+        "builtin:tiny", description="builtin:<size>, a local Hugging Face model directory, or a Hub model id"
+    )
+    revision: str | None = Field(None, description="a Hub id's branch, tag or commit (pin a commit to reproduce)")
     seed: int = Field(0, description="initialisation seed of a built-in model")
     max_length: int = Field(256, gt=8, description="context length of a built-in model")
     trust_remote_code: bool = Field(False, description="allow custom modelling code from the model directory")
@@ -43,7 +57,7 @@ class Config(StageConfig):
                 raise ValueError(
                     f"unknown built-in model {value!r}; use one of {[BUILTIN_PREFIX + s for s in BUILTIN_SIZES]}"
                 )
-        else:
+        elif not looks_like_hub_id(value):
             try:
                 check_model_dir(value, "base.model")
             except OSError as error:  # pydantic reports ValueErrors with the key's name
@@ -60,11 +74,17 @@ def run(config: Config, out_dir: Path) -> dict:
         model = build_tiny_model(config.model[len(BUILTIN_PREFIX) :], tokenizer, config.seed, config.max_length)
         save_model(model, tokenizer, out_dir)
         return {"parameters": count_parameters(model), "vocab_size": len(tokenizer), "source": config.model}
-    path = Path(config.model).resolve()
+    pointer = {}
+    if looks_like_hub_id(config.model):
+        path = fetch_from_hub(config.model, config.revision, "base.model", config.trust_remote_code)
+        # The snapshot folder is named by the commit: the pointer pins what was fetched.
+        pointer = {"hub_id": config.model, "revision": config.revision, "commit": path.name}
+    else:
+        path = Path(config.model).resolve()
     # Load once so that a broken model fails here, in the stage that names it.
     model = load_causal_lm(path, config.trust_remote_code, what="base.model")
-    write_json(out_dir / POINTER_FILE, {"path": str(path)})
-    return {"parameters": count_parameters(model), "source": str(path)}
+    write_json(out_dir / POINTER_FILE, {"path": str(path), **pointer})
+    return {"parameters": count_parameters(model), "source": config.model}
 
 
 def main() -> None:
@@ -72,7 +92,8 @@ def main() -> None:
 
     from rlhf.tracking.runs import stage_run
 
-    config = load_config("base")
+    params = load_model_stage()
+    config = params["base"]
     with stage_run("base", config):
         with atomic_dir(OUT_DIR) as tmp:
             facts = run(config, tmp)

@@ -27,7 +27,7 @@ from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.params import StageConfig
-from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, load_config
+from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, decision_suite, load_all
 
 REPORT = REPORTS_DIR / "eval.json"
 OUTCOMES = REPORTS_DIR / "outcomes.json"
@@ -38,7 +38,9 @@ MODEL_ARTIFACT = "model"
 class CapabilityTest(StageConfig):
     name: str | None = Field(None, description="label in reports (default: built from the fields)")
     metric: str = Field(description="a metric of reports/eval.json, e.g. accuracy, format_rate, kl_to_ref")
-    suite: str = Field("dev", description="eval suite the metric is read from (dev: never the reported test suite)")
+    suite: str | None = Field(
+        None, description="eval suite the metric is read from; null: the decision suite (dev when there is one)"
+    )
     op: Literal[">=", "<=", ">", "<"] = Field(">=", description="comparison")
     threshold: float = Field(
         0.0, description="added to the baseline: value op baseline + threshold (relative tests: the minimum effect)"
@@ -46,25 +48,51 @@ class CapabilityTest(StageConfig):
     relative_to: Literal["absolute", "sft", "champion"] = Field("absolute", description="the baseline")
 
 
-def _default_tests() -> list[CapabilityTest]:
-    return [
-        CapabilityTest(metric="accuracy", relative_to="sft", op=">=", threshold=0.0),
-        CapabilityTest(metric="accuracy", relative_to="champion", op=">", threshold=0.01),
-        CapabilityTest(metric="format_rate", relative_to="absolute", op=">=", threshold=0.9),
-        CapabilityTest(metric="kl_to_ref", relative_to="absolute", op="<=", threshold=10.0),
+def default_tests(checks_answers: bool, has_format: bool) -> list[CapabilityTest]:
+    """The tests `tests: null` means, for a task: no regression on accuracy against SFT and a
+    gain of a point over the champion (tasks with checkable answers; otherwise the same on
+    the RM's reward, with a win-rate of at least a half against SFT), a format rate of 0.9
+    (tasks that define a format), and a bounded KL to SFT."""
+    quality = "accuracy" if checks_answers else "reward"
+    tests = [
+        CapabilityTest(metric=quality, relative_to="sft", op=">=", threshold=0.0),
+        CapabilityTest(metric=quality, relative_to="champion", op=">", threshold=0.01),
     ]
+    if not checks_answers:
+        tests.append(CapabilityTest(metric="win_rate", relative_to="absolute", op=">=", threshold=0.5))
+    if has_format:
+        tests.append(CapabilityTest(metric="format_rate", relative_to="absolute", op=">=", threshold=0.9))
+    tests.append(CapabilityTest(metric="kl_to_ref", relative_to="absolute", op="<=", threshold=10.0))
+    return tests
 
 
 class Config(StageConfig):
-    tests: list[CapabilityTest] = Field(default_factory=_default_tests, description="all must pass to promote")
-    select_metric: str = Field("accuracy", description="among passing candidates, the highest of this wins")
-    select_suite: str = Field("dev", description="suite of select_metric")
+    tests: list[CapabilityTest] | None = Field(
+        None, description="all must pass to promote; null: the task's defaults (default_tests)"
+    )
+    select_metric: str | None = Field(
+        None, description="among passing candidates, the highest of this wins; null: accuracy, or reward"
+    )
+    select_suite: str | None = Field(None, description="suite of select_metric; null: the decision suite")
     confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
     bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
     registered_model: str = Field("rlhf-policy", description="MLflow registered model that holds the champion")
 
 
+def resolve(config: Config, task, suite: str) -> Config:
+    """`config` with every null filled for `task` and the decision `suite`."""
+    tests = config.tests if config.tests is not None else default_tests(task.checks_answers, task.has_format)
+    return config.model_copy(
+        update={
+            "tests": [t if t.suite else t.model_copy(update={"suite": suite}) for t in tests],
+            "select_metric": config.select_metric or ("accuracy" if task.checks_answers else "reward"),
+            "select_suite": config.select_suite or suite,
+        }
+    )
+
+
 def run(config: Config, report: dict, outcomes: dict | None, champion_dir: Path) -> dict:
+    """The verdict of a resolved `config` (`resolve`) on the eval report."""
     from rlhf.evaluation.gate import decide
     from rlhf.tracking.champion import read_champion
 
@@ -135,9 +163,11 @@ def keep_champion_dir(champion_dir: Path) -> None:
 def main() -> None:
     import mlflow
 
+    from rlhf.tasks import get_task
     from rlhf.tracking.runs import stage_run
 
-    config = load_config("gate")
+    params = load_all()
+    config = resolve(params["gate"], get_task(params["task"]), decision_suite(params))
     report = read_json(REPORT)
     outcomes = read_json(OUTCOMES) if OUTCOMES.is_file() else None
     with stage_run("gate", config) as active:

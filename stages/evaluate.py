@@ -31,7 +31,17 @@ from pydantic import Field
 from rlhf.artifacts import write_json
 from rlhf.params import StageConfig
 from rlhf.tasks import Task, get_task
-from stages import MERGED_DIR, REPORTS_DIR, RM_DIR, candidate_dir, eval_suite_path, load_all
+from stages import (
+    MERGED_DIR,
+    REPORTS_DIR,
+    RM_DIR,
+    candidate_dir,
+    decision_suite,
+    eval_suite_path,
+    eval_suites,
+    load_model_stage,
+    report_suite,
+)
 
 REFERENCE = "sft"
 MERGED = "merged"
@@ -43,8 +53,8 @@ PER_PROBLEM = ("accuracy", "format_rate", "reward", "win_rate")
 
 
 class Config(StageConfig):
-    suites: list[str] = Field(
-        ["dev", "test"], min_length=1, description="eval suites (data/prepared/eval/<suite>.parquet)"
+    suites: list[str] | None = Field(
+        None, min_length=1, description="eval suites (data/prepared/eval/<suite>.parquet); null: every one"
     )
     max_new_tokens: int = Field(64, gt=0, description="generation budget per completion")
     batch_size: int = Field(128, gt=0, description="prompts per generation batch")
@@ -102,41 +112,46 @@ def evaluate_model(config: Config, task: Task, model, reference, tokenizer, judg
     prompts = suite["prompt"].tolist()
     answers = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
     texts = generate(model, tokenizer, prompts, config.max_new_tokens, config.batch_size)
-    rewards = judge.score(prompts, texts)
+    rewards = judge.score(prompts, texts) if judge is not None else None
     kl_n = min(config.kl_prompts, len(prompts))
     if kl_n and model is not reference:
         kl = completion_kl(model, reference, tokenizer, prompts[:kl_n], texts[:kl_n])
     else:
         kl = torch.zeros(1)
-    reference_mean = rewards.mean if ref_rewards is None else ref_rewards
     outcomes = {
-        "accuracy": [float(task.is_correct(t, a)) for t, a in zip(texts, answers) if a is not None],
+        "accuracy": [float(task.is_correct(t, a)) for t, a in zip(texts, answers) if a is not None]
+        if task.checks_answers
+        else [],
         "format_rate": [float(task.is_well_formatted(t)) for t in texts] if task.has_format else [],
-        "reward": rewards.mean.tolist(),
-        "win_rate": wins(rewards.mean, reference_mean).tolist(),
+        "reward": rewards.mean.tolist() if rewards is not None else [],
+        "win_rate": wins(rewards.mean, rewards.mean if ref_rewards is None else ref_rewards).tolist()
+        if rewards is not None
+        else [],
     }
     with_answers = [d for d, a in zip(suite["difficulty"], answers) if a is not None] if "difficulty" in suite else None
     metrics = {
         **summarise(config, outcomes, with_answers),
         "kl_to_ref": float(kl.mean()),
-        "reward_std": float(rewards.std.mean()),
+        "reward_std": float(rewards.std.mean()) if rewards is not None else None,
         "distinct_1": distinct_n(texts, 1),
         "distinct_2": distinct_n(texts, 2),
         "mean_length": sum(len(t) for t in texts) / len(texts),
     }
-    return metrics, outcomes, rewards.mean, texts
+    return metrics, outcomes, rewards.mean if rewards is not None else None, texts
 
 
-def run(config: Config, task: Task, methods: list[str]) -> tuple[dict, dict, dict]:
-    """The eval report, the per-problem outcomes and the samples. The reference stays
-    loaded (for KL); candidates are loaded one at a time."""
+def run(config: Config, task: Task, methods: list[str], suite_names: list[str]) -> tuple[dict, dict, dict]:
+    """The eval report, the per-problem outcomes and the samples on `suite_names`. The
+    reference stays loaded (for KL); candidates are loaded one at a time. Without a reward
+    model (no preference data) reward and win-rate are null."""
     from rlhf.data.contracts import read_prepared
+    from rlhf.models.folders import absent_reason
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble
 
     dirs = candidate_dirs(methods)
     suites = {}
-    for name in config.suites:
+    for name in suite_names:
         path = eval_suite_path(name)
         if not path.exists():
             raise FileNotFoundError(
@@ -146,7 +161,7 @@ def run(config: Config, task: Task, methods: list[str]) -> tuple[dict, dict, dic
         suites[name] = read_prepared(path, "evaluate")
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
     reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
-    judge = RewardEnsemble.load(RM_DIR, config.trust_remote_code)
+    judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code)
     report: dict = {"reference": REFERENCE, "candidates": [n for n in dirs if n != REFERENCE], "suites": {}}
     outcomes: dict = {"suites": {}}
     samples: dict = {name: {} for name in suites}
@@ -182,8 +197,10 @@ def print_report(report: dict) -> None:
                 f" [{metrics['accuracy_low']:.3f}, {metrics['accuracy_high']:.3f}]" if accuracy is not None else ""
             )
             accuracy_text = f"{accuracy:.3f}{interval}" if accuracy is not None else "n/a"
+            reward = metrics.get("reward")
+            reward_text = f"{reward:.3f}" if reward is not None else "n/a"
             print(
-                f"evaluate[{suite}] {name}: accuracy {accuracy_text}, reward {metrics['reward']:.3f}, "
+                f"evaluate[{suite}] {name}: accuracy {accuracy_text}, reward {reward_text}, "
                 f"kl {metrics['kl_to_ref']:.3f}"
             )
 
@@ -193,11 +210,17 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_all()
+    params = load_model_stage()
     config, methods, task = params["evaluate"], params["policy"].methods, get_task(params["task"])
     candidates = [n for n in candidate_dirs(methods) if n != REFERENCE]
     with stage_run("evaluate", config, tags={"candidates": ",".join(candidates)}):
-        report, outcomes, samples = run(config, task, methods)
+        report, outcomes, samples = run(config, task, methods, config.suites or eval_suites(params))
+        report["roles"] = {"decision": decision_suite(params), "report": report_suite(params)}
+        if report["roles"]["decision"] == report["roles"]["report"]:
+            report["roles"]["note"] = (
+                "one suite serves decisions (the gate, the greedy soup) and reports: its numbers are not an "
+                "untouched test; add prepare.files.eval_test (reported only) and eval_dev (decisions)"
+            )
         write_json(REPORT, report)
         write_json(OUTCOMES, outcomes)
         write_json(SAMPLES, samples)

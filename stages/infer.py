@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 from rlhf.artifacts import write_json
 from rlhf.inference.settings import STRATEGIES, Strategies
 from rlhf.tasks import Task, get_task
-from stages import MODELS_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_all
+from stages import MODELS_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_model_stage, report_suite
 
 REPORT = REPORTS_DIR / "infer.json"
 SAMPLES = REPORTS_DIR / "infer_samples.json"
@@ -35,7 +35,9 @@ SAMPLES = REPORTS_DIR / "infer_samples.json"
 
 class Config(Strategies):
     candidate: str = Field("sft", description="model under models/ the strategies run on: sft, policy/<method>, merged")
-    suite: str = Field("test", description="eval suite (data/prepared/eval/<suite>.parquet); test: only reported")
+    suite: str | None = Field(
+        None, description="eval suite (data/prepared/eval/<suite>.parquet); null: the reported one (test)"
+    )
     limit: int = Field(200, ge=1, description="problems evaluated (the first ones of the suite)")
     strategies: list[Literal[STRATEGIES]] = Field(
         ["greedy", "best_of_n", "self_consistency", "mcts"], min_length=1, description="strategies to run"
@@ -58,10 +60,12 @@ def model_dir(name: str) -> Path:
 def summarise(task: Task, answers: list, references: list, seconds: float) -> dict:
     from rlhf.evaluation.statistics import bootstrap_interval
 
-    correct = [float(task.is_correct(a.completion, r)) for a, r in zip(answers, references)]
-    low, high = bootstrap_interval(correct)
+    scored = [(a, r) for a, r in zip(answers, references) if r is not None] if task.checks_answers else []
+    correct = [float(task.is_correct(a.completion, r)) for a, r in scored]
+    low, high = bootstrap_interval(correct) if correct else (None, None)
     return {
-        "accuracy": sum(correct) / len(correct),
+        # Null for a task without checkable answers, or a suite without them.
+        "accuracy": sum(correct) / len(correct) if correct else None,
         "accuracy_low": low,
         "accuracy_high": high,
         "tokens_per_problem": sum(a.tokens for a in answers) / len(answers),
@@ -70,31 +74,33 @@ def summarise(task: Task, answers: list, references: list, seconds: float) -> di
     }
 
 
-def run(config: Config, task: Task) -> tuple[dict, dict]:
+def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
+    import pandas as pd
+
     from rlhf.data.contracts import read_prepared
     from rlhf.inference.strategies import run_strategy
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
-    path = eval_suite_path(config.suite)
+    path = eval_suite_path(suite_name)
     if not path.exists():
-        raise FileNotFoundError(f"infer.suite {config.suite!r}: {path} not found; check prepare and infer.suite")
+        raise FileNotFoundError(f"infer.suite {suite_name!r}: {path} not found; check prepare and infer.suite")
     suite = read_prepared(path, "infer").head(config.limit)
-    if "answer" not in suite:
-        raise ValueError(f"{path} has no `answer` column: inference strategies are scored by exact answers")
-    prompts, references = suite["prompt"].tolist(), suite["answer"].tolist()
+    prompts = suite["prompt"].tolist()
+    references = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
     candidate = model_dir(config.candidate)
     tokenizer = load_tokenizer(candidate, config.trust_remote_code)
     model = load_causal_lm(candidate, config.trust_remote_code, what=f"infer.candidate {config.candidate}")
     members = [str(model_dir(name)) for name in config.ensemble.members]
     config = config.model_copy(update={"ensemble": config.ensemble.model_copy(update={"members": members})})
-    report = {"candidate": config.candidate, "suite": config.suite, "problems": len(prompts), "strategies": {}}
+    report = {"candidate": config.candidate, "suite": suite_name, "problems": len(prompts), "strategies": {}}
     samples = {}
     for name in config.strategies:
         start = time.perf_counter()
         answers = run_strategy(name, config, model, tokenizer, prompts, task, REWARD_MODEL_DIRS)
         report["strategies"][name] = summarise(task, answers, references, time.perf_counter() - start)
         samples[name] = [{"prompt": p, "completion": a.completion} for p, a in zip(prompts[:5], answers)]
-        print(f"infer {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in report["strategies"][name].items()))
+        values = report["strategies"][name].items()
+        print(f"infer {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in values if v is not None))
         if name == "self_consistency":
             # The full vote of the same budget: what early stopping is measured against.
             start = time.perf_counter()
@@ -110,10 +116,10 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_all()
+    params = load_model_stage()
     config, task = params["infer"], get_task(params["task"])
     with stage_run("infer", config):
-        report, samples = run(config, task)
+        report, samples = run(config, task, config.suite or report_suite(params))
         write_json(REPORT, report)
         write_json(SAMPLES, samples)
         mlflow.log_metrics(numeric_metrics(report["strategies"]))

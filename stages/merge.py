@@ -37,7 +37,7 @@ from rlhf.artifacts import atomic_dir, write_json
 from rlhf.models.folders import resolve_model_dir
 from rlhf.params import ParamsError, StageConfig, reject_unused
 from rlhf.tasks import Task, get_task
-from stages import MERGED_DIR, MODELS_DIR, POLICY_DIR, eval_suite_path, load_all
+from stages import MERGED_DIR, MODELS_DIR, POLICY_DIR, decision_suite, eval_suite_path, load_model_stage
 
 OUT_DIR = MERGED_DIR
 METRICS = Path("metrics/merge.json")
@@ -63,7 +63,9 @@ class Config(StageConfig):
         None, description="divide by the sum of weights; null = method default (linear, ties: on)"
     )
     int8_mask: bool = Field(False, description="task-vector methods: int8 sign masks (saves memory)")
-    greedy_soup_suite: str = Field("dev", description="greedy_soup: the eval suite it scores on (never the test one)")
+    greedy_soup_suite: str | None = Field(
+        None, description="greedy_soup: the eval suite it scores on; null: the decision suite (dev), never test"
+    )
     greedy_soup_prompts: int = Field(200, gt=0, description="greedy_soup: problems of that suite scored (the first)")
     max_new_tokens: int = Field(64, gt=0, description="greedy_soup: generation budget per completion")
     batch_size: int = Field(128, gt=0, description="greedy_soup: prompts per generation batch")
@@ -197,7 +199,7 @@ def run(
             "score": soup.score,
             "individual": soup.individual,
             "trace": soup.trace,
-            "suite": config.greedy_soup_suite,
+            "suite": Path(prompts).stem,
             "prompts": config.greedy_soup_prompts,
         }
         method, names, weights = "linear", soup.members, [1.0] * len(soup.members)
@@ -229,10 +231,10 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_all()
+    params = load_model_stage()
     config, methods, task = params["merge"], params["policy"].methods, get_task(params["task"])
     names = member_names(config, methods)
-    soup_suite = eval_suite_path(config.greedy_soup_suite)
+    soup_suite = eval_suite_path(config.greedy_soup_suite or decision_suite(params))
     with stage_run("merge", config, tags={"members": ",".join(names)}):
         with atomic_dir(OUT_DIR) as tmp:
             members = {n: POLICY_DIR / n for n in names}

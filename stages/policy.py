@@ -55,7 +55,7 @@ from stages import (
     REWARD_MODEL_DIRS,
     RM_DIR,
     SFT_DIR,
-    load_all,
+    load_model_stage,
 )
 
 PREFS = DATA_DIR / "prefs.parquet"
@@ -297,7 +297,7 @@ def train_trl(
     )
 
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
-    model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
+    model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
     dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
     key = fingerprint(params, [SFT_DIR, data, *inputs])
     config_cls, trainer_cls = trl_classes
@@ -441,8 +441,8 @@ def train_ppo_method(
     from rlhf.training.trainer_setup import checkpoint_dir, fingerprint
 
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
-    policy = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
-    reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
+    policy = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
+    reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
     value_init = SFT_DIR if params.value_init == "sft" else member_dirs(RM_DIR)[0]
     value_model = load_value_model(value_init, config.trust_remote_code)
     table = read_prepared(PROMPTS, stage)
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
     argv = sys.argv[1:] if argv is None else argv
-    params = load_all()
+    params = load_model_stage()
     config, task = params["policy"], get_task(params["task"])
     if len(argv) != 1 or argv[0] not in config.methods:
         raise SystemExit(

@@ -28,18 +28,35 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.models.folders import check_model_dir, resolve_model_dir
-from rlhf.params import reject_unused
+from rlhf.models.folders import check_model_dir, resolve_model_dir, write_absent
+from rlhf.params import StageConfig, reject_unused
 from rlhf.tasks import get_task
 from rlhf.training.params import LoraParams, TrainingParams
-from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, PRM_DIR, load_all
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, PRM_DIR, SFT_DIR, load_model_stage
 
 DATA = DATA_DIR / "prm.parquet"
 EVAL_DATA = DATA_DIR / "prm_eval.parquet"
+PROMPTS = DATA_DIR / "prompts.parquet"
+DERIVED_FILE = "derived_labels.parquet"
 OUT_DIR = PRM_DIR
 METRICS = Path("metrics/prm.json")
 PLOT = Path("plots/prm/loss.csv")
 CURVE_KEYS = ("loss", "learning_rate")
+
+
+class DeriveLabels(StageConfig):
+    """Math-Shepherd step labels by rollouts of the SFT model (rlhf.rewards.prm_labels),
+    used when no prm file is given and the task's answers can be checked."""
+
+    prompts: int = Field(200, gt=0, description="prompts (with answers) of data/prepared/prompts.parquet used")
+    samples_per_prompt: int = Field(4, gt=0, description="solutions sampled per prompt")
+    rollouts: int = Field(4, gt=0, description="continuations from each step")
+    max_new_tokens: int = Field(64, gt=0, description="tokens per solution and per rollout")
+    temperature: float = Field(0.7, gt=0, description="sampling temperature of solutions and rollouts")
+    estimate: Literal["hard", "soft"] = Field("hard", description="hard: any rollout reaches the answer; soft: a share")
+    threshold: float = Field(0.5, gt=0, le=1, description="soft: the share of rollouts that makes a step good")
+    eval_share: float = Field(0.2, gt=0, lt=1, description="share of the derived rows held out (prm_eval)")
+    seed: int = Field(0, description="sampling seed")
 
 
 class Config(TrainingParams):
@@ -57,6 +74,9 @@ class Config(TrainingParams):
     score_batch_size: int = Field(64, gt=0, description="rows per forward pass when scoring the held-out set")
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
+    derive: DeriveLabels = Field(
+        default_factory=DeriveLabels, description="step labels by rollouts, when no prm file is given"
+    )
 
     @model_validator(mode="after")
     def _training_keys_need_training(self):
@@ -70,14 +90,62 @@ def init_dir(config: Config) -> Path:
     return MODELS_DIR / config.init
 
 
-def run(
-    config: Config, separator: str, init: Path, data: Path, eval_data: Path, out_dir: Path
-) -> tuple[dict, list[dict]]:
-    """Train a PRM from `init` on `data`, save it into `out_dir`, score `eval_data`.
+def load_labels(config: Config, task, data: Path, eval_data: Path, out_dir: Path) -> tuple:
+    """The training and held-out step labels: the prepared files, or, when they have no
+    rows, labels derived by rollouts of models/sft (saved as `derived_labels.parquet` in
+    `out_dir`) with the derivation's counts. (None, None, reason) when there are neither."""
+    import numpy as np
+    import pandas as pd
+
+    from rlhf.data.contracts import read_prepared, validate_contract
+
+    rows, held_out = read_prepared(data, "prm"), read_prepared(eval_data, "prm")
+    if len(rows):
+        # Both tables are checked before any model is loaded: a bad row fails in a second.
+        held = validate_contract(held_out, "prm", eval_data) if len(held_out) else None
+        if held is None:
+            raise ValueError(f"{eval_data} has no rows: give prepare.files.prm_eval with prepare.files.prm")
+        return validate_contract(rows, "prm", data), held, None
+    if not task.checks_answers:
+        return None, None, f"no step labels: give prepare.files.prm (task.kind {task.name!r} cannot derive them)"
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.rewards.prm_labels import derive_step_labels
+
+    prompts = read_prepared(PROMPTS, "prm")
+    prompts = prompts[prompts["answer"].notna()].head(config.derive.prompts)
+    if not len(prompts):
+        return None, None, f"no step labels: {PROMPTS} has no prompt with an answer to derive them from"
+    d = config.derive
+    model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft (the rollout policy)")
+    tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
+    start = time.perf_counter()
+    derived, stats = derive_step_labels(
+        model, tokenizer, task, prompts["prompt"].tolist(), prompts["answer"].tolist(),
+        samples_per_prompt=d.samples_per_prompt, rollouts=d.rollouts, max_new_tokens=d.max_new_tokens,
+        temperature=d.temperature, estimate=d.estimate, threshold=d.threshold, seed=d.seed,
+    )  # fmt: skip
+    stats["seconds"] = time.perf_counter() - start
+    if len(derived) < 2:
+        return None, None, f"no step labels: rollouts gave {len(derived)} labelled solution(s) ({stats})"
+    frame = pd.DataFrame({k: pd.Series([r[k] for r in derived], dtype=object) for k in derived[0]})
+    frame.to_parquet(out_dir / DERIVED_FILE, index=False)
+    # Held out by prompt, so that no held-out solution shares its problem with a training one.
+    keys = sorted({repr(p) for p in frame["prompt"]})
+    order = np.random.default_rng(d.seed).permutation(len(keys))
+    held_keys = {keys[i] for i in order[: max(1, round(d.eval_share * len(keys)))]}
+    is_held = frame["prompt"].map(repr).isin(held_keys)
+    if is_held.all():
+        is_held.iloc[len(frame) // 2 :] = False
+    train, held = frame[~is_held].reset_index(drop=True), frame[is_held].reset_index(drop=True)
+    print(f"prm: derived step labels by rollouts of models/sft: {stats}")
+    return train, held, {f"derived_{k}": v for k, v in stats.items()}
+
+
+def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Path) -> tuple[dict, list[dict]]:
+    """Train a PRM from `init` on `rows`, save it into `out_dir`, score `held_out`.
     `separator` joins the steps (the task's)."""
     import transformers
 
-    from rlhf.data.contracts import read_prepared, validate_contract
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.prm import load_prm
     from rlhf.rewards.prm_classifier import build_dataset, load_prm_model, prm_trainer, save_prm
@@ -93,9 +161,6 @@ def run(
     )
 
     stage = "prm"
-    # Both tables are checked before any model is loaded: a bad row fails in a second.
-    rows = validate_contract(read_prepared(data, stage), "prm", data)
-    held_out = validate_contract(read_prepared(eval_data, stage), "prm", eval_data)
     check_model_dir(resolve_model_dir(init), f"prm.init {config.init!r} (models/{config.init})")
     tokenizer = load_tokenizer(init, config.trust_remote_code)
     if config.kind == "likelihood":
@@ -103,7 +168,7 @@ def run(
     train = build_dataset(tokenizer, rows, separator, config.max_length)
     transformers.set_seed(config.seed)  # the new head's initialisation
     model = load_prm_model(init, config.trust_remote_code, what=f"models/{config.init}")
-    key = fingerprint(config, [init, data])
+    key = fingerprint(config, [init, DATA, PROMPTS])
     trainer = prm_trainer(config, model, tokenizer, train, checkpoint_dir(CHECKPOINTS_DIR, stage, key), config.lora)
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
@@ -159,11 +224,19 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_all()
-    config, separator = params["prm"], get_task(params["task"]).step_separator
+    params = load_model_stage()
+    config, task = params["prm"], get_task(params["task"])
     with stage_run("prm", config):
         with atomic_dir(OUT_DIR) as tmp:
-            metrics, curve = run(config, separator, init_dir(config), DATA, EVAL_DATA, tmp)
+            rows, held_out, derived = load_labels(config, task, DATA, EVAL_DATA, tmp)
+            if rows is None:
+                write_absent(tmp, derived)
+                write_json(METRICS, {"absent": derived})
+                write_csv(PLOT, [])
+                print(f"prm: no process reward model: {derived}")
+                return
+            metrics, curve = run(config, task.step_separator, init_dir(config), rows, held_out, tmp)
+            metrics.update(derived or {})
         write_json(METRICS, metrics)
         write_csv(PLOT, curve)
         mlflow.log_metrics(numeric_metrics(metrics))

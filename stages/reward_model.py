@@ -34,10 +34,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.models.folders import check_model_dir, resolve_model_dir
+from rlhf.models.folders import check_model_dir, resolve_model_dir, write_absent
 from rlhf.tasks import Task, get_task
 from rlhf.training.params import LoraParams, TrainingParams
-from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, RM_DIR, load_all
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, RM_DIR, has_rows, load_model_stage
 
 DATA = DATA_DIR / "prefs.parquet"
 EVAL_DATA = DATA_DIR / "prefs_eval.parquet"
@@ -140,7 +140,7 @@ def load_lm(config: Config, init: Path):
     """The likelihood kind's LM, with a LoRA adapter when configured."""
     from rlhf.models.loading import load_causal_lm
 
-    lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})")
+    lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})", training=True)
     if config.lora.enabled:
         from peft import get_peft_model
 
@@ -153,11 +153,10 @@ def likelihood_start(config: Config, init: Path, pairs, tokenizer) -> tuple[tupl
     fitted on the frozen initial LM (once for all members), with what the fit found."""
     from rlhf.models.loading import load_causal_lm
     from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, fit_head, pairs_dataset
-    from rlhf.training.trainer_setup import use_cpu
 
     dataset, dropped = pairs_dataset(tokenizer, pairs, config.max_length)
-    lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})")
-    model = LikelihoodRewardModel(lm.to("cpu" if use_cpu(config) else "cuda"))
+    lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})", training=True)
+    model = LikelihoodRewardModel(lm)
     curve = fit_head(model, dataset, tokenizer.pad_token_id)
     settings = model.settings()
     head = (settings["weights"], settings["bias"])
@@ -234,10 +233,18 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_all()
+    params = load_model_stage()
     config, task = params["rm"], get_task(params["task"])
     with stage_run("rm", config):
         with atomic_dir(OUT_DIR) as tmp:
+            if not has_rows(DATA):
+                # No preference data: the RM drops out (check_params refuses params that need it).
+                reason = "no preference data: give prepare.files.prefs (prompt, chosen, rejected)"
+                write_absent(tmp, reason)
+                write_json(METRICS, {"absent": reason})
+                write_csv(PLOT, [])
+                print(f"rm: no reward model: {reason}")
+                return
             metrics, curve = run(config, task, init_dir(config), DATA, EVAL_DATA, tmp)
         write_json(METRICS, metrics)
         write_csv(PLOT, curve)

@@ -22,7 +22,7 @@ from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.training.params import LoraParams, TrainingParams
-from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, SFT_DIR, load_config
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, SFT_DIR, load_model_stage
 
 BASE_DIR = MODELS_DIR / "base"
 DATA = DATA_DIR / "sft.parquet"
@@ -66,7 +66,7 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
     )
 
     tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
-    model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir))
+    model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir), training=True)
     table = read_prepared(data, "sft")
     conversational = "messages" in table.columns
     if conversational or not isinstance(table["prompt"].iloc[0], str):
@@ -120,7 +120,8 @@ def main(
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    config = load_config(stage)
+    params = load_model_stage()
+    config = params[stage]  # the verifier stage runs this trainer with its own section
     with stage_run(stage, config):
         with atomic_dir(out_dir) as tmp:
             metrics, curve = run(config, init_dir, DATA, tmp, stage=stage)

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-import rlhf  # noqa: F401  (offline environment for every test)
+import rlhf  # noqa: F401  (no-telemetry environment for every test)
+
+# The test suite never needs the network: the Hub is off for it (and for the `dvc repro`
+# subprocesses it starts), as a user without one would set it. The project itself leaves
+# the Hub on (rlhf.environment); tests of Hub ids check the offline error.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 PROJECT_FILES = ["rlhf", "stages", "flows", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/raw"]

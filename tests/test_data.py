@@ -267,20 +267,234 @@ def test_folder_that_is_not_a_dataset(tmp_path):
         load_contract(folder, "preference")
 
 
-def test_unparseable_jsonl(tmp_path):
+def test_unparseable_jsonl_names_every_bad_line(tmp_path):
+    """Line 2 is cut short, line 3 is blank (skipped, not an error), line 5 is a list, not an
+    object, and line 6 has a trailing comma: each bad line by 1-based number, with its start."""
+    good = json.dumps(PREFS[0])
     path = tmp_path / "broken.jsonl"
-    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": \n')
+    path.write_text(f'{good}\n{{"prompt": \n\n{good}\n[1, 2]\n{{"prompt": "a",}}\n')
     with pytest.raises(DataValidationError) as error:
         load_contract(path, "preference")
     assert str(path) in str(error.value)
-    assert "cannot be parsed as .jsonl" in str(error.value)
+    assert error.value.problems == [
+        'line 2: invalid JSON (Expecting value at column 12): {"prompt":',
+        "line 5: expected a JSON object {...}, got list",
+        'line 6: invalid JSON (Expecting property name enclosed in double quotes at column 16): {"prompt": "a",}',
+    ]
 
 
-def test_nonexistent_path(tmp_path):
+def test_long_bad_jsonl_line_is_shortened(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "' + "x" * 200 + "\n")
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "preference")
+    (problem,) = error.value.problems
+    assert problem.startswith("line 1: invalid JSON (Unterminated string") and problem.endswith("xxx...")
+    assert len(problem) < 150
+
+
+def test_unparseable_json_names_line_and_column(tmp_path):
+    """A .json file is one document: the error gives json's line and column and the text
+    around it; JSON Lines content in a .json file gets a hint to rename it."""
+    path = tmp_path / "broken.json"
+    path.write_text('[\n  {"prompt": "a", "chosen": "b" "rejected": "c"}\n]\n')
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "preference")
+    (problem,) = error.value.problems
+    assert problem.startswith("line 2 column 33: invalid JSON (Expecting ',' delimiter) near ")
+    assert '"rejected"' in problem
+    path.write_text(json.dumps(PREFS[0]) + "\n" + json.dumps(PREFS[1]) + "\n")
+    with pytest.raises(DataValidationError, match="name the file .jsonl"):
+        load_contract(path, "preference")
+
+
+def test_jsonl_keeps_values_as_parsed(tmp_path):
+    """Read line by line, not by pandas: an int answer beside a null one stays '8', not '8.0'."""
+    frame = load_contract(write(tmp_path / "p.jsonl", [{"prompt": "5+3\n", "answer": 8}, {"prompt": "x"}]), "prompts")
+    assert frame["answer"].tolist() == ["8", None]
+
+
+def test_nonexistent_path(tmp_path, monkeypatch):
+    """A missing local path says so (no raw [Errno 2]); a path under an existing folder, or with
+    a data-file suffix, is never taken for a Hugging Face dataset name."""
     path = tmp_path / "nowhere" / "prefs.jsonl"
     with pytest.raises(FileNotFoundError) as error:
         load_contract(path, "preference")
-    assert str(path) in str(error.value)
+    assert str(path) in str(error.value) and "does not exist" in str(error.value)
+    assert "Errno" not in str(error.value)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for relative in ["data/prefs", "raw/prefs.jsonl"]:
+        with pytest.raises(FileNotFoundError, match=f"data file {relative} does not exist"):
+            load_contract(relative, "preference")
+
+
+# ----------------------------------------------------------------------------- implicit prompts
+
+HH = [
+    {
+        "chosen": "\n\nHuman: What color is the sky?\n\nAssistant: It is blue.",
+        "rejected": "\n\nHuman: What color is the sky?\n\nAssistant: It is bland.",
+    },
+    {
+        "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant: 4",
+        "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant: 5",
+    },
+]
+
+
+@pytest.mark.parametrize("name", ["hh.jsonl", "hh.parquet", "hh_dataset"])
+def test_implicit_prompt_text_hh_layout(tmp_path, name):
+    """HH-RLHF rows (no prompt column): the prompt ends at the last '\\n\\nAssistant:' turn.
+    TRL's character-wise prefix alone would put 'It is bl' into the prompt (checked below, so
+    this test notices when TRL changes)."""
+    from trl.data_utils import extract_prompt
+
+    assert extract_prompt(HH[0])["prompt"].endswith("Assistant: It is bl")
+    frame = load_contract(write(tmp_path / name, HH), "preference")
+    assert records(frame) == [
+        {
+            "prompt": "\n\nHuman: What color is the sky?\n\nAssistant:",
+            "chosen": " It is blue.",
+            "rejected": " It is bland.",
+        },
+        {"prompt": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant:", "chosen": " 4", "rejected": " 5"},
+    ]
+
+
+def test_implicit_prompt_text_cut_at_a_word_boundary(tmp_path):
+    """Without a turn marker the shared prefix is cut back to a word boundary: row 1 TRL would
+    split 'bl|ue'; row 2 (one reply begins with the other) TRL gives 'blu' + 'e'/'e-ish';
+    row 3 '=8|1' becomes '=' + '81'. The space before a reply goes with the reply, as in TRL."""
+    rows = [
+        {"chosen": "Q: sky?\nA: It is blue.", "rejected": "Q: sky?\nA: It is bland."},
+        {"chosen": "Q: sky?\nA: It is blue", "rejected": "Q: sky?\nA: It is blue-ish"},
+        {"chosen": "23+58=81", "rejected": "23+58=82"},
+    ]
+    frame = load_contract(write(tmp_path / "p.jsonl", rows), "preference")
+    assert records(frame) == [
+        {"prompt": "Q: sky?\nA: It is", "chosen": " blue.", "rejected": " bland."},
+        {"prompt": "Q: sky?\nA: It is", "chosen": " blue", "rejected": " blue-ish"},
+        {"prompt": "23+58=", "chosen": "81", "rejected": "82"},
+    ]
+
+
+def test_implicit_prompt_conversational(tmp_path):
+    """Messages split by whole message (TRL): the shared turns are the prompt."""
+    rows = [
+        {"chosen": row["prompt"] + row["chosen"], "rejected": row["prompt"] + row["rejected"]} for row in CONVERSATIONAL
+    ]
+    frame = load_contract(write(tmp_path / "conv.parquet", rows), "preference")
+    assert records(frame) == CONVERSATIONAL
+
+
+def test_implicit_prompt_with_column_mapping(tmp_path):
+    rows = [{"good": row["chosen"], "bad": row["rejected"]} for row in HH]
+    frame = load_contract(write(tmp_path / "hh.csv", rows), "preference", columns={"chosen": "good", "rejected": "bad"})
+    assert list(frame.columns) == ["prompt", "chosen", "rejected"]
+    assert frame["chosen"].tolist() == [" It is blue.", " 4"]
+
+
+def test_implicit_prompt_problems_name_the_row(tmp_path):
+    """Row 1 is fine. Row 2: no common prefix. Row 3: identical. Row 4: conversations that
+    differ at the user's turn, so no reply follows the shared prompt. Row 5: no common first
+    message. Row 6: text beside messages."""
+    user = {"role": "user", "content": "q"}
+    rows = [
+        HH[0],
+        {"chosen": "Yes.", "rejected": "No."},
+        {"chosen": "same", "rejected": "same"},
+        {
+            "chosen": [{"role": "system", "content": "s"}, user, {"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}],
+        },
+        {"chosen": [user], "rejected": [{"role": "user", "content": "p"}]},
+        {"chosen": "text", "rejected": [user]},
+    ]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "p.jsonl", rows), "preference")
+    assert error.value.problems == [
+        "row 2: chosen and rejected share no prompt (no common prefix); add a prompt column",
+        "row 3: chosen and rejected are identical",
+        "row 4: chosen and rejected differ before the reply (at a 'user' message); add a prompt column",
+        "row 5: chosen and rejected share no prompt (no common first message); add a prompt column",
+        "row 6: chosen and rejected must both be text or both be messages",
+    ]
+
+
+def test_identical_chosen_and_rejected(tmp_path):
+    """Compared after normalising: row 2's messages differ only by a key the contract drops."""
+    rows = [
+        dict(PREFS[0], rejected=PREFS[0]["chosen"]),
+        {
+            "prompt": "2+2?",
+            "chosen": [{"role": "assistant", "content": "4", "name": "bot"}],
+            "rejected": [{"role": "assistant", "content": "4"}],
+        },
+        PREFS[1],
+    ]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "p.jsonl", rows), "preference")
+    assert error.value.problems == [
+        "row 1: chosen and rejected are identical",
+        "row 2: chosen and rejected are identical",
+    ]
+
+
+# ----------------------------------------------------------------------------- splits and the Hub
+
+
+def test_dataset_dict_folder_split(tmp_path):
+    """A save_to_disk DatasetDict: `split` picks the split (default train); an absent one is
+    named with the splits there are."""
+    from datasets import DatasetDict
+
+    folder = tmp_path / "prefs_dict"
+    DatasetDict({"train": Dataset.from_list(PREFS[:2]), "test": Dataset.from_list(PREFS[2:])}).save_to_disk(folder)
+    assert records(load_contract(folder, "preference")) == PREFS[:2]
+    assert records(load_contract(folder, "preference", split="test")) == PREFS[2:]
+    with pytest.raises(DataValidationError, match=r"no split 'dev' in this DatasetDict; found \['test', 'train'\]"):
+        load_contract(folder, "preference", split="dev")
+
+
+def test_hub_dataset_name_is_loaded_with_config_and_split(tmp_path, monkeypatch):
+    """A path that is not local but reads owner/name goes to `datasets.load_dataset`."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(name, config=None, *, split=None):
+        calls.append((name, config, split))
+        return Dataset.from_list(PREFS)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    frame = load_contract("trl-lib/ultrafeedback_binarized", "preference", split="test", config="default")
+    assert records(frame) == PREFS
+    assert calls == [("trl-lib/ultrafeedback_binarized", "default", "test")]
+
+
+def test_hub_dataset_offline(tmp_path, monkeypatch):
+    """Offline and not cached: one error naming the dataset and what to do. datasets reads
+    HF_HUB_OFFLINE / HF_DATASETS_OFFLINE once, at import, so its config is patched as well as
+    the environment (huggingface_hub's too, so that nothing reaches for the network)."""
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataValidationError) as error:
+        load_contract("openai/gsm8k", "prompts", config="main", columns={"prompt": "question"})
+    assert error.value.path == "openai/gsm8k"
+    (problem,) = error.value.problems
+    assert "Hugging Face dataset 'openai/gsm8k' (config 'main'), split 'train'" in problem
+    assert "HF_HUB_OFFLINE is set" in problem
+    assert "download it while online" in problem and "save_to_disk" in problem and "JSONL" in problem
 
 
 def test_unknown_contract(tmp_path):

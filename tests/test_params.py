@@ -119,7 +119,7 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
     params["sft"]["max_steps"] = "many"  # wrong type
     params["rm"]["num_members"] = 0  # out of range (1..16)
     params["policy"]["dpo"]["loss_type"] = "sigmoidd"  # unknown DPO loss
-    params["gate"]["tests"][2]["op"] = "=="  # not a comparison
+    params["gate"]["tests"] = [{"metric": "accuracy"}, {"metric": "kl_to_ref", "op": "=="}]  # not a comparison
     params["prepare"]["builtin"]["min_operands"] = 6  # more than max_operands (5)
     params["rewards"] = {"k": 1}  # unknown section
     path = write_params(tmp_path, params)
@@ -132,9 +132,9 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
         "sft.max_steps: Input should be a valid integer",
         "rm.num_members: Input should be greater than or equal to 1 (got 0)",
         "policy.dpo.loss_type: Value error, unknown DPO loss type(s) ['sigmoidd']",
-        "gate.tests.2.op: Input should be '>=', '<=', '>' or '<' (got '==')",
+        "gate.tests.1.op: Input should be '>=', '<=', '>' or '<' (got '==')",
         "prepare.builtin: Value error, min_operands (6) is larger than max_operands (5)",
-        "rewards: unknown section (known: task, prepare, base, sft, verifier, rm, prm, policy, merge, evaluate, gate, infer)",
+        "rewards: unknown section (known: task, compute, prepare, base, sft, verifier, rm, prm, policy, merge, evaluate, gate, infer)",
     ]:
         assert sum(problem.startswith(expected) for problem in error.problems) == 1, expected
     assert "(got 'many')" in message  # says what was given

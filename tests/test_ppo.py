@@ -188,7 +188,7 @@ def test_params_name_the_keys_of_an_impossible_batch_split():
 
 
 @pytest.mark.parametrize(
-    "key", ["per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "gradient_checkpointing"]
+    "key", ["per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing"]
 )
 def test_params_reject_an_inherited_key_ppo_ignores(key):
     """PPOParams inherits TrainingParams' keys, but its batches are rollout_batch_size and
@@ -201,8 +201,8 @@ def test_params_reject_an_inherited_key_ppo_ignores(key):
 
 
 def test_params_name_every_ignored_key_and_accept_the_keys_ppo_reads():
-    with pytest.raises(ValidationError, match="bf16, per_device_train_batch_size: not read by PPO.*remove them"):
-        PPOParams(per_device_train_batch_size=8, bf16=True)
+    with pytest.raises(ValidationError, match="gradient_checkpointing, per_device_train_batch_size: not read by PPO.*remove them"):
+        PPOParams(per_device_train_batch_size=8, gradient_checkpointing=True)
     params = PPOParams(max_steps=5, learning_rate=1e-4, max_length=96, seed=3, save_steps=1)
     assert (params.max_steps, params.learning_rate, params.max_length, params.seed) == (5, 1e-4, 96, 3)
 

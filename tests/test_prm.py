@@ -163,7 +163,7 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
         kind="classifier", init="sft", max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2, learning_rate=1e-2,
         lora={"enabled": lora, "r": 4},
     )  # fmt: skip
-    monkeypatch.setattr(stage, "load_all", lambda *args, **kwargs: {"prm": config, "task": TaskConfig()})
+    monkeypatch.setattr(stage, "load_model_stage", lambda *args, **kwargs: {"prm": config, "task": TaskConfig()})
     stage.main()
 
     metrics = json.loads((tmp_path / "metrics/prm.json").read_text())
@@ -231,7 +231,7 @@ def test_bad_rows_fail_before_training_naming_file_and_row(tmp_path):
     frame.at[1, "labels"] = [True]  # row 2: fewer labels than steps
     frame.to_parquet(data)
     with pytest.raises(DataValidationError) as error:
-        stage.run(stage.Config(), SEP, tmp_path / "no-model-needed", data, eval_data, tmp_path / "out")
+        stage.load_labels(stage.Config(), ArithmeticTask(), data, eval_data, tmp_path / "out")
     assert str(data) in str(error.value) and "row 2: 'completions' has" in str(error.value)
 
 
@@ -303,7 +303,7 @@ def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     write_prm_tables(tmp_path)
     config = stage.Config(kind="likelihood", init="sft")
-    monkeypatch.setattr(stage, "load_all", lambda *args, **kwargs: {"prm": config, "task": TaskConfig()})
+    monkeypatch.setattr(stage, "load_model_stage", lambda *args, **kwargs: {"prm": config, "task": TaskConfig()})
     stage.main()
     metrics = json.loads((tmp_path / "metrics/prm.json").read_text())
     assert metrics["kind"] == "likelihood" and 0.0 <= metrics["step_accuracy"] <= 1.0
@@ -321,5 +321,6 @@ def test_a_missing_reader_model_fails_naming_the_param(tmp_path, monkeypatch, ml
 
     monkeypatch.chdir(tmp_path)
     data, eval_data = write_prm_tables(tmp_path)
+    rows, held_out, _ = stage.load_labels(stage.Config(), ArithmeticTask(), data, eval_data, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match=r"prm.init 'verifier' \(models/verifier\) directory models/verifier"):
-        stage.run(stage.Config(), SEP, Path("models/verifier"), data, eval_data, tmp_path / "out")
+        stage.run(stage.Config(), SEP, Path("models/verifier"), rows, held_out, tmp_path / "out")

@@ -87,6 +87,18 @@ def code_closure(path: Path) -> set[str]:
     return seen
 
 
+def module_files(dep: str) -> set[str]:
+    """The module files a dep names: itself, or the modules of a listed folder."""
+    path = REPO / dep
+    if path.is_dir():
+        return {
+            p.relative_to(REPO).as_posix()
+            for p in path.rglob("*.py")
+            if p.relative_to(REPO).as_posix() not in INFRASTRUCTURE and not docstring_only(p)
+        }
+    return {dep}
+
+
 def rlhf_closure(path: Path) -> set[str]:
     return {
         f
@@ -95,12 +107,23 @@ def rlhf_closure(path: Path) -> set[str]:
     }
 
 
+# Helpers of the `stages` package and the sections they read.
+HELPER_SECTIONS = {
+    "load_model_stage": "compute",
+    "eval_suites": "prepare",
+    "decision_suite": "prepare",
+    "report_suite": "prepare",
+}
+
+
 def sections_read(path: Path, own_section: str) -> set[str]:
     """params.yaml sections a stage module reads: `load_config("x")` and `params["x"]`;
     `load_config(variable)` reads the stage's own section (stage verifier runs stage sft's
-    trainer with its own section)."""
+    trainer with its own section); the `stages` helpers read theirs (HELPER_SECTIONS)."""
     sections = set()
     for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in HELPER_SECTIONS:
+            sections.add(HELPER_SECTIONS[node.func.id])
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_config" and node.args:
             arg = node.args[0]
             if isinstance(arg, ast.Constant):
@@ -108,8 +131,7 @@ def sections_read(path: Path, own_section: str) -> set[str]:
             else:
                 sections.add(own_section)
         if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "params":
-            if isinstance(node.slice, ast.Constant):
-                sections.add(node.slice.value)
+            sections.add(node.slice.value if isinstance(node.slice, ast.Constant) else own_section)
     return sections
 
 
@@ -137,7 +159,7 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
         assert source.relative_to(REPO).as_posix() in body["deps"], f"stage {name} must depend on {source.name}"
         reused = {f for f in code_closure(source) if f.startswith("stages/") and f != "stages/__init__.py"}
         assert reused <= set(body["deps"]), f"stage {name} must depend on the stage modules it runs: {sorted(reused)}"
-        listed = {d for d in body["deps"] if d.startswith("rlhf/")}
+        listed = set().union(*(module_files(d) for d in body["deps"] if d.startswith("rlhf/")))
         needed = rlhf_closure(source)
         assert listed == needed, f"stage {name}: rlhf deps listed {sorted(listed)} but imports {sorted(needed)}"
 
@@ -148,6 +170,9 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
         if name not in ("policy", "rl"):
             policy_keys = {p for p in params if p.startswith("policy")}
             assert policy_keys in (set(), {"policy.offline", "policy.online"}), f"stage {name}: {policy_keys}"
+        if name != "prepare":  # the suites' roles: which files prepare reads, not how
+            prepare_keys = {p for p in params if p.startswith("prepare")}
+            assert prepare_keys in (set(), {"prepare.source", "prepare.files"}), f"stage {name}: {prepare_keys}"
 
 
 def test_every_listed_param_is_in_params_yaml():
@@ -177,7 +202,7 @@ def test_policy_templates_read_their_own_method_list():
     assert stages["policy"]["foreach"] == "${policy.offline}"
     assert stages["rl"]["foreach"] == "${policy.online}"
     for name, listed in (("policy", "policy.offline"), ("rl", "policy.online")):
-        assert set(stages[name]["do"]["params"]) == {listed, "policy.trust_remote_code", "policy.${item}", "task"}
+        assert set(stages[name]["do"]["params"]) == {listed, "policy.trust_remote_code", "policy.${item}", "task", "compute"}
     offline_deps = set(stages["policy"]["do"]["deps"])
     assert not offline_deps & {"models/rm", "models/prm", "models/verifier", "data/prepared/prompts.parquet"}
 

@@ -11,8 +11,19 @@ import pytest
 
 from rlhf.evaluation.gate import Paired, decide, paired_outcomes, run_test
 from rlhf.tracking.champion import install_champion, read_champion
-from stages.capability_gate import CapabilityTest, Config, champion_outcomes
+from rlhf.tasks.arithmetic import ArithmeticTask
+from stages import capability_gate
+from stages.capability_gate import Config, champion_outcomes, resolve
 from stages.capability_gate import run as run_gate
+
+
+def CapabilityTest(**fields) -> capability_gate.CapabilityTest:  # noqa: N802 (a test on suite dev by default)
+    return capability_gate.CapabilityTest(**{"suite": "dev", **fields})
+
+
+def default_config() -> Config:
+    """The gate's defaults resolved for the built-in task, on suite dev."""
+    return resolve(Config(), ArithmeticTask(), "dev")
 
 SFT = {"accuracy": 0.40, "format_rate": 0.98, "kl_to_ref": 0.0}
 GOOD = {"accuracy": 0.55, "format_rate": 0.97, "kl_to_ref": 3.2}
@@ -163,8 +174,8 @@ def test_default_tests_reject_the_candidate_worse_than_sft():
     """Default tests: accuracy >= sft + 0, accuracy > champion + 0.01 (none yet),
     format_rate >= 0.9, kl_to_ref <= 10, all on dev. good (0.55, 0.97, 3.2) passes all
     four; bad (0.30, 0.99, 1.5) fails only the first, 0.30 < 0.40."""
-    assert [t.suite for t in Config().tests] == ["dev"] * 4
-    verdict = decide(Config().tests, REPORT, None, "accuracy", "dev")
+    assert [t.suite for t in default_config().tests] == ["dev"] * 4
+    verdict = decide(default_config().tests, REPORT, None, "accuracy", "dev")
     assert verdict["promote"] == "good"
     assert verdict["metrics"] == {"dev": GOOD}
     assert verdict["candidates"]["good"]["passed"]
@@ -204,7 +215,7 @@ def test_champion_blocks_a_regression():
     above SFT but not above the champion + 0.01 = 0.59, so it is rejected and nothing is
     promoted — the champion stays."""
     champion = record({"accuracy": 0.58, "format_rate": 0.99})
-    verdict = decide(Config().tests, report_with(good=GOOD), champion, "accuracy", "dev")
+    verdict = decide(default_config().tests, report_with(good=GOOD), champion, "accuracy", "dev")
     assert verdict["promote"] is None
     assert verdict["metrics"] is None
     assert verdict["candidates"]["good"]["failures"] == ["accuracy[dev] > champion+0.01: 0.5500 > 0.5900 fails" + POINT]
@@ -215,15 +226,15 @@ def test_the_default_minimum_effect_over_the_champion():
     at 0.545 (0.55 > 0.555 is false: half a point is not enough) but is over one at 0.53
     (0.55 > 0.54)."""
     report = report_with(good=GOOD)
-    assert decide(Config().tests, report, record({"accuracy": 0.545}), "accuracy", "dev")["promote"] is None
-    assert decide(Config().tests, report, record({"accuracy": 0.53}), "accuracy", "dev")["promote"] == "good"
+    assert decide(default_config().tests, report, record({"accuracy": 0.545}), "accuracy", "dev")["promote"] is None
+    assert decide(default_config().tests, report, record({"accuracy": 0.53}), "accuracy", "dev")["promote"] == "good"
 
 
 def test_nothing_promoted_when_no_candidate_passes():
     """bad fails accuracy >= sft (0.30 < 0.40); worse fails it too (0.35 < 0.40) and also
     kl_to_ref <= 10 (12.0 > 10): every failure is listed."""
     worse = {"accuracy": 0.35, "format_rate": 0.95, "kl_to_ref": 12.0}
-    verdict = decide(Config().tests, report_with(bad=BAD, worse=worse), None, "accuracy", "dev")
+    verdict = decide(default_config().tests, report_with(bad=BAD, worse=worse), None, "accuracy", "dev")
     assert verdict["promote"] is None
     assert verdict["metrics"] is None
     assert not any(v["passed"] for v in verdict["candidates"].values())
@@ -237,7 +248,7 @@ def test_a_candidate_missing_a_metric_is_not_promoted():
     """`partial` has accuracy 0.9 but no format_rate in the report: format_rate >= 0.9
     fails as missing, so good (all metrics present) is promoted."""
     partial = {"accuracy": 0.9, "kl_to_ref": 1.0}
-    verdict = decide(Config().tests, report_with(partial=partial, good=GOOD), None, "accuracy", "dev")
+    verdict = decide(default_config().tests, report_with(partial=partial, good=GOOD), None, "accuracy", "dev")
     assert verdict["promote"] == "good"
     assert verdict["candidates"]["partial"]["failures"] == [
         "format_rate[dev] >= absolute+0.9: metric 'format_rate' missing for suite 'dev' in the eval report"
@@ -434,7 +445,7 @@ def test_decide_pairs_against_sft_and_the_champion():
     candidate: both relative tests are paired (lower bounds above 0.04 clear 0 and 0.01),
     the absolute ones are not, and the candidate is promoted with its point metrics."""
     verdict = decide(
-        Config().tests,
+        default_config().tests,
         paired_report(better=BETTER_RIGHT),
         champion_record(SFT_RIGHT),
         "accuracy",
@@ -457,7 +468,7 @@ def test_a_champion_on_another_suite_version_is_compared_on_point_estimates():
     its problems may differ, so the champion test compares point estimates (0.60 > 0.50 +
     0.01) and says so, while the SFT test, on the same file, is still paired."""
     verdict = decide(
-        Config().tests,
+        default_config().tests,
         paired_report(better=BETTER_RIGHT),
         champion_record(SFT_RIGHT, digest="dev-v0"),
         "accuracy",
@@ -478,7 +489,7 @@ def test_decide_with_outcomes_promotes_the_best_passing_candidate():
     is promoted. lucky's point estimate (0.51 >= 0.50) would pass accuracy >= sft + 0, but
     its paired lower bound is below 0, so it is rejected with that one reason."""
     candidates = {"lucky": LUCKY_RIGHT, "better": BETTER_RIGHT, "best": BEST_RIGHT}
-    verdict = decide(Config().tests, paired_report(**candidates), None, "accuracy", "dev", outcomes_file(**candidates))
+    verdict = decide(default_config().tests, paired_report(**candidates), None, "accuracy", "dev", outcomes_file(**candidates))
     assert verdict["promote"] == "best"
     assert verdict["metrics"] == {"dev": point(BEST_RIGHT)}
     assert verdict["candidates"]["better"]["passed"] and verdict["candidates"]["best"]["passed"]
@@ -496,7 +507,7 @@ def test_a_failed_paired_gate_keeps_the_champion_and_lists_every_reason():
     promoted."""
     candidates = {"same": list(BETTER_RIGHT), "lucky": LUCKY_RIGHT}
     verdict = decide(
-        Config().tests,
+        default_config().tests,
         paired_report(**candidates),
         champion_record(BETTER_RIGHT),
         "accuracy",
@@ -535,7 +546,7 @@ def test_a_promoted_record_pairs_the_next_gate(tmp_path):
     assert read_champion(model_dir) is None
 
     candidates = {"same": list(BETTER_RIGHT), "best": BEST_RIGHT}
-    verdict = run_gate(Config(), paired_report(**candidates), outcomes_file(**candidates), champion_dir)
+    verdict = run_gate(default_config(), paired_report(**candidates), outcomes_file(**candidates), champion_dir)
     assert verdict["previous_champion"] == "better"
     assert verdict["promote"] == "best"
     assert verdict["candidates"]["same"]["tests"][1]["interval"] == (0.0, 0.0)

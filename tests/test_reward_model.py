@@ -206,7 +206,7 @@ def run_stage(tmp_path, monkeypatch, **config):
     write_pairs(tmp_path)
     settings = {"max_steps": 2, "num_members": 2, "per_device_train_batch_size": 4, "save_steps": 2, **config}
     config = stage.Config(logging_steps=1, **settings)
-    monkeypatch.setattr(stage, "load_all", lambda *args, **kwargs: {"rm": config, "task": TaskConfig()})
+    monkeypatch.setattr(stage, "load_model_stage", lambda *args, **kwargs: {"rm": config, "task": TaskConfig()})
     stage.main()
     return json.loads((tmp_path / "metrics/rm.json").read_text())
 

@@ -410,7 +410,7 @@ TASK = ArithmeticTask()
 
 def test_get_task_gives_the_builtin_task():
     assert isinstance(get_task(), ArithmeticTask) and isinstance(get_task(TaskConfig(kind="builtin")), ArithmeticTask)
-    assert TASKS == {"builtin": ArithmeticTask} and TASK.name == "builtin"
+    assert TASKS["builtin"] is ArithmeticTask and TASK.name == "builtin"
     assert TASK.step_separator == "; " and TASK.has_format
 
 

@@ -7,22 +7,29 @@ of ``{"role", "content"}`` messages):
 kind        columns
 =========== ==========================================================
 sft         prompt, completion — or messages (a whole conversation)
-preference  prompt, chosen, rejected
+preference  prompt, chosen, rejected — or chosen, rejected (implicit prompt)
 unpaired    prompt, completion, label (bool: desirable)
 prm         prompt, completions (list of steps), labels (list of bool)
 prompts     prompt, answer (optional, for verifiable rewards)
 =========== ==========================================================
 
-User files may be JSONL, JSON, Parquet, CSV or a ``datasets.save_to_disk`` folder; their
+A preference file without a prompt column (the HH-RLHF layout) holds the prompt as the
+shared prefix of chosen and rejected; it is split off with TRL's `extract_prompt` (see
+`split_implicit_prompt` for how text is cut). A pair whose chosen and rejected are
+identical is a problem.
+
+Data may be a JSONL, JSON, Parquet or CSV file, a ``datasets.save_to_disk`` folder, or a
+Hugging Face Hub dataset named ``owner/name`` (``split`` and ``config`` pick which part);
 column names are mapped onto the contract's in params. Validation reads every row and
-raises one `DataValidationError` naming the file, the row (1-based record number) and the
-field of every problem found, not only the first.
+raises one `DataValidationError` naming the file, the row (1-based record number; JSON
+syntax errors name the line) and the field of every problem found, not only the first.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -39,6 +46,8 @@ CONTRACTS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 MAX_LISTED_PROBLEMS = 25
+SHOWN_CHARS = 60  # of a bad JSON line, in an error
+HH_ASSISTANT_TURN = "\n\nAssistant:"  # where an HH-RLHF prompt ends
 
 
 class DataValidationError(ValueError):
@@ -55,55 +64,176 @@ class DataValidationError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def read_table(path: str | Path) -> pd.DataFrame:
-    """Rows of a JSONL, JSON, Parquet or CSV file, or of a `datasets.save_to_disk` folder."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist; check the path in params.yaml (prepare.files)")
-    if path.is_dir():
-        if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
-            raise DataValidationError(
-                path, ["a folder must be a `datasets.Dataset.save_to_disk` folder (no dataset_info.json found)"]
-            )
-        from datasets import DatasetDict, load_from_disk
+def read_table(path: str | Path, *, split: str = "train", config: str | None = None) -> pd.DataFrame:
+    """Rows of a JSONL, JSON, Parquet or CSV file, of a `datasets.save_to_disk` folder, or of
+    the Hugging Face Hub dataset `path` names (``owner/name``) when no such local path exists.
 
-        dataset = load_from_disk(str(path))
-        if isinstance(dataset, DatasetDict):
-            if "train" not in dataset:
-                raise DataValidationError(path, [f"a DatasetDict needs a 'train' split; found {sorted(dataset)}"])
-            dataset = dataset["train"]
-        return dataset.to_pandas()
-    suffix = path.suffix.lower()
+    `split` picks the split of a Hub dataset or of a saved DatasetDict; `config` names a Hub
+    dataset's configuration (e.g. ``"main"`` for ``openai/gsm8k``). Files ignore both."""
+    local = Path(path)
+    if not local.exists():
+        if _looks_like_hub_dataset(str(path)):
+            return _read_hub_dataset(str(path), split, config)
+        raise FileNotFoundError(
+            f"data file {path} does not exist; check the path in params.yaml (prepare.files), "
+            "or name a Hugging Face dataset as owner/name"
+        )
+    if local.is_dir():
+        return _read_saved_dataset(local, split)
+    suffix = local.suffix.lower()
     try:
         if suffix == ".jsonl":
-            return pd.read_json(path, lines=True, dtype=False)
+            return _read_jsonl(local)
         if suffix == ".json":
-            records = json.loads(path.read_text())
-            if isinstance(records, dict):
-                records = records.get("data", records)
-            if not isinstance(records, list):
-                raise DataValidationError(path, ["a .json file must hold a list of records (or {'data': [...]})"])
-            return pd.DataFrame.from_records(records)
+            return _read_json(local)
         if suffix == ".parquet":
-            return pd.read_parquet(path)
+            return pd.read_parquet(local)
         if suffix == ".csv":
-            return pd.read_csv(path, dtype=str, keep_default_na=False)
+            return pd.read_csv(local, dtype=str, keep_default_na=False)
     except DataValidationError:
         raise
-    except ValueError as error:
-        raise DataValidationError(path, [f"cannot be parsed as {suffix}: {error}"]) from error
+    except ValueError as error:  # also a file that is not UTF-8
+        raise DataValidationError(local, [f"cannot be parsed as {suffix}: {error}"]) from error
     raise DataValidationError(
-        path, [f"unsupported file type {suffix!r}; use one of {', '.join(FORMATS)} or a save_to_disk folder"]
+        local, [f"unsupported file type {suffix!r}; use one of {', '.join(FORMATS)} or a save_to_disk folder"]
     )
 
 
-def load_contract(path: str | Path, kind: str, columns: Mapping[str, str] | None = None) -> pd.DataFrame:
-    """Read `path`, rename its columns onto the `kind` contract, validate every row.
+def load_contract(
+    path: str | Path,
+    kind: str,
+    columns: Mapping[str, str] | None = None,
+    *,
+    split: str = "train",
+    config: str | None = None,
+) -> pd.DataFrame:
+    """Read `path` (see `read_table`), rename its columns onto the `kind` contract, validate
+    every row.
 
     `columns` maps contract names to the file's names, e.g. ``{"prompt": "question"}``.
-    Returns only the contract's columns, with list and bool fields normalised."""
-    frame = read_table(path)
+    Returns only the contract's columns, with list and bool fields normalised (and, for a
+    preference file without a prompt, the prompt split off chosen and rejected)."""
+    frame = read_table(path, split=split, config=config)
     return validate_contract(frame, kind, path, columns)
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def _shown(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def _records_frame(path: Path, records: list) -> pd.DataFrame:
+    """JSON records as a frame of object columns, so that values stay as parsed (an int
+    answer beside a null one is not turned into 8.0), and a missing key reads as None."""
+    problems = [
+        f"record {i + 1}: expected a JSON object {{...}}, got {type(record).__name__}"
+        for i, record in enumerate(records)
+        if not isinstance(record, dict)
+    ]
+    if problems:
+        raise DataValidationError(path, problems)
+    if not records:
+        raise DataValidationError(path, ["the file has no rows"])
+    columns = list(dict.fromkeys(key for record in records for key in record))
+    return pd.DataFrame({c: pd.Series([r.get(c) for r in records], dtype=object) for c in columns})
+
+
+def _read_jsonl(path: Path) -> pd.DataFrame:
+    """One JSON object per line; blank lines are skipped, and every bad line is reported
+    with its 1-based number and start (pandas' reader names neither)."""
+    records, problems = [], []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.rstrip("\r\n"))  # so that a cut-short line errs on its own column
+            except json.JSONDecodeError as error:
+                problems.append(f"line {number}: invalid JSON ({error.msg} at column {error.colno}): {_shown(line)}")
+                continue
+            if not isinstance(record, dict):
+                problems.append(f"line {number}: expected a JSON object {{...}}, got {type(record).__name__}")
+                continue
+            records.append(record)
+    if problems:
+        raise DataValidationError(path, problems)
+    return _records_frame(path, records)
+
+
+def _read_json(path: Path) -> pd.DataFrame:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        hint = "; one object per line is JSON Lines: name the file .jsonl" if error.msg == "Extra data" else ""
+        near = text[max(0, error.pos - SHOWN_CHARS // 2) : error.pos + SHOWN_CHARS // 2]
+        raise DataValidationError(
+            path, [f"line {error.lineno} column {error.colno}: invalid JSON ({error.msg}) near {near!r}{hint}"]
+        ) from error
+    if isinstance(data, dict):
+        data = data.get("data", data)
+    if not isinstance(data, list):
+        raise DataValidationError(path, ["a .json file must hold a list of records (or {'data': [...]})"])
+    return _records_frame(path, data)
+
+
+def _read_saved_dataset(path: Path, split: str) -> pd.DataFrame:
+    if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
+        raise DataValidationError(
+            path, ["a folder must be a `datasets.Dataset.save_to_disk` folder (no dataset_info.json found)"]
+        )
+    from datasets import DatasetDict, load_from_disk
+
+    dataset = load_from_disk(str(path))
+    if isinstance(dataset, DatasetDict):
+        if split not in dataset:
+            raise DataValidationError(path, [f"no split {split!r} in this DatasetDict; found {sorted(dataset)}"])
+        dataset = dataset[split]
+    return dataset.to_pandas()
+
+
+def _looks_like_hub_dataset(name: str) -> bool:
+    """``owner/name`` with no data-file suffix, whose ``owner`` is not a local folder (then
+    ``data/prefs`` is a mistyped local path, not a dataset)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.count("/") != 1 or Path(name).suffix.lower() in FORMATS or Path(name).parent.is_dir():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _read_hub_dataset(name: str, split: str, config: str | None) -> pd.DataFrame:
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    what = f"Hugging Face dataset {name!r}" + (f" (config {config!r})" if config else "") + f", split {split!r}"
+    try:
+        dataset = datasets.load_dataset(name, config, split=split)
+    except ConnectionError as error:  # offline mode included (OfflineModeIsEnabled)
+        offline = " (HF_HUB_OFFLINE is set)" if datasets.config.HF_HUB_OFFLINE else ""
+        raise DataValidationError(
+            name,
+            [
+                f"no local path {name!r}, and the {what} is not cached and the Hub cannot be reached{offline}: "
+                "download it while online (it is cached), or save it with `datasets.Dataset.save_to_disk` or "
+                "to a JSONL file and give that path; unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE when online"
+            ],
+        ) from error
+    except DatasetNotFoundError as error:
+        raise DataValidationError(name, [f"no local path {name!r}, and no {what} on the Hub: {error}"]) from error
+    except (ValueError, FileNotFoundError) as error:  # an unknown config or split: datasets lists the valid ones
+        raise DataValidationError(name, [f"cannot load the {what}: {error}"]) from error
+    return dataset.to_pandas()
+
+
+# ----------------------------------------------------------------------------- validation
 
 
 def validate_contract(
@@ -122,8 +252,11 @@ def validate_contract(
                 f"column mapping {target!r} -> {source!r}: no column {source!r} (columns: {list(frame.columns)})"
             )
     frame = frame.rename(columns={source: target for target, source in columns.items() if source != target})
+    implicit_prompt = kind == "preference" and "prompt" not in frame.columns and {"chosen", "rejected"} <= set(frame)
     if kind == "sft" and "messages" in frame.columns and "prompt" not in frame.columns:
         wanted: tuple[str, ...] = ("messages",)
+    elif implicit_prompt:
+        wanted = ("chosen", "rejected")
     else:
         wanted = contract["required"]
     missing = [c for c in wanted if c not in frame.columns]
@@ -152,6 +285,7 @@ def validate_contract(
         "difficulty": _check_answer,
     }
     normalised: dict[str, list] = {c: [] for c in keep}
+    prompts: list = []  # split off chosen and rejected, when the prompt is implicit
     for index, row in enumerate(frame.itertuples(index=False)):
         record = dict(zip(keep, row))
         row_ok = True
@@ -166,11 +300,64 @@ def validate_contract(
                 f"row {index + 1}: 'completions' has {len(normalised['completions'][-1])} steps but "
                 f"'labels' has {len(normalised['labels'][-1])}; give one label per step"
             )
+        if kind == "preference" and row_ok:
+            chosen, rejected = normalised["chosen"][-1], normalised["rejected"][-1]
+            problem = _pair_problem(chosen, rejected)
+            if not problem and implicit_prompt:
+                split, problem = split_implicit_prompt(chosen, rejected)
+                if split:
+                    prompts.append(split["prompt"])
+                    normalised["chosen"][-1], normalised["rejected"][-1] = split["chosen"], split["rejected"]
+            if problem:
+                problems.append(f"row {index + 1}: {problem}")
     if problems:
         raise DataValidationError(path, problems)
+    if implicit_prompt:
+        normalised = {"prompt": prompts, **normalised}
     # object columns keep the normalised Python values: pandas >= 3 would otherwise infer a
     # string dtype and turn a missing answer (None) into NaN.
     return pd.DataFrame({c: pd.Series(values, dtype=object) for c, values in normalised.items()})
+
+
+def _pair_problem(chosen, rejected) -> str | None:
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        return "chosen and rejected must both be text or both be messages"
+    if chosen == rejected:
+        return "chosen and rejected are identical"
+    return None
+
+
+def split_implicit_prompt(chosen, rejected) -> tuple[dict | None, str | None]:
+    """({"prompt", "chosen", "rejected"}, None), or (None, problem): the prompt that an
+    implicit-prompt pair shares, split off both by TRL's `extract_prompt`.
+
+    Messages are split by whole message, as TRL does; both replies must then start with an
+    assistant turn. For text, TRL takes the common prefix character by character, which
+    cuts inside a word ("...Assistant: It is bl" + "ue." / "and.") and, when one reply
+    begins with the other, drops its last shared character. So the text prompt is cut back
+    to the end of the last HH-RLHF turn marker ``"\\n\\nAssistant:"`` if the prefix holds one,
+    otherwise to a word boundary (trailing spaces go to the replies, as in TRL). Without a
+    marker, words both replies open with stay in the prompt: give a prompt column then."""
+    from trl.data_utils import extract_prompt  # imports torch: only for implicit-prompt files
+
+    prompt = extract_prompt({"chosen": chosen, "rejected": rejected})["prompt"]
+    if isinstance(prompt, str):
+        end = len(prompt)
+        turn = prompt.rfind(HH_ASSISTANT_TURN)
+        if turn >= 0:
+            prompt = prompt[: turn + len(HH_ASSISTANT_TURN)]
+        elif re.search(r"\w$", prompt) and (re.match(r"\w", chosen[end:]) or re.match(r"\w", rejected[end:])):
+            prompt = re.sub(r"\w+$", "", prompt).rstrip(" ")
+        if not prompt.strip():
+            return None, "chosen and rejected share no prompt (no common prefix); add a prompt column"
+    elif not prompt:
+        return None, "chosen and rejected share no prompt (no common first message); add a prompt column"
+    chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]
+    if not isinstance(prompt, str):
+        roles = [reply[0]["role"] for reply in (chosen, rejected) if reply[0]["role"] != "assistant"]
+        if roles:
+            return None, f"chosen and rejected differ before the reply (at a {roles[0]!r} message); add a prompt column"
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}, None
 
 
 # ----------------------------------------------------------------------------- field checks

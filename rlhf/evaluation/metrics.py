@@ -36,7 +36,6 @@ def wins(candidate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (candidate > reference).float() + 0.5 * (candidate == reference).float()
 
 
-
 @torch.inference_mode()
 def completion_kl(
     policy, reference, tokenizer, prompts: Sequence, completions: Sequence[str], batch_size: int = 32

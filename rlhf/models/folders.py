@@ -8,6 +8,7 @@ in a second.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
@@ -54,6 +55,56 @@ def check_model_dir(path: str | Path, what: str = "model") -> Path:
     if problems:
         raise ValueError(f"{what} directory {path} is not usable: {'; '.join(problems)}. Found: {present}. {how}")
     return path
+
+
+# `owner/name` (or a bare legacy name such as `gpt2`): letters, digits, `-`, `_`, `.`.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# What a model folder needs from the Hub: no pickled weights, custom code only when trusted.
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """Whether `value` names a Hugging Face Hub repository rather than a local folder
+    (a path that exists locally is always a folder)."""
+    return not Path(value).exists() and bool(_HUB_ID.match(value)) and not value.endswith((".", "/"))
+
+
+def fetch_from_hub(repo_id: str, revision: str | None, what: str, trust_remote_code: bool = False) -> Path:
+    """A local snapshot of the Hub model `repo_id` (downloaded into the Hugging Face cache,
+    or found there when offline): config, safetensors weights, tokenizer files, and the
+    model's own code only with `trust_remote_code`. Fails with one message that names the id
+    and says what to do."""
+    from huggingface_hub import snapshot_download
+
+    patterns = HUB_FILES + (["*.py"] if trust_remote_code else [])
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except Exception as error:  # offline, no network, unknown or gated repo: one message
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        raise FileNotFoundError(
+            f"{what} {repo_id!r} is not a local model directory, and the Hugging Face Hub could not "
+            f"provide it ({reason}). If you are offline (HF_HUB_OFFLINE=1) or have no network: "
+            f"download it once while online (`huggingface-cli download {repo_id}` fills the cache "
+            "this stage reads), or save it with `save_pretrained` and give that folder. "
+            "If the id is a typo of a local path, fix the path."
+        ) from error
+
+
+# A model stage whose inputs are absent writes this file instead of a model: the stage drops
+# out of the run (DVC still sees its declared output) and the file says what would supply it.
+ABSENT_FILE = "absent.json"
+
+
+def write_absent(path: str | Path, reason: str) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / ABSENT_FILE).write_text(json.dumps({"absent": reason}, indent=2) + "\n")
+
+
+def absent_reason(path: str | Path) -> str | None:
+    """Why the stage that owns `path` wrote no model, or None when it wrote one."""
+    marker = Path(path) / ABSENT_FILE
+    return json.loads(marker.read_text())["absent"] if marker.is_file() else None
 
 
 def resolve_model_dir(path: str | Path) -> Path:

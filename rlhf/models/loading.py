@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from rlhf.models.compute import current
 from rlhf.models.folders import BUILTIN_SIZES, check_model_dir, resolve_model_dir
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -107,18 +108,28 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_causal_lm(path: str | Path, trust_remote_code: bool = False, what: str = "model") -> PreTrainedModel:
+def load_causal_lm(
+    path: str | Path, trust_remote_code: bool = False, what: str = "model", placement=None, training: bool = False
+) -> PreTrainedModel:
+    """A local causal LM, on the process's device (`rlhf.models.compute`). For inference its
+    weights are in the placement's dtype; for `training`, float32 master weights (the
+    trainer's mixed precision does the rest)."""
     path = check_model_dir(resolve_model_dir(path), what)
-    return AutoModelForCausalLM.from_pretrained(
-        str(path), trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True
+    placement = placement or current()
+    dtype = torch.float32 if training else placement.torch_dtype
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), trust_remote_code=trust_remote_code, dtype=dtype, use_safetensors=True
     )
+    return model.to(placement.device)
 
 
-def load_reward_model(path: str | Path, trust_remote_code: bool = False, what: str = "reward model"):
+def load_reward_model(path: str | Path, trust_remote_code: bool = False, what: str = "reward model", placement=None):
     path = check_model_dir(resolve_model_dir(path), what)
-    return AutoModelForSequenceClassification.from_pretrained(
-        str(path), trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True, num_labels=1
+    placement = placement or current()
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(path), trust_remote_code=trust_remote_code, dtype=placement.torch_dtype, use_safetensors=True, num_labels=1
     )
+    return model.to(placement.device)
 
 
 def save_model(model, tokenizer, path: str | Path) -> None:

@@ -329,12 +329,14 @@ def greedy_soup(
     order = sorted(names, key=lambda n: -individual[n])
     # The working model holds the soup being scored; `total` is the running sum of the
     # members' weights (float tensors only), so a trial costs one candidate's state dict.
-    model = load_causal_lm(candidates[order[0]], trust_remote_code)
+    # float32 weights (`training=True`) whatever compute.dtype says: averaging in half
+    # precision would round the soup.
+    model = load_causal_lm(candidates[order[0]], trust_remote_code, training=True)
     total = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
     members, best = [order[0]], individual[order[0]]
     trace = [{"candidate": order[0], "individual": best, "soup": best, "accepted": True, "members": list(members)}]
     for name in order[1:]:
-        state = load_causal_lm(candidates[name], trust_remote_code).state_dict()
+        state = load_causal_lm(candidates[name], trust_remote_code, training=True).state_dict()
         n = len(members) + 1
         model.load_state_dict({k: (total[k] + state[k]) / n for k in total}, strict=False)
         trial = float(score(model))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf.models.folders import absent_reason
 from rlhf.models.generation import reward_text
 from rlhf.models.loading import load_reward_model, load_tokenizer
 from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, is_likelihood_rm
@@ -27,6 +28,9 @@ MEMBER_PREFIX = "member_"
 
 def member_dirs(root: str | Path) -> list[Path]:
     root = Path(root)
+    reason = absent_reason(root)
+    if reason:
+        raise FileNotFoundError(f"{root} holds no reward model: {reason}")
     members = sorted(p for p in root.glob(f"{MEMBER_PREFIX}*") if p.is_dir())
     if not members:
         raise FileNotFoundError(

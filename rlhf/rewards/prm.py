@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf.models.folders import resolve_model_dir
+from rlhf.models.folders import absent_reason, resolve_model_dir
 from rlhf.rewards.prm_classifier import ClassifierPRM
 from rlhf.rewards.prm_likelihood import LikelihoodPRM
 from rlhf.rewards.steps import PRM_FILE
@@ -21,6 +21,9 @@ KINDS = {"classifier": ClassifierPRM, "likelihood": LikelihoodPRM}
 def load_prm(path: str | Path, trust_remote_code: bool = False) -> ClassifierPRM | LikelihoodPRM:
     """The PRM saved in `path` (its kind is read from prm.json)."""
     path = resolve_model_dir(path)
+    reason = absent_reason(path)
+    if reason:
+        raise FileNotFoundError(f"{path} holds no process reward model: {reason}")
     settings_file = Path(path) / PRM_FILE
     if not settings_file.is_file():
         raise FileNotFoundError(f"{path} has no {PRM_FILE}: it is not a process reward model written by stage prm")

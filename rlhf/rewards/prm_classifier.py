@@ -128,8 +128,11 @@ def build_dataset(tokenizer, rows, separator: str = DEFAULT_SEPARATOR, max_lengt
 
 def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str = "process reward model"):
     """A two-label token classifier from a model directory (a causal LM gets a new head)."""
+    from rlhf.models.compute import current
+
     path = check_model_dir(resolve_model_dir(path), what)
-    return AutoModelForTokenClassification.from_pretrained(
+    # float32: it is trained (transformers' mixed precision) and scores steps in one pass.
+    model = AutoModelForTokenClassification.from_pretrained(
         str(path),
         trust_remote_code=trust_remote_code,
         dtype=torch.float32,
@@ -138,6 +141,7 @@ def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str 
         id2label={BAD: "bad", GOOD: "good"},
         label2id={"bad": BAD, "good": GOOD},
     )
+    return model.to(current().device)
 
 
 def prm_trainer(

@@ -19,6 +19,12 @@ class Task:
     # Whether the task defines a well-formed completion (`is_well_formatted`); when not,
     # evaluate reports no format rate and the gate's default tests do not ask for one.
     has_format = False
+    # Whether `is_correct` can check an answer; when not (task kind `none`), evaluate reports
+    # accuracy as null and the gate skips its accuracy tests.
+    checks_answers = True
+    # The `TaskConfig` keys the task's constructor takes (get_task passes exactly these; any
+    # other key set in params is an error for this kind).
+    settings: tuple[str, ...] = ()
 
     def normalize_prompt(self, prompt: str) -> str:
         """A prompt as the model was trained to see it (e.g. a trailing newline)."""
@@ -34,7 +40,12 @@ class Task:
     def is_correct(self, completion: str, answer) -> bool:
         """Whether `completion` reaches the reference `answer`."""
         predicted = self.extract_answer(completion)
-        return predicted is not None and predicted == normalize_text(answer)
+        return predicted is not None and predicted == self.reference_answer(answer)
+
+    def reference_answer(self, answer) -> str:
+        """The reference `answer` normalised as `extract_answer` normalises a completion's;
+        ValueError when it cannot be one (e.g. not a number for a numeric task)."""
+        return normalize_text(answer)
 
     def is_well_formatted(self, completion: str) -> bool:
         return True

@@ -29,8 +29,6 @@ class TrainingParams(StageConfig):
     logging_steps: int = Field(10, gt=0, description="log loss every N steps")
     save_steps: int = Field(100, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
     seed: int = Field(0, description="data order and initialisation seed")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
-    bf16: bool = Field(False, description="bf16 mixed precision (GPU only)")
     gradient_checkpointing: bool = Field(False, description="trade compute for memory (large models)")
 
 
@@ -61,8 +59,8 @@ class PPOParams(TrainingParams):
     """PPO with a KL penalty to the reference (Ouyang et al. 2022). `max_steps` counts PPO
     iterations and `max_length` bounds prompt + response (long prompts lose their start).
     Inherited keys not used: per_device_train_batch_size and gradient_accumulation_steps
-    (rollout_batch_size and mini_batch_size set the batches), bf16 and gradient_checkpointing
-    (PPO runs in float32)."""
+    (rollout_batch_size and mini_batch_size set the batches) and gradient_checkpointing.
+    PPO runs in float32 on `compute.device`."""
 
     max_steps: int = Field(60, gt=0, description="PPO iterations (one rollout batch and its updates each)")
     learning_rate: float = Field(1e-5, gt=0, lt=1, description="policy learning rate")
@@ -91,7 +89,7 @@ class PPOParams(TrainingParams):
     def _check_batches(self):
         reject_unused(
             self,
-            ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "gradient_checkpointing"),
+            ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing"),
             "by PPO (rollout_batch_size and mini_batch_size set its batches; it runs in float32)",
         )
         problems = []

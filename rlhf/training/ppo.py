@@ -40,10 +40,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForTokenClassification, GenerationConfig, get_scheduler
 
 from rlhf.artifacts import atomic_dir
+from rlhf.models.compute import current
 from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.models.generation import format_prompt
 from rlhf.training.params import PPOParams
-from rlhf.training.trainer_setup import merged_model, use_cpu
+from rlhf.training.trainer_setup import merged_model
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -451,7 +452,7 @@ def train_ppo(
     adapters are merged into `policy` before returning, so it is a plain model afterwards.
     A checkpoint is kept in `checkpoint_dir` every `save_steps` iterations and at the end; a
     call that finds one resumes from it (choose the folder per run, e.g. by fingerprint)."""
-    device = torch.device("cpu" if use_cpu(params) else "cuda")
+    device = torch.device(current().device)
     n = len(prompts)
     bad_fields = [k for k, v in row_fields.items() if len(v) != n]
     if not n or bad_fields:

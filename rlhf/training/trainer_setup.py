@@ -13,14 +13,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers.trainer_utils import get_last_checkpoint
 
+from rlhf.models.compute import current
 from rlhf.training.params import TrainingParams
 
 
-def use_cpu(params: TrainingParams) -> bool:
-    return params.device == "cpu" or (params.device == "auto" and not torch.cuda.is_available())
+def use_cpu() -> bool:
+    """Whether this process trains on the CPU (params `compute.device`)."""
+    return current().on_cpu
+
+
+def precision() -> dict[str, bool]:
+    """Mixed-precision flags from params `compute.dtype` (none on the CPU)."""
+    return {"bf16": False, "fp16": False} if use_cpu() else current().training_precision()
 
 
 def trl_config(config_cls, params: TrainingParams, output_dir: Path, **extra: Any):
@@ -41,9 +47,8 @@ def trl_config(config_cls, params: TrainingParams, output_dir: Path, **extra: An
         save_total_limit=1,
         seed=params.seed,
         data_seed=params.seed,
-        use_cpu=use_cpu(params),
-        bf16=params.bf16,
-        fp16=False,
+        use_cpu=use_cpu(),
+        **precision(),
         activation_checkpointing=params.gradient_checkpointing,
         report_to=["mlflow"],
         dataloader_num_workers=0,

@@ -1,0 +1,115 @@
+"""Where models run and in what precision: params.yaml `compute`.
+
+One setting for every stage that runs a model, so that a user moves the whole pipeline to
+a GPU, or to bfloat16, in one place:
+
+* `device`: `auto` (a CUDA GPU when torch sees one, else Apple's MPS, else the CPU), or
+  `cpu`, `cuda`, `cuda:<i>`, `mps`.
+* `dtype`: `auto`, `bfloat16`, `float16` or `float32`. `auto` is float32 on the CPU (half
+  precision is slow or unsupported there) and on a GPU bfloat16 where the GPU supports it,
+  else float16.
+
+Inference (evaluate, infer, the reward models and PRM, the greedy soup) loads weights in
+that dtype on that device. Training keeps float32 master weights and trains in mixed
+precision (TRL's `bf16` / `fp16` flags), as transformers' Trainer expects.
+
+The stage process sets the default once (`configure`) from its validated params; library
+functions read it (`current`) unless a caller passes its own. Light on purpose: torch is
+imported only when a setting is resolved.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from rlhf.params import StageConfig
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+class ComputeConfig(StageConfig):
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:<i> | mps (auto: a GPU when present)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="inference weights, training mixed precision (auto: float32 on CPU, bf16/fp16 on GPU)"
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"unknown device {value!r}; use auto, cpu, cuda, cuda:<i> or mps")
+        return value
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A resolved setting: a torch device string and dtype name."""
+
+    device: str
+    dtype: str
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    def training_precision(self) -> dict[str, bool]:
+        """TRL/transformers flags for mixed-precision training in this dtype."""
+        return {"bf16": self.dtype == "bfloat16", "fp16": self.dtype == "float16"}
+
+
+def resolve(config: ComputeConfig | None = None) -> Placement:
+    """The device and dtype `config` means on this machine; a device that is named but not
+    present is an error that says so."""
+    import torch
+
+    config = config or ComputeConfig()
+    device = config.device
+    if device == "auto":
+        if torch.cuda.is_available():
+            device = "cuda"
+        elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            device = "mps"
+        else:
+            device = "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"compute.device is {device!r} but torch sees no CUDA GPU; use compute.device: auto or cpu")
+    elif device == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("compute.device is 'mps' but torch sees no MPS device; use compute.device: auto or cpu")
+    dtype = config.dtype
+    if dtype == "auto":
+        if device == "cpu":
+            dtype = "float32"
+        elif device.startswith("cuda") and torch.cuda.is_bf16_supported():
+            dtype = "bfloat16"
+        else:
+            dtype = "float16"
+    return Placement(device, dtype)
+
+
+_current: Placement | None = None
+
+
+def configure(config: ComputeConfig | None) -> Placement:
+    """Set this process's placement (a stage calls it once, from params)."""
+    global _current
+    _current = resolve(config)
+    return _current
+
+
+def current() -> Placement:
+    """This process's placement: the configured one, else `auto` resolved."""
+    global _current
+    if _current is None:
+        _current = resolve(None)
+    return _current

@@ -1,0 +1,184 @@
+"""lm-evaluation-harness backend (rlhf.evaluation.harness): a prepared eval suite run as a
+local harness task scores exactly what evaluate scores, on exactly the same generations."""
+
+from __future__ import annotations
+
+import socket
+
+import pandas as pd
+import pytest
+
+from rlhf.evaluation.harness import (
+    clean_metrics,
+    evaluate_harness,
+    harness_completions,
+    harness_outcomes,
+    run_harness,
+    write_suite_task,
+)
+
+SUITE = 40
+TRAINED = 20  # the first TRAINED problems are memorised; the rest the model has never seen
+# `answer N` and its EOS fit; `answer NN` just fits without its EOS: some completions stop
+# at EOS, others at the budget, and both stops must agree with plain generate.
+MAX_NEW_TOKENS = 9
+
+
+@pytest.fixture(scope="module")
+def memorised():
+    """The built-in tiny model after 100 full-batch steps on the answers alone
+    (`<prompt>answer N</s>`) of the first TRAINED of SUITE held-out problems: it gets most
+    of those right and few of the others, so the suite's accuracy is neither 0 nor 1. The
+    suite is ordered by answer so that the trained half holds the one-digit answers (the
+    completions that stop at EOS within MAX_NEW_TOKENS)."""
+    import torch
+
+    from rlhf.models.loading import build_tiny_model, build_tokenizer
+    from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
+
+    sizes = TaskSizes(sft=0, prefs=0, prefs_eval=0, unpaired=0, prm=0, prm_eval=0, prompts=0, eval_dev=SUITE)
+    rows = sorted(generate_datasets(TaskSpec(), sizes, seed=0)["eval_dev"], key=lambda r: int(r["answer"]))
+    tokenizer = build_tokenizer()
+    model = build_tiny_model("tiny", tokenizer, seed=0)
+    texts = [r["prompt"] + "answer " + r["answer"] + tokenizer.eos_token for r in rows[:TRAINED]]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    model.train()
+    for _ in range(100):
+        loss = model(**batch, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    tokenizer.padding_side = "left"
+    return model, tokenizer, pd.DataFrame(rows)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """The Hub switched on, as the project leaves it (tests switch it off), and any attempt
+    to resolve a host or open a connection fails the test."""
+    import datasets
+    import huggingface_hub.constants
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+@pytest.mark.slow
+def test_suite_task_matches_pipeline_accuracy_and_generations(memorised, tmp_path, no_network):
+    from rlhf.models.generation import generate
+    from rlhf.tasks import get_task
+
+    model, tokenizer, suite = memorised
+    suite.to_parquet(tmp_path / "dev.parquet")
+    yaml_path = write_suite_task(
+        tmp_path / "dev.parquet", "rlhf_dev", tmp_path / "tasks", max_new_tokens=MAX_NEW_TOKENS
+    )
+    assert yaml_path == tmp_path / "tasks" / "rlhf_dev.yaml"
+
+    results = evaluate_harness(
+        model, tokenizer, ["rlhf_dev"], include_path=tmp_path / "tasks", bootstrap_iters=0, log_samples=True
+    )
+
+    # Evaluate's own path: greedy generate, then the task's answer check.
+    task = get_task(None)
+    ours = generate(model, tokenizer, suite["prompt"].tolist(), MAX_NEW_TOKENS, do_sample=False)
+    correct = [task.is_correct(c, a) for c, a in zip(ours, suite["answer"])]
+    accuracy = sum(correct) / len(correct)
+    assert 0 < sum(correct) < SUITE, f"the memorised model should get some, not all, right: {ours}"
+    # One character is one token of the built-in tokenizer.
+    assert any(len(c) < MAX_NEW_TOKENS for c in ours), "some completion should stop at EOS"
+    assert any(len(c) == MAX_NEW_TOKENS for c in ours), "some completion should run to the budget"
+
+    assert harness_completions(results, "rlhf_dev") == ours
+    assert harness_outcomes(results, "rlhf_dev", "accuracy") == [float(c) for c in correct]
+    assert results["results"]["rlhf_dev"]["sample_len"] == SUITE
+    metrics = clean_metrics(results)["rlhf_dev"]
+    assert metrics["accuracy"] == accuracy
+    assert metrics["format_rate"] == sum(task.is_well_formatted(c) for c in ours) / SUITE
+
+
+@pytest.mark.slow
+def test_run_harness_reports_clean_metrics_with_stderr_and_limit(memorised, tmp_path, no_network):
+    import torch
+
+    model, tokenizer, suite = memorised
+    suite.to_parquet(tmp_path / "dev.parquet")
+    write_suite_task(tmp_path / "dev.parquet", "rlhf_dev", tmp_path / "tasks", max_new_tokens=MAX_NEW_TOKENS)
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    metrics = run_harness(model, tokenizer, ["rlhf_dev"], include_path=tmp_path / "tasks", limit=TRAINED)
+    # lm-eval reseeds torch's global generator; run_harness hands the caller's back.
+    assert torch.equal(torch.rand(3), expected_draw)
+    # The first TRAINED problems are the memorised ones: accuracy well above the suite's.
+    assert set(metrics) == {"rlhf_dev"}
+    assert set(metrics["rlhf_dev"]) == {"accuracy", "accuracy_stderr", "format_rate", "format_rate_stderr"}
+    accuracy = metrics["rlhf_dev"]["accuracy"]
+    assert accuracy > 0.5
+    # A mean's closed-form standard error over the TRAINED problems (sample std / sqrt(n)).
+    expected = (accuracy * (1 - accuracy) * TRAINED / (TRAINED - 1) / TRAINED) ** 0.5
+    assert metrics["rlhf_dev"]["accuracy_stderr"] == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_unknown_task_names_it_and_suggests_close_names(tmp_path):
+    (tmp_path / "tasks").mkdir()
+    # The name is checked before the model is used: None stands in for both.
+    with pytest.raises(ValueError, match=r"unknown harness task\(s\) 'hellaswg' \(close: hellaswag") as error:
+        run_harness(None, None, ["hellaswg"], include_path=tmp_path / "tasks")
+    assert str(tmp_path / "tasks") in str(error.value)
+
+
+def test_missing_include_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="include_path .*missing is not a folder"):
+        run_harness(None, None, ["rlhf_dev"], include_path=tmp_path / "missing")
+
+
+def test_clean_metrics_maps_filters_and_drops_non_numeric():
+    """lm-eval's keys → ours: the default filter `none` disappears, any other follows a
+    slash; "N/A" stderrs, aliases and sample counts are dropped."""
+    results = {
+        "results": {
+            "gsm8k": {
+                "alias": "gsm8k",
+                "sample_len": 10,
+                "exact_match,strict-match": 0.25,
+                "exact_match_stderr,strict-match": 0.1,
+                "exact_match,flexible-extract": 0.5,
+                "exact_match_stderr,flexible-extract": "N/A",
+            },
+            "arc_easy": {"acc,none": 0.75, "acc_stderr,none": 0.05, "acc_norm,none": 0.5},
+        }
+    }
+    assert clean_metrics(results) == {
+        "gsm8k": {
+            "exact_match/strict-match": 0.25,
+            "exact_match_stderr/strict-match": 0.1,
+            "exact_match/flexible-extract": 0.5,
+        },
+        "arc_easy": {"acc": 0.75, "acc_stderr": 0.05, "acc_norm": 0.5},
+    }
+
+
+def test_write_suite_task_rejects_unusable_suites(tmp_path):
+    pd.DataFrame({"prompt": ["1+2\n"]}).to_parquet(tmp_path / "no_answer.parquet")
+    with pytest.raises(ValueError, match=r"needs columns prompt and answer; missing \['answer'\]"):
+        write_suite_task(tmp_path / "no_answer.parquet", "t", tmp_path / "tasks", max_new_tokens=8)
+    pd.DataFrame({"prompt": ["1+2\n"], "answer": ["3"]}).to_parquet(tmp_path / "ok.parquet")
+    with pytest.raises(ValueError, match="letters, digits"):
+        write_suite_task(tmp_path / "ok.parquet", "dev.v2", tmp_path / "tasks", max_new_tokens=8)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        write_suite_task(tmp_path / "absent.parquet", "t", tmp_path / "tasks", max_new_tokens=8)
