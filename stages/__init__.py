@@ -156,12 +156,16 @@ def input_problems(params: dict) -> list[str]:
         for index, reward in enumerate(infer.best_of_n.rewards):
             if getattr(reward, "path", None) is None:
                 need_model(f"best_of_n reward {reward.name}", reward.name, f"infer.best_of_n.rewards[{index}]")
+    harness = params["evaluate"].harness
     named = [("evaluate.suites", s) for s in params["evaluate"].suites or []]
+    named += [("evaluate.harness.suites", s) for s in (harness.suites if harness else [])]
+    harness_suites = {f"harness/{t}" for t in (harness.tasks if harness else [])}
+    harness_suites |= {f"harness/rlhf_{s}" for s in (harness.suites if harness else [])}
     named += [("infer.suite", infer.suite), ("merge.greedy_soup_suite", params["merge"].greedy_soup_suite)]
     named += [("gate.select_suite", params["gate"].select_suite)]
     named += [(f"gate.tests[{i}].suite", t.suite) for i, t in enumerate(params["gate"].tests or [])]
     for key, suite in named:
-        if suite is not None and suite not in suites:
+        if suite is not None and suite not in suites and suite not in harness_suites:
             problems.append(
                 f"{key}: no eval suite {suite!r} (prepare writes {suites}); add prepare.files.eval_{suite} "
                 "or name one of those (null: the default role)"

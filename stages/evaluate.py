@@ -15,14 +15,22 @@ RM-ensemble reward and its disagreement (std), win-rate against the reference as
 the RM ensemble, distinct-1/2 and mean completion length. Definitions: rlhf.evaluation.
 
 Which suite is for what: the built-in task writes `dev` (tuning, the gate, the greedy soup)
-and `test` (reported only; no decision reads it). The reference and one candidate are in
-memory at a time.
+and `test` (reported only; no decision reads it). With `evaluate.suites: null` every suite
+prepare wrote is evaluated; a user with one suite gets it in both roles, and the report's
+`roles` says so. A task without checkable answers (kind none) reports accuracy null; with
+no reward model (no preference data) reward and win-rate are null. The reference and one
+candidate are in memory at a time, on `compute.device` in `compute.dtype`.
+
+lm-evaluation-harness (`evaluate.harness`): any harness task, and the eval suites as local
+harness tasks, on every model; scores land under suite `harness/<task>`, where gate tests
+can read them (rlhf.evaluation.harness).
 
     python -m stages.evaluate
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +58,21 @@ OUTCOMES = REPORTS_DIR / "outcomes.json"
 SAMPLES = REPORTS_DIR / "samples.json"
 # Metrics with one value per problem: their means get intervals and paired gate tests.
 PER_PROBLEM = ("accuracy", "format_rate", "reward", "win_rate")
+HARNESS_PREFIX = "harness/"  # report["suites"] key of a harness task's scores
+
+
+class Harness(StageConfig):
+    """lm-evaluation-harness tasks run on every model (rlhf.evaluation.harness). Their
+    scores land in reports/eval.json as suite `harness/<task>`, so a gate test can ask
+    for no regression on them (point estimates, with lm-eval's stderr beside them)."""
+
+    tasks: list[str] = Field(default_factory=list, description="lm-eval task names (its registry or include_path)")
+    include_path: str | None = Field(None, description="a folder of your own harness task YAMLs")
+    suites: list[str] = Field(
+        default_factory=list, description="eval suites also run as harness tasks rlhf_<suite> (a cross-check)"
+    )
+    limit: int | None = Field(None, gt=0, description="problems per task (null: all)")
+    apply_chat_template: bool = Field(False, description="format prompts with the tokenizer's chat template")
 
 
 class Config(StageConfig):
@@ -63,6 +86,7 @@ class Config(StageConfig):
     confidence: float = Field(0.95, gt=0, lt=1, description="level of the bootstrap intervals")
     bootstrap_samples: int = Field(2000, ge=100, description="bootstrap resamples per interval")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
+    harness: Harness | None = Field(None, description="lm-evaluation-harness tasks (null: none)")
 
 
 def candidate_dirs(methods: list[str]) -> dict[str, Path]:
@@ -140,7 +164,29 @@ def evaluate_model(config: Config, task: Task, model, reference, tokenizer, judg
     return metrics, outcomes, rewards.mean if rewards is not None else None, texts
 
 
-def run(config: Config, task: Task, methods: list[str], suite_names: list[str]) -> tuple[dict, dict, dict]:
+def harness_tasks(config: Config, task_config, workdir: Path) -> tuple[list[str], list[str]]:
+    """The harness task names to run and the folders to find them in: the user's tasks,
+    and each of `harness.suites` written as a local task `rlhf_<suite>` into `workdir`."""
+    from rlhf.evaluation.harness import write_suite_task
+
+    harness = config.harness
+    names, folders = list(harness.tasks), []
+    for suite in harness.suites:
+        write_suite_task(
+            eval_suite_path(suite).resolve(), f"rlhf_{suite}", workdir,
+            max_new_tokens=config.max_new_tokens, task_config=task_config,
+        )  # fmt: skip
+        names.append(f"rlhf_{suite}")
+    if harness.suites:
+        folders.append(str(workdir))
+    if harness.include_path:
+        folders.append(harness.include_path)
+    return names, folders
+
+
+def run(
+    config: Config, task: Task, methods: list[str], suite_names: list[str], task_config=None
+) -> tuple[dict, dict, dict]:
     """The eval report, the per-problem outcomes and the samples on `suite_names`. The
     reference stays loaded (for KL); candidates are loaded one at a time. Without a reward
     model (no preference data) reward and win-rate are null."""
@@ -166,6 +212,9 @@ def run(config: Config, task: Task, methods: list[str], suite_names: list[str]) 
     outcomes: dict = {"suites": {}}
     samples: dict = {name: {} for name in suites}
     reference_rewards: dict = {}
+    workdir = tempfile.TemporaryDirectory() if config.harness else None
+    if config.harness:
+        names, folders = harness_tasks(config, task_config, Path(workdir.name))
     for model_name, path in dirs.items():
         model = reference if model_name == REFERENCE else load_causal_lm(path, config.trust_remote_code, what=str(path))
         for suite_name, suite in suites.items():
@@ -185,12 +234,27 @@ def run(config: Config, task: Task, methods: list[str], suite_names: list[str]) 
             samples[suite_name][model_name] = [
                 {"prompt": p, "completion": c} for p, c in zip(suite["prompt"][: config.samples], texts)
             ]
+        if config.harness:
+            from rlhf.evaluation.harness import run_harness
+
+            scores = run_harness(
+                model, tokenizer, names, include_path=folders or None, limit=config.harness.limit,
+                batch_size=config.batch_size, apply_chat_template=config.harness.apply_chat_template,
+            )  # fmt: skip
+            for name, metrics in scores.items():
+                report["suites"].setdefault(f"{HARNESS_PREFIX}{name}", {})[model_name] = metrics
         del model
+    if workdir:
+        workdir.cleanup()
     return report, outcomes, samples
 
 
 def print_report(report: dict) -> None:
     for suite, results in report["suites"].items():
+        if suite.startswith(HARNESS_PREFIX):
+            for name, metrics in results.items():
+                print(f"evaluate[{suite}] {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+            continue
         for name, metrics in results.items():
             accuracy = metrics.get("accuracy")
             interval = (
@@ -214,7 +278,7 @@ def main() -> None:
     config, methods, task = params["evaluate"], params["policy"].methods, get_task(params["task"])
     candidates = [n for n in candidate_dirs(methods) if n != REFERENCE]
     with stage_run("evaluate", config, tags={"candidates": ",".join(candidates)}):
-        report, outcomes, samples = run(config, task, methods, config.suites or eval_suites(params))
+        report, outcomes, samples = run(config, task, methods, config.suites or eval_suites(params), params["task"])
         report["roles"] = {"decision": decision_suite(params), "report": report_suite(params)}
         if report["roles"]["decision"] == report["roles"]["report"]:
             report["roles"]["note"] = (

@@ -120,7 +120,10 @@ def test_run_harness_reports_clean_metrics_with_stderr_and_limit(memorised, tmp_
     torch.manual_seed(123)
     expected_draw = torch.rand(3)
     torch.manual_seed(123)
-    metrics = run_harness(model, tokenizer, ["rlhf_dev"], include_path=tmp_path / "tasks", limit=TRAINED)
+    (tmp_path / "more_tasks").mkdir()  # include_path may name several folders
+    metrics = run_harness(
+        model, tokenizer, ["rlhf_dev"], include_path=[tmp_path / "tasks", tmp_path / "more_tasks"], limit=TRAINED
+    )
     # lm-eval reseeds torch's global generator; run_harness hands the caller's back.
     assert torch.equal(torch.rand(3), expected_draw)
     # The first TRAINED problems are the memorised ones: accuracy well above the suite's.
@@ -145,6 +148,9 @@ def test_unknown_task_names_it_and_suggests_close_names(tmp_path):
 def test_missing_include_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="include_path .*missing is not a folder"):
         run_harness(None, None, ["rlhf_dev"], include_path=tmp_path / "missing")
+    (tmp_path / "tasks").mkdir()
+    with pytest.raises(FileNotFoundError, match="include_path .*other is not a folder"):
+        run_harness(None, None, ["rlhf_dev"], include_path=[tmp_path / "tasks", tmp_path / "other"])
 
 
 def test_clean_metrics_maps_filters_and_drops_non_numeric():

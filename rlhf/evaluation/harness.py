@@ -169,7 +169,7 @@ def evaluate_harness(
     tokenizer,
     tasks: Sequence[str],
     *,
-    include_path: str | Path | None = None,
+    include_path: str | Path | Sequence[str | Path] | None = None,
     limit: int | None = None,
     batch_size: int = 64,
     max_new_tokens: int | None = None,
@@ -182,7 +182,8 @@ def evaluate_harness(
 ) -> dict:
     """lm-eval's whole results dict (`simple_evaluate`) for `model` on `tasks`.
 
-    `tasks`: harness task names (lm-eval's registry, or `include_path`) or task YAML paths.
+    `tasks`: harness task names (lm-eval's registry, or `include_path`: one folder of task
+    YAMLs or several) or task YAML paths.
     `limit`: the first problems of each task. `max_new_tokens`: a cap for every generative
     task (None keeps each task's own; a suite task's is the one given to
     `write_suite_task`). `device`: moves `model` there first (None: where it is).
@@ -257,29 +258,32 @@ def _samples(results: Mapping, task_name: str, filter_name: str) -> list[dict]:
     return sorted((s for s in samples if s["filter"] == filter_name), key=lambda s: s["doc_id"])
 
 
-def _task_manager(tasks: list[str], include_path: str | Path | None):
+def _task_manager(tasks: list[str], include_path):
     """lm-eval's task index, built from `include_path` alone when every task named is a
     task there or a YAML path (indexing the built-in tasks takes ~9 s), else with the
     built-in tasks as well. Unknown names raise here, before any model work."""
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._index import Kind
 
-    if include_path is not None and not Path(include_path).is_dir():
-        raise FileNotFoundError(
-            f"harness include_path {include_path} is not a folder; point it at a folder of lm-eval task YAMLs "
-            "(write_suite_task writes one per eval suite)"
-        )
+    paths = [] if include_path is None else [include_path] if isinstance(include_path, (str, Path)) else include_path
+    paths = [str(p) for p in paths]
+    for path in paths:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(
+                f"harness include_path {path} is not a folder; point it at a folder of lm-eval task YAMLs "
+                "(write_suite_task writes one per eval suite)"
+            )
     if not tasks:
         raise ValueError("no harness tasks named")
     names = [t for t in tasks if not (t.endswith((".yaml", ".yml")) and Path(t).is_file())]
-    if include_path is not None:
-        local = TaskManager(include_path=str(include_path), include_defaults=False)
+    if paths:
+        local = TaskManager(include_path=paths, include_defaults=False)
         if all(n in local.task_index and local.task_index[n].kind in (Kind.TASK, Kind.PY_TASK) for n in names):
             return local
-    manager = TaskManager(include_path=str(include_path) if include_path is not None else None)
+    manager = TaskManager(include_path=paths or None)
     unknown = [n for n in names if n not in manager.task_index]
     if unknown:
-        where = "lm-eval's registry" + (f" or {include_path}" if include_path is not None else "")
+        where = " or ".join(["lm-eval's registry", *paths])
         hints = []
         for name in unknown:
             close = difflib.get_close_matches(name, manager.all_tasks, n=3)
