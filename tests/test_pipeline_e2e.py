@@ -45,7 +45,9 @@ ORDER = [
 # decides whether it reads them (DVC deps cannot follow a value).
 UNREAD_BY_DESIGN = {
     ("prepare", "data/raw"): "read only with prepare.source: files",
-    ("merge", "data/prepared/eval/dev.parquet"): "read only by merge.method: greedy_soup",
+    ("merge", "data/prepared/eval"): "read only by merge.method: greedy_soup",
+    ("prm", "models/sft"): "the rollout policy, read only when no step labels are given",
+    ("prm", "data/prepared/prompts.parquet"): "read only when step labels are derived by rollouts",
     ("infer", "models/rm"): "read only by a reward_model scorer (the default best-of-n scorer is the PRM)",
     ("policy@dpo", "data/prepared/unpaired.parquet"): "the offline template's KTO input",
     ("gate", "models/policy"): "read only when a policy is promoted (here: dpo)",

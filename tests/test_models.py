@@ -1,0 +1,187 @@
+"""A user's model: a local folder or a Hub id, checked before anything loads; where it runs
+and in what precision (`compute`); LoRA on other architectures than the built-in one.
+
+This machine has no network, so the Hub path is tested with the Hugging Face cache (a
+snapshot laid out as `huggingface_hub` writes it) and with the offline error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from rlhf.models.compute import ComputeConfig, Placement, resolve
+from rlhf.models.folders import check_model_dir, fetch_from_hub, looks_like_hub_id, resolve_model_dir
+from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, save_model
+
+# ----------------------------------------------------------------------------- folders
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    tokenizer = build_tokenizer()
+    path = tmp_path / "model"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, path)
+    return path
+
+
+def test_a_folder_with_pickled_weights_is_refused_with_how_to_convert(model_dir):
+    for weights in model_dir.glob("*.safetensors"):
+        weights.rename(weights.with_suffix(".bin"))
+    with pytest.raises(ValueError, match=r"weights are pickled \(.bin/.pt\); only safetensors are loaded. Convert"):
+        check_model_dir(model_dir, "base.model")
+
+
+def test_a_folder_without_weights_or_tokenizer_lists_what_is_missing(model_dir):
+    for file in model_dir.glob("*.safetensors"):
+        file.unlink()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).unlink()
+    with pytest.raises(ValueError) as error:
+        check_model_dir(model_dir, "base.model")
+    message = str(error.value)
+    assert "base.model directory" in message and "no *.safetensors weights" in message
+    assert "no tokenizer files" in message and "save_pretrained" in message
+
+
+def test_a_missing_folder_names_it_without_a_raw_errno(tmp_path):
+    with pytest.raises(FileNotFoundError) as error:
+        check_model_dir(tmp_path / "nowhere", "base.model")
+    assert "base.model directory" in str(error.value) and "Errno" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "value, hub",
+    [("Qwen/Qwen2.5-0.5B", True), ("gpt2", True), ("./models/x", False), ("/abs/path", False), ("a/b/c", False)],
+)
+def test_hub_ids_are_told_from_paths(value, hub):
+    assert looks_like_hub_id(value) is hub
+
+
+def test_an_existing_local_folder_is_never_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "model").mkdir(parents=True)
+    assert not looks_like_hub_id("org/model")
+
+
+def test_a_hub_id_offline_and_not_cached_names_the_id_and_what_to_do(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(FileNotFoundError) as error:
+        fetch_from_hub("someone/not-cached-model", None, "base.model")
+    message = str(error.value)
+    assert "base.model 'someone/not-cached-model'" in message
+    assert "HF_HUB_OFFLINE" in message and "huggingface-cli download someone/not-cached-model" in message
+
+
+def cached_snapshot(cache: Path, repo_id: str, model_dir: Path, commit: str = "0" * 40) -> Path:
+    """A model in the Hugging Face cache, laid out as huggingface_hub writes it."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in model_dir.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_stage_base_takes_a_cached_hub_model_offline_and_points_at_its_snapshot(tmp_path, monkeypatch, model_dir):
+    import huggingface_hub.constants as hub
+
+    import stages.base as stage
+
+    cache = tmp_path / "hf-cache"
+    snapshot = cached_snapshot(cache, "someone/tiny-model", model_dir)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    config = stage.Config(model="someone/tiny-model")  # validates without the network
+    facts = stage.run(config, tmp_path / "out")
+    pointer = json.loads((tmp_path / "out/pointer.json").read_text())
+    assert Path(pointer["path"]) == snapshot and pointer["hub_id"] == "someone/tiny-model"
+    assert pointer["commit"] == "0" * 40 and facts["source"] == "someone/tiny-model"
+    assert resolve_model_dir(tmp_path / "out") == snapshot
+    assert load_causal_lm(tmp_path / "out").config.model_type == "llama"
+
+
+def test_base_params_refuse_a_local_path_that_is_not_a_model(tmp_path):
+    import stages.base as stage
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValidationError, match="is not usable"):
+        stage.Config(model=str(tmp_path / "empty"))
+
+
+# ----------------------------------------------------------------------------- compute
+
+
+def test_auto_on_a_machine_without_a_gpu_is_the_cpu_in_float32():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert resolve(ComputeConfig()) == Placement("cpu", "float32")
+    assert resolve(ComputeConfig(device="cpu", dtype="bfloat16")) == Placement("cpu", "bfloat16")
+
+
+def test_a_named_gpu_that_is_not_there_is_an_error_naming_the_key():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match=r"compute.device is 'cuda:1' but torch sees no CUDA GPU"):
+        resolve(ComputeConfig(device="cuda:1"))
+
+
+def test_an_unknown_device_or_dtype_fails_validation():
+    with pytest.raises(ValidationError, match="unknown device 'gpu'"):
+        ComputeConfig(device="gpu")
+    with pytest.raises(ValidationError):
+        ComputeConfig(dtype="int8")
+
+
+def test_inference_loads_in_the_placement_dtype_and_training_in_float32(model_dir):
+    bf16 = Placement("cpu", "bfloat16")
+    assert next(load_causal_lm(model_dir, placement=bf16).parameters()).dtype == torch.bfloat16
+    assert next(load_causal_lm(model_dir, placement=bf16, training=True).parameters()).dtype == torch.float32
+    assert Placement("cuda", "bfloat16").training_precision() == {"bf16": True, "fp16": False}
+
+
+# ----------------------------------------------------------------------------- architectures
+
+
+def other_architecture(kind: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2))
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+def test_lora_all_linear_fits_gpt2_and_qwen2_and_trains_only_adapters(kind):
+    """The default `target_modules: all-linear` finds GPT-2's Conv1D projections and
+    Qwen2's linear ones; a step moves the adapters and leaves the base weights alone."""
+    from peft import get_peft_model
+
+    from rlhf.training.params import LoraParams
+
+    torch.manual_seed(0)
+    model = get_peft_model(other_architecture(kind), LoraParams(enabled=True, r=4).peft_config())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.randint(0, 64, (2, 12))
+    for _ in range(2):  # lora_B starts at 0: the first step moves B, the second A as well
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == trainable

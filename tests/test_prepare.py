@@ -1,0 +1,164 @@
+"""Stage prepare with the data people have, and the params checks that say what is missing.
+
+A user gives an sft file and an eval suite, maybe preference pairs: prepare derives the
+held-out pairs, the unpaired rows and the prompts with their answers, writes the absent
+tables with no rows, and records where every table came from; the built-in task and user
+files mix in one prepare. Params that ask for what the data cannot feed fail before any
+compute, naming the key to change or the file to add.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pandas as pd
+import pytest
+import yaml
+
+from rlhf.data.contracts import DataValidationError
+from rlhf.params import ParamsError
+from rlhf.tasks import TaskConfig, get_task
+from stages import load_all
+from stages.prepare import Config, run
+from tests.conftest import REPO
+
+GSM8K = get_task(TaskConfig(kind="gsm8k"))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.fixture
+def user_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sft = [{"q": f"What is {a} plus 1?", "a": f"{a} + 1 = {a + 1}\n#### {a + 1}"} for a in range(10)]
+    sft.append({"q": "What is 0 plus 1?", "a": "0 + 1 = 1\n#### 1"})  # a repeated prompt
+    sft.append({"q": "Say hello.", "a": "Hello!"})  # no `#### N`: no answer to read
+    pairs = [{"prompt": f"{a}+1?", "chosen": f"#### {a + 1}", "rejected": f"#### {a}"} for a in range(20)]
+    return {
+        "sft": {"path": write_jsonl(tmp_path / "sft.jsonl", sft), "columns": {"prompt": "q", "completion": "a"}},
+        "prefs": {"path": write_jsonl(tmp_path / "prefs.jsonl", pairs)},
+        "eval_heldout": {"path": write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+1?", "answer": "2"}])},
+    }
+
+
+def test_prepare_derives_held_out_pairs_unpaired_rows_and_prompts_with_answers(user_files):
+    tables, origins = run(Config(source="files", files=user_files, heldout_share=0.25), GSM8K)
+    assert len(tables["prefs_eval"]) == 5 and len(tables["prefs"]) == 15, "a quarter of 20 pairs held out"
+    assert not set(tables["prefs_eval"]["prompt"]) & set(tables["prefs"]["prompt"])
+    unpaired = tables["unpaired"]
+    assert len(unpaired) == 30 and unpaired["label"].tolist() == [True, False] * 15, "the training pairs only"
+    prompts = tables["prompts"]
+    assert len(prompts) == 11, "one row per distinct sft prompt"
+    answers = dict(zip(prompts["prompt"], prompts["answer"]))
+    assert answers["What is 4 plus 1?"] == "5" and answers["Say hello."] is None
+    for name in ("prm", "prm_eval"):
+        assert len(tables[name]) == 0 and list(tables[name].columns) == ["prompt", "completions", "labels"]
+    assert origins["prefs_eval"].startswith("derived: 5 pairs held out") and origins["prm"].startswith("absent")
+    assert origins["sft"] == user_files["sft"]["path"]
+
+
+def test_a_task_without_answers_derives_prompts_without_answers(user_files):
+    tables, _ = run(Config(source="files", files=user_files), get_task(TaskConfig(kind="none")))
+    assert tables["prompts"]["answer"].isna().all()
+
+
+def test_without_preference_pairs_their_tables_are_empty_and_say_what_supplies_them(user_files):
+    del user_files["prefs"]
+    tables, origins = run(Config(source="files", files=user_files), GSM8K)
+    assert all(len(tables[n]) == 0 for n in ("prefs", "prefs_eval", "unpaired"))
+    assert origins["prefs"] == "absent: give prepare.files.prefs" and origins["unpaired"] == origins["prefs"]
+
+
+def test_builtin_and_user_files_mix_in_one_prepare(user_files, tmp_path):
+    extra = {"prefs": user_files["prefs"]}
+    sizes = {"sft": 50, "prefs": 10, "prefs_eval": 4, "unpaired": 4, "prm": 4, "prm_eval": 4, "prompts": 4}
+    builtin = {"sizes": {**sizes, "eval_dev": 4, "eval_test": 4}}
+    tables, origins = run(Config(builtin=builtin, files=extra), get_task())
+    assert len(tables["prefs"]) == 30 and origins["prefs"].startswith("builtin + ")
+    assert len(tables["prefs_eval"]) == 4, "the built-in held-out pairs stay as they are"
+    chat = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
+    messages = {"sft": {"path": write_jsonl(tmp_path / "chat.jsonl", chat)}}
+    with pytest.raises(DataValidationError, match=r"prepare.files.sft: columns \['messages'\] cannot be added"):
+        run(Config(builtin=builtin, files=messages), get_task())
+
+
+# ----------------------------------------------------------------------------- params checks
+
+
+@pytest.fixture
+def params(tmp_path, user_files):
+    """params.yaml's defaults with the user's files (source files, task gsm8k)."""
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["task"] = {"kind": "gsm8k"}
+    data["prepare"]["source"] = "files"
+    data["prepare"]["files"] = user_files
+    return data
+
+
+def problems(tmp_path, data) -> list[str]:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError) as error:
+        load_all(str(path))
+    return error.value.problems
+
+
+def test_the_acceptance_params_validate(tmp_path, params):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    load_all(str(path))
+
+
+def test_missing_inputs_name_the_key_that_would_supply_them(tmp_path, params):
+    data = copy.deepcopy(params)
+    del data["prepare"]["files"]["prefs"]
+    data["policy"]["offline"] = ["dpo", "kto"]
+    data["policy"]["online"] = ["grpo"]
+    data["policy"]["grpo"]["rewards"] = [{"name": "reward_model"}]
+    data["infer"]["suite"] = "test"
+    found = problems(tmp_path, data)
+    expected = [
+        "policy.offline: dpo needs prefs data: add prepare.files.prefs",
+        "policy.offline: kto needs unpaired data: add prepare.files.prefs",
+        "policy.grpo.rewards[0]: reward reward_model needs the reward model, which needs preference data",
+        "infer.suite: no eval suite 'test' (prepare writes ['heldout']); add prepare.files.eval_test",
+    ]
+    for line in expected:
+        assert sum(p.startswith(line) for p in found) == 1, (line, found)
+    assert len(found) == len(expected)
+
+
+def test_a_task_without_answers_cannot_feed_answer_rewards_or_derive_step_labels(tmp_path, params):
+    data = copy.deepcopy(params)
+    data["task"] = {"kind": "none"}
+    data["policy"]["online"] = ["grpo"]
+    data["policy"]["grpo"]["rewards"] = [{"name": "answer_match"}]
+    found = problems(tmp_path, data)
+    assert any(p.startswith("policy.grpo.rewards[0]: reward answer_match needs checkable answers") for p in found)
+    assert any(p.startswith("infer.strategies: strategy mcts needs a process reward model") for p in found)
+    assert any(p.startswith("infer.best_of_n.rewards[0]: best_of_n reward prm needs a process") for p in found)
+
+
+def test_the_default_gate_of_a_task_without_answers_needs_preference_data(tmp_path, params):
+    data = copy.deepcopy(params)
+    data["task"] = {"kind": "none"}
+    del data["prepare"]["files"]["prefs"]
+    data["policy"]["offline"] = []
+    data["policy"]["online"] = ["grpo"]
+    data["policy"]["grpo"]["rewards"] = [{"name": "length"}]
+    data["infer"]["strategies"] = ["greedy"]
+    found = problems(tmp_path, data)
+    assert found == [
+        "gate: task.kind 'none' has no checkable answers, so the default gate judges the reward model's reward, "
+        "which needs preference data: add prepare.files.prefs, or set gate.tests and gate.select_metric"
+    ]
+
+
+def test_derived_prompts_are_what_the_online_methods_read(user_files):
+    tables, _ = run(Config(source="files", files=user_files), GSM8K)
+    assert set(tables["prompts"].columns) == {"prompt", "answer"}
+    assert isinstance(tables["prompts"], pd.DataFrame)
