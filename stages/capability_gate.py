@@ -2,14 +2,15 @@
 
 In:  reports/eval.json and reports/outcomes.json (per-problem outcomes, for paired tests),
      the candidates' model directories, models/champion (the current champion and its
-     record, if any), params `gate`.
+     record, if any), params `gate`, `task` (the default tests: `default_tests`) and
+     `prepare.source`/`prepare.files` (which suite decides: dev when there is one).
 Out: reports/gate.json (the verdict: per candidate, every test with its value, baseline,
      paired difference and interval, and reason), models/champion (moved only on
      promotion), and in MLflow a new version of the registered model with the alias
      `champion`.
 
 The tests and the rule are in rlhf.evaluation.gate: relative tests are paired bootstrap
-tests on the dev suite's per-problem outcomes, judged on the conservative end of the
+tests on the decision suite's per-problem outcomes, judged on the conservative end of the
 interval, so the champion moves only for a gain larger than `threshold` with the
 configured confidence. The champion is state, not a function of this run's inputs, so
 models/champion is a persistent, uncached DVC output: DVC never deletes or restores it, and

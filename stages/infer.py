@@ -1,10 +1,13 @@
-"""Stage `infer`: inference-time compute strategies on an eval suite (by default `test`).
+"""Stage `infer`: inference-time compute strategies on an eval suite (by default the
+reported one: `test` when there is one, else the only suite).
 
 In:  the candidate named by `infer.candidate` (sft, a policy method, or merged), models/prm
-     and models/rm (scorers), data/prepared/eval/<suite>.parquet.
+     and models/rm (scorers), data/prepared/eval/<suite>.parquet; params `infer`, `task`,
+     `compute`, `prepare.source`/`prepare.files` (which suite is reported).
 Out: reports/infer.json (DVC metrics): per strategy, accuracy, generated tokens per problem,
      samples per problem and wall time, on the first `limit` problems of the suite (accuracy
-     with its 95% bootstrap interval over problems);
+     with its 95% bootstrap interval over problems; null for a task without checkable
+     answers);
      reports/infer_samples.json: the first few answers of each strategy, for reading.
 
 Strategies (rlhf.inference.strategies): greedy (the baseline), best_of_n (rerank N samples with the

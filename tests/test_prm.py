@@ -93,9 +93,11 @@ def test_aggregation():
 
 def test_split_completion_on_the_default_and_the_task_separator():
     """With no separator named the PRM splits one step per line; the built-in task's
-    solutions split on '; '. Blank steps are dropped, the text is stripped first."""
+    solutions split on '; '. Blank steps are dropped and trailing space with them; a leading
+    space stays, since the PRM must read the text the model wrote ("Assistant: 7", not
+    "Assistant:7")."""
     assert DEFAULT_SEPARATOR == "\n"
-    assert split_completion("  1+2=3; answer 3\n", SEP) == ["1+2=3", "answer 3"]
+    assert split_completion(" 1+2=3; answer 3\n", SEP) == [" 1+2=3", "answer 3"]
     assert split_completion("1+2=3; answer 3", DEFAULT_SEPARATOR) == ["1+2=3; answer 3"]
     assert split_completion("first\n\n  \nsecond\n", DEFAULT_SEPARATOR) == ["first", "second"]
     assert split_completion("", SEP) == []

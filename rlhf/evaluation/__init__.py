@@ -1,3 +1,3 @@
 """Evaluation: metrics of generated completions (`metrics`), confidence intervals and
-paired tests over per-problem outcomes (`statistics`), and the capability tests and the
-promotion rule of the gate (`gate`)."""
+paired tests over per-problem outcomes (`statistics`), the capability tests and the
+promotion rule of the gate (`gate`), and lm-evaluation-harness as a backend (`harness`)."""

@@ -193,8 +193,10 @@ def next_steps(
     texts = generate(model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed)
     counted: Counter = Counter()
     for text in texts:
-        step = text.split(separator)[0].strip()
-        if step:
+        # Exactly as written (a leading space stays), so that the next prefix is the text the
+        # model produced; only what follows the step's end is dropped.
+        step = text.split(separator)[0].rstrip()
+        if step.strip():
             counted[step] += 1
     return counted, sum(count_tokens(tokenizer, texts))
 

@@ -33,8 +33,9 @@ def aggregate(step_scores: Sequence[float], how: str = "min") -> float:
 
 
 def split_completion(completion: str, separator: str) -> list[str]:
-    """Steps of a completion, split on the separator the PRM was trained with."""
-    return [step for step in completion.strip().split(separator) if step.strip()]
+    """Steps of a completion, split on the separator the PRM was trained with, each exactly
+    as written (as `Task.split_steps`: a leading space stays)."""
+    return [step for step in completion.rstrip().split(separator) if step.strip()]
 
 
 class StepScorer:

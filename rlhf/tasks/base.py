@@ -51,8 +51,10 @@ class Task:
         return True
 
     def split_steps(self, completion: str) -> list[str]:
-        """The steps of a solution, the final answer included."""
-        return [step for step in completion.strip().split(self.step_separator) if step.strip()]
+        """The steps of a solution, the final answer included, each exactly as written (a
+        leading space stays: the prefix `prompt + steps` must be the text the model wrote,
+        for rollouts, MCTS and the PRM)."""
+        return [step for step in completion.rstrip().split(self.step_separator) if step.strip()]
 
     def join_steps(self, steps: list[str]) -> str:
         return self.step_separator.join(steps)
