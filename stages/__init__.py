@@ -30,6 +30,7 @@ SECTIONS = {
     "policy": "stages.policy:Config",
     "merge": "stages.merge:Config",
     "evaluate": "stages.evaluate:Config",
+    "validate": "stages.validate:Config",
     "gate": "stages.capability_gate:Config",
     "infer": "stages.infer:Config",
 }
@@ -162,7 +163,7 @@ def input_problems(params: dict) -> list[str]:
     harness_suites = {f"harness/{t}" for t in (harness.tasks if harness else [])}
     harness_suites |= {f"harness/rlhf_{s}" for s in (harness.suites if harness else [])}
     named += [("infer.suite", infer.suite), ("merge.greedy_soup_suite", params["merge"].greedy_soup_suite)]
-    named += [("gate.select_suite", params["gate"].select_suite)]
+    named += [("gate.select_suite", params["gate"].select_suite), ("validate.suite", params["validate"].suite)]
     named += [(f"gate.tests[{i}].suite", t.suite) for i, t in enumerate(params["gate"].tests or [])]
     for key, suite in named:
         if suite is not None and suite not in suites and suite not in harness_suites:

@@ -1,6 +1,7 @@
 """Stage `gate`: promote the best candidate only if it passes every capability test.
 
 In:  reports/eval.json and reports/outcomes.json (per-problem outcomes, for paired tests),
+     reports/validation.json (the adversarial validator's checks: each is one more test),
      the candidates' model directories, models/champion (the current champion and its
      record, if any), params `gate`, `task` (the default tests: `default_tests`) and
      `prepare.source`/`prepare.files` (which suite decides: dev when there is one).
@@ -21,6 +22,7 @@ a failed gate leaves it exactly where it was.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -33,7 +35,9 @@ from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, decision_suite, loa
 REPORT = REPORTS_DIR / "eval.json"
 OUTCOMES = REPORTS_DIR / "outcomes.json"
 VERDICT = REPORTS_DIR / "gate.json"
+VALIDATION_REPORT = REPORTS_DIR / "validation.json"
 MODEL_ARTIFACT = "model"
+EXPERIMENT_ENV = "DVC_EXP_NAME"  # set by `dvc exp run` for the stages it runs
 
 
 class CapabilityTest(StageConfig):
@@ -78,6 +82,9 @@ class Config(StageConfig):
     confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
     bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
     registered_model: str = Field("rlhf-policy", description="MLflow registered model that holds the champion")
+    promote_in_experiments: bool = Field(
+        False, description="let a `dvc exp run` move the champion (by default its verdict is only reported)"
+    )
 
 
 def resolve(config: Config, task, suite: str) -> Config:
@@ -92,8 +99,11 @@ def resolve(config: Config, task, suite: str) -> Config:
     )
 
 
-def run(config: Config, report: dict, outcomes: dict | None, champion_dir: Path) -> dict:
-    """The verdict of a resolved `config` (`resolve`) on the eval report."""
+def run(
+    config: Config, report: dict, outcomes: dict | None, champion_dir: Path, validation: dict | None = None
+) -> dict:
+    """The verdict of a resolved `config` (`resolve`) on the eval report, with the
+    validator's checks (reports/validation.json) as more tests."""
     from rlhf.evaluation.gate import decide
     from rlhf.tracking.champion import read_champion
 
@@ -107,6 +117,7 @@ def run(config: Config, report: dict, outcomes: dict | None, champion_dir: Path)
         outcomes,
         config.confidence,
         config.bootstrap_samples,
+        validation,
     )
     verdict["previous_champion"] = champion["candidate"] if champion else None
     return verdict
@@ -125,19 +136,18 @@ def champion_outcomes(outcomes: dict | None, name: str) -> dict:
 
 
 def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -> dict:
-    """Log the winner's weights to the gate run, register them, move models/champion and
-    the registry alias. Returns the new champion record."""
+    """Log the winner to the gate run as an MLflow transformers model, register it, move
+    models/champion and the registry alias. Returns the new champion record."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from rlhf.tracking.champion import create_version, install_champion, set_champion_alias
+    from rlhf.tracking.champion import CHAMPION_RECORD, install_champion, log_registered_model, set_champion_alias
     from rlhf.tracking.runs import git_commit, tracking_uri
 
     name = verdict["promote"]
     source = candidate_dir(name)
-    mlflow.log_artifacts(str(source), MODEL_ARTIFACT)
+    version = log_registered_model(source, config.registered_model, MODEL_ARTIFACT, {"candidate": name})
     client = MlflowClient(tracking_uri())
-    version = create_version(client, config.registered_model, run_id, MODEL_ARTIFACT, {"candidate": name})
     record = {
         "candidate": name,
         "metrics": verdict["metrics"],
@@ -146,6 +156,7 @@ def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -
         "git_commit": git_commit(),
         "model_version": version,
     }
+    mlflow.log_dict(record, CHAMPION_RECORD)  # what a rollback to this version restores
     with atomic_dir(CHAMPION_DIR) as staging:
         install_champion(source, record, staging)
     # The alias moves last: until here the registry's champion is still the old one.
@@ -171,8 +182,17 @@ def main() -> None:
     config = resolve(params["gate"], get_task(params["task"]), decision_suite(params))
     report = read_json(REPORT)
     outcomes = read_json(OUTCOMES) if OUTCOMES.is_file() else None
+    validation = read_json(VALIDATION_REPORT) if VALIDATION_REPORT.is_file() else None
     with stage_run("gate", config) as active:
-        verdict = run(config, report, outcomes, CHAMPION_DIR)
+        verdict = run(config, report, outcomes, CHAMPION_DIR, validation)
+        experiment = os.environ.get(EXPERIMENT_ENV)
+        if verdict["promote"] and experiment and not config.promote_in_experiments:
+            verdict["held_back"] = (
+                f"{verdict['promote']} passed, but this is DVC experiment {experiment!r}: the champion moves only "
+                "in the workspace's own runs (gate.promote_in_experiments: true allows it)"
+            )
+            print(f"gate: {verdict['held_back']}")
+            verdict["promote"] = None
         if verdict["promote"]:
             record = promote(config, verdict, outcomes, active.info.run_id)
             verdict["champion"] = record["candidate"]

@@ -5,7 +5,8 @@ In:  models/sft (the reference), models/policy/<method> for each policy method,
      data/prepared/eval/<suite>.parquet for each of `evaluate.suites`.
 Out: reports/eval.json (DVC metrics: per suite, per model), reports/outcomes.json (per
      problem, per model: what the gate's paired tests read), reports/samples.json (a few
-     generations per model, for reading).
+     generations per model, for reading), reports/completions.json (every greedy completion,
+     for stage validate).
 
 Per model and suite, from greedy completions: task accuracy (the task's answer check) with
 its 95% bootstrap interval over problems and its value per difficulty (the suite's
@@ -56,6 +57,7 @@ MERGED = "merged"
 REPORT = REPORTS_DIR / "eval.json"
 OUTCOMES = REPORTS_DIR / "outcomes.json"
 SAMPLES = REPORTS_DIR / "samples.json"
+COMPLETIONS = REPORTS_DIR / "completions.json"  # every greedy completion: what stage validate reads
 # Metrics with one value per problem: their means get intervals and paired gate tests.
 PER_PROBLEM = ("accuracy", "format_rate", "reward", "win_rate")
 HARNESS_PREFIX = "harness/"  # report["suites"] key of a harness task's scores
@@ -186,7 +188,7 @@ def harness_tasks(config: Config, task_config, workdir: Path) -> tuple[list[str]
 
 def run(
     config: Config, task: Task, methods: list[str], suite_names: list[str], task_config=None
-) -> tuple[dict, dict, dict]:
+) -> tuple[dict, dict, dict, dict]:
     """The eval report, the per-problem outcomes and the samples on `suite_names`. The
     reference stays loaded (for KL); candidates are loaded one at a time. Without a reward
     model (no preference data) reward and win-rate are null."""
@@ -211,6 +213,7 @@ def run(
     report: dict = {"reference": REFERENCE, "candidates": [n for n in dirs if n != REFERENCE], "suites": {}}
     outcomes: dict = {"suites": {}}
     samples: dict = {name: {} for name in suites}
+    completions: dict = {"suites": {n: {"prompts": s["prompt"].tolist(), "models": {}} for n, s in suites.items()}}
     reference_rewards: dict = {}
     workdir = tempfile.TemporaryDirectory() if config.harness else None
     if config.harness:
@@ -231,6 +234,7 @@ def run(
                 suite_name, {"digest": suite_digest(suite["prompt"].tolist(), answers), "models": {}}
             )
             entry["models"][model_name] = per_problem
+            completions["suites"][suite_name]["models"][model_name] = texts
             samples[suite_name][model_name] = [
                 {"prompt": p, "completion": c} for p, c in zip(suite["prompt"][: config.samples], texts)
             ]
@@ -246,7 +250,7 @@ def run(
         del model
     if workdir:
         workdir.cleanup()
-    return report, outcomes, samples
+    return report, outcomes, samples, completions
 
 
 def print_report(report: dict) -> None:
@@ -278,7 +282,9 @@ def main() -> None:
     config, methods, task = params["evaluate"], params["policy"].methods, get_task(params["task"])
     candidates = [n for n in candidate_dirs(methods) if n != REFERENCE]
     with stage_run("evaluate", config, tags={"candidates": ",".join(candidates)}):
-        report, outcomes, samples = run(config, task, methods, config.suites or eval_suites(params), params["task"])
+        report, outcomes, samples, completions = run(
+            config, task, methods, config.suites or eval_suites(params), params["task"]
+        )
         report["roles"] = {"decision": decision_suite(params), "report": report_suite(params)}
         if report["roles"]["decision"] == report["roles"]["report"]:
             report["roles"]["note"] = (
@@ -288,6 +294,7 @@ def main() -> None:
         write_json(REPORT, report)
         write_json(OUTCOMES, outcomes)
         write_json(SAMPLES, samples)
+        write_json(COMPLETIONS, completions)
         mlflow.log_metrics(numeric_metrics(report["suites"]))
         mlflow.log_artifact(str(REPORT))
         print_report(report)

@@ -33,13 +33,14 @@ from tests.conftest import make_project, run, write_params
 pytestmark = pytest.mark.slow
 
 ALL_STAGES = [
-    "check_params", "prepare", "base", "sft", "verifier", "rm", "prm", "policy@dpo", "merge", "evaluate", "gate", "infer",
+    "check_params", "prepare", "base", "sft", "verifier", "rm", "prm", "policy@dpo", "merge", "evaluate", "validate",
+    "gate", "infer",
 ]  # fmt: skip
 # Edges of the DAG the flow's task order must respect (it may order independent stages freely).
 ORDER = [
     ("check_params", "prepare"), ("prepare", "sft"), ("base", "sft"), ("sft", "verifier"), ("verifier", "prm"),
     ("sft", "rm"), ("sft", "policy@dpo"), ("policy@dpo", "merge"), ("merge", "evaluate"), ("rm", "evaluate"),
-    ("evaluate", "gate"), ("prm", "infer"),
+    ("evaluate", "validate"), ("validate", "gate"), ("prm", "infer"),
 ]  # fmt: skip
 # Data and model deps a stage may leave unread in the default run, because a param's value
 # decides whether it reads them (DVC deps cannot follow a value).

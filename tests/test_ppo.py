@@ -201,7 +201,8 @@ def test_params_reject_an_inherited_key_ppo_ignores(key):
 
 
 def test_params_name_every_ignored_key_and_accept_the_keys_ppo_reads():
-    with pytest.raises(ValidationError, match="gradient_checkpointing, per_device_train_batch_size: not read by PPO.*remove them"):
+    ignored = "gradient_checkpointing, per_device_train_batch_size: not read by PPO.*remove them"
+    with pytest.raises(ValidationError, match=ignored):
         PPOParams(per_device_train_batch_size=8, gradient_checkpointing=True)
     params = PPOParams(max_steps=5, learning_rate=1e-4, max_length=96, seed=3, save_steps=1)
     assert (params.max_steps, params.learning_rate, params.max_length, params.seed) == (5, 1e-4, 96, 3)

@@ -162,8 +162,8 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
     monkeypatch.chdir(tmp_path)
     write_prm_tables(tmp_path)
     config = stage.Config(
-        kind="classifier", init="sft", max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2, learning_rate=1e-2,
-        lora={"enabled": lora, "r": 4},
+        kind="classifier", init="sft", max_steps=2, per_device_train_batch_size=4, logging_steps=1, save_steps=2,
+        learning_rate=1e-2, lora={"enabled": lora, "r": 4},
     )  # fmt: skip
     monkeypatch.setattr(stage, "load_model_stage", lambda *args, **kwargs: {"prm": config, "task": TaskConfig()})
     stage.main()

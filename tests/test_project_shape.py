@@ -39,6 +39,7 @@ STAGE_MODULE = {
     "rl": "stages.policy",
     "merge": "stages.merge",
     "evaluate": "stages.evaluate",
+    "validate": "stages.validate",
     "gate": "stages.capability_gate",
     "infer": "stages.infer",
 }
@@ -202,7 +203,8 @@ def test_policy_templates_read_their_own_method_list():
     assert stages["policy"]["foreach"] == "${policy.offline}"
     assert stages["rl"]["foreach"] == "${policy.online}"
     for name, listed in (("policy", "policy.offline"), ("rl", "policy.online")):
-        assert set(stages[name]["do"]["params"]) == {listed, "policy.trust_remote_code", "policy.${item}", "task", "compute"}
+        expected = {listed, "policy.trust_remote_code", "policy.${item}", "task", "compute"}
+        assert set(stages[name]["do"]["params"]) == expected
     offline_deps = set(stages["policy"]["do"]["deps"])
     assert not offline_deps & {"models/rm", "models/prm", "models/verifier", "data/prepared/prompts.parquet"}
 

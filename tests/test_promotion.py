@@ -10,8 +10,8 @@ import copy
 import pytest
 
 from rlhf.evaluation.gate import Paired, decide, paired_outcomes, run_test
-from rlhf.tracking.champion import install_champion, read_champion
 from rlhf.tasks.arithmetic import ArithmeticTask
+from rlhf.tracking.champion import install_champion, read_champion
 from stages import capability_gate
 from stages.capability_gate import Config, champion_outcomes, resolve
 from stages.capability_gate import run as run_gate
@@ -489,7 +489,8 @@ def test_decide_with_outcomes_promotes_the_best_passing_candidate():
     is promoted. lucky's point estimate (0.51 >= 0.50) would pass accuracy >= sft + 0, but
     its paired lower bound is below 0, so it is rejected with that one reason."""
     candidates = {"lucky": LUCKY_RIGHT, "better": BETTER_RIGHT, "best": BEST_RIGHT}
-    verdict = decide(default_config().tests, paired_report(**candidates), None, "accuracy", "dev", outcomes_file(**candidates))
+    report, outcomes = paired_report(**candidates), outcomes_file(**candidates)
+    verdict = decide(default_config().tests, report, None, "accuracy", "dev", outcomes)
     assert verdict["promote"] == "best"
     assert verdict["metrics"] == {"dev": point(BEST_RIGHT)}
     assert verdict["candidates"]["better"]["passed"] and verdict["candidates"]["best"]["passed"]

@@ -271,3 +271,82 @@ def test_gate_promotes_the_merged_candidate_when_it_is_best(project):
     assert verdict["promoted"] is True and verdict["promote"] == "merged" and verdict["champion"] == "merged"
     champion, merged = weights(project / "models/champion"), weights(project / "models/merged")
     assert set(champion) == set(merged) and not changed(champion, merged)
+
+
+def run_gate_on(project, report: dict, **env) -> dict:
+    """Stage gate on a doctored eval report (the candidates' weights are the real ones)."""
+    import stages.capability_gate
+
+    (project / "reports/eval.json").write_text(json.dumps(report))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(project)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
+        for key, value in env.items():
+            mp.setenv(key, value)
+        stages.capability_gate.main()
+    return json.loads((project / "reports/gate.json").read_text())
+
+
+def report_where_best(project, name: str) -> dict:
+    """The eval report with `name` 0.2 above every model on dev (no per-problem outcomes
+    for it: the gate compares point estimates)."""
+    report = json.loads((project / "reports/eval.json").read_text())
+    dev = report["suites"]["dev"]
+    best = max(m["accuracy"] for m in dev.values() if isinstance(m, dict))
+    report["candidates"] = ["dpo", "merged"]
+    dev[name] = dict(dev["dpo"], accuracy=best + 0.2)
+    return report
+
+
+def test_a_dvc_experiment_does_not_move_the_champion(project):
+    """Under `dvc exp run` (DVC_EXP_NAME set) a passing candidate is reported, not promoted."""
+    from tests.test_pipeline_e2e import tree_digest
+
+    before = tree_digest(project / "models/champion")
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    alias = client.get_model_version_by_alias("rlhf-policy", "champion").version
+    verdict = run_gate_on(project, report_where_best(project, "merged"), DVC_EXP_NAME="try-beta")
+    assert verdict["promoted"] is False and "DVC experiment 'try-beta'" in verdict["held_back"]
+    assert tree_digest(project / "models/champion") == before
+    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == alias
+
+
+def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, tmp_path, monkeypatch):
+    """Every promoted version is an MLflow transformers model: from another directory,
+    `models:/rlhf-policy@champion` loads as a text-generation pipeline with the champion's
+    weights. `python -m stages.rollback --version V` brings version V back: models/champion
+    holds its weights and record, the alias points at it, and a run records the move."""
+    import mlflow
+
+    import stages.rollback
+
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    if len(client.search_model_versions("name = 'rlhf-policy'")) < 2:
+        assert run_gate_on(project, report_where_best(project, "merged"))["promoted"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # not the project
+    pipe = mlflow.transformers.load_model("models:/rlhf-policy@champion")
+    loaded = {k: v for k, v in pipe.model.state_dict().items()}
+    champion = weights(project / "models/champion")
+    assert not changed(champion, {k: loaded[k] for k in champion}), "the registry holds the champion's weights"
+    assert isinstance(pipe("1+2+3\n", max_new_tokens=8)[0]["generated_text"], str)
+
+    current = client.get_model_version_by_alias("rlhf-policy", "champion").version
+    target = next(v.version for v in client.search_model_versions("name = 'rlhf-policy'") if v.version != current)
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
+    with pytest.raises(SystemExit, match="has no version 99"):
+        stages.rollback.main(["--version", "99"])
+    stages.rollback.main(["--version", str(target)])
+    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == str(target)
+    record = json.loads((project / "models/champion/champion.json").read_text())
+    assert record["model_version"] == str(target) and record["restored"]["from_version"] == str(current)
+    restored = mlflow.transformers.load_model(f"models:/rlhf-policy/{target}").model.state_dict()
+    champion = weights(project / "models/champion")
+    assert not changed(champion, {k: restored[k] for k in champion})
+    runs = client.search_runs(
+        [client.get_experiment_by_name("stages-test").experiment_id], "tags.`rlhf.stage` = 'rollback'"
+    )
+    assert runs and runs[0].data.tags["rollback.to_version"] == str(target)

@@ -140,6 +140,35 @@ def paired_outcomes(test, name: str, reference: str, outcomes: dict | None, cham
     return Paired(candidate, baseline)
 
 
+def validator_tests(validation: dict | None, name: str) -> list[dict]:
+    """The validator's checks of candidate `name` as test results; a candidate the
+    validator did not check fails (its report is stale or from other candidates)."""
+    if validation is None:
+        return []
+    checked = validation["candidates"].get(name)
+    if checked is None:
+        return [
+            asdict(TestResult("validator", "validator", validation["suite"], None, None, None, "", False,
+                              f"the validator's report has no candidate {name!r}; rerun stage validate"))
+        ]  # fmt: skip
+    return [
+        asdict(
+            TestResult(
+                f"validator:{c['name']}",
+                c["metric"],
+                validation["suite"],
+                c["value"],
+                c["baseline"],
+                c["limit"],
+                "",
+                c["passed"],
+                c["reason"],
+            )
+        )  # fmt: skip
+        for c in checked["checks"]
+    ]
+
+
 def decide(
     tests,
     report: dict,
@@ -149,10 +178,13 @@ def decide(
     outcomes: dict | None = None,
     confidence: float = 0.95,
     samples: int = 2000,
+    validation: dict | None = None,
 ) -> dict:
     """The gate's verdict over every candidate in an eval `report` (see stages.evaluate).
     `champion` is the champion's record (its `metrics` and, when recorded, its per-problem
-    `outcomes`); `outcomes` the eval's per-problem outcomes (reports/outcomes.json)."""
+    `outcomes`); `outcomes` the eval's per-problem outcomes (reports/outcomes.json);
+    `validation` the validator's report (reports/validation.json), whose every check counts
+    as one more test (named `validator:<check>`)."""
     reference_name = report["reference"]
     per_model = {
         name: {suite: results[name] for suite, results in report["suites"].items() if name in results}
@@ -174,10 +206,11 @@ def decide(
             )
             for t in tests
         ]
+        results = [asdict(r) for r in results] + validator_tests(validation, name)
         verdicts[name] = {
-            "passed": all(r.passed for r in results),
-            "tests": [asdict(r) for r in results],
-            "failures": [f"{r.name}: {r.reason}" for r in results if not r.passed],
+            "passed": all(r["passed"] for r in results),
+            "tests": results,
+            "failures": [f"{r['name']}: {r['reason']}" for r in results if not r["passed"]],
         }
     passing = [n for n in report["candidates"] if verdicts[n]["passed"]]
     missing = [n for n in passing if per_model[n].get(select_suite, {}).get(select_metric) is None]

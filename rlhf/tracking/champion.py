@@ -2,9 +2,17 @@
 
 Promotion writes the champion folder atomically (a copy of the candidate plus
 champion.json, the record the next gate compares against) and then moves the registry
-alias ``champion`` to a new model version holding the candidate's weights. The caller names
-the folder; the alias moves last, so until the folder is in place the registry still
-points at the old champion.
+alias ``champion`` to a new model version. The version is an MLflow transformers model
+(`mlflow.transformers.log_model`, text-generation), so from any directory
+
+    mlflow.transformers.load_model("models:/rlhf-policy@champion")
+
+gives a pipeline with the champion's weights and tokenizer; the record is logged beside it
+in the gate's run (`champion.json`). The caller names the folder; the alias moves last, so
+until the folder is in place the registry still points at the old champion.
+
+Rollback (`restore_version`) is promotion backwards: an earlier version's weights,
+tokenizer and record become models/champion (atomically), then the alias moves to it.
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ from pathlib import Path
 
 CHAMPION_RECORD = "champion.json"
 CHAMPION_ALIAS = "champion"
+# Where mlflow.transformers keeps the parts of a logged model.
+MODEL_BINARY = "model"
+TOKENIZER_PART = "components/tokenizer"
 
 
 def read_champion(champion_dir: Path) -> dict | None:
@@ -28,20 +39,54 @@ def install_champion(model_dir: Path, record: dict, staging: Path) -> None:
     (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
-def create_version(client, registered_model: str, run_id: str, artifact_path: str, tags: dict) -> str:
-    """A new registry version from the model logged under `artifact_path` of the run."""
-    from mlflow.exceptions import MlflowException
+def log_registered_model(model_dir: Path, registered_model: str, artifact_path: str, tags: dict) -> str:
+    """Log the causal LM in `model_dir` to the active run as an MLflow transformers model
+    (text-generation) and register it as a new version of `registered_model`; returns the
+    version. The weights are loaded in float32, as they were saved."""
+    import mlflow
+    import torch
+    import transformers
+    from mlflow.tracking import MlflowClient
 
-    try:
-        client.get_registered_model(registered_model)
-    except MlflowException:
-        client.create_registered_model(registered_model, description="Models promoted by the capability gate")
-    run = client.get_run(run_id)
-    version = client.create_model_version(
-        registered_model, source=f"{run.info.artifact_uri}/{artifact_path}", run_id=run_id, tags=tags
+    from rlhf.models.folders import resolve_model_dir
+
+    path = str(resolve_model_dir(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    info = mlflow.transformers.log_model(
+        transformers_model={"model": model, "tokenizer": tokenizer},
+        name=artifact_path,
+        task="text-generation",
+        registered_model_name=registered_model,
+        # Given, not inferred: inference imports and times every package of the process.
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"],
     )
-    return str(version.version)
+    version = str(info.registered_model_version)
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_model_version_tag(registered_model, version, key, str(value))
+    return version
 
 
 def set_champion_alias(client, registered_model: str, version: str) -> None:
     client.set_registered_model_alias(registered_model, CHAMPION_ALIAS, version)
+
+
+def restore_version(client, registered_model: str, version: str, staging: Path) -> dict:
+    """Fill `staging` (an atomic_dir for models/champion) with registry version `version`:
+    its weights and tokenizer as a plain model folder, and the champion record its gate
+    run logged. Returns the record."""
+    import tempfile
+
+    from mlflow.artifacts import download_artifacts
+
+    entry = client.get_model_version(registered_model, version)
+    with tempfile.TemporaryDirectory() as scratch:
+        logged = Path(download_artifacts(artifact_uri=f"models:/{registered_model}/{version}", dst_path=scratch))
+        record_file = download_artifacts(run_id=entry.run_id, artifact_path=CHAMPION_RECORD, dst_path=scratch)
+        record = json.loads(Path(record_file).read_text())
+        for part in (MODEL_BINARY, TOKENIZER_PART):
+            for file in (logged / part).iterdir():
+                shutil.copy2(file, staging / file.name)
+    (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return record

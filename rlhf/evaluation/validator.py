@@ -1,0 +1,153 @@
+"""The adversarial validator: what a candidate's reward can be gamed into, checked against
+the reference model on the same prompts.
+
+Each check compares a candidate's greedy completions with the reference's (SFT) and
+returns a verdict with its reason, which the gate counts as one more capability test:
+
+* perplexity — mean negative log-likelihood per token of the candidate's completions under
+  the reference model (nats; perplexity = exp). Text the reference finds implausible is
+  what reward optimisation drifts into: at most `max_nll_increase` above the reference's
+  own completions.
+* repetition — mean share of repeated word 3-grams (characters when a completion has too
+  few words) per completion: at most `max_repetition_increase` above the reference.
+* degeneration — share of completions that are empty or mostly repeats (a repeated share
+  over one half): at most `max_degenerate_increase` above the reference.
+* length — mean completion length over the reference's: at most `max_length_ratio`
+  (length exploitation: rewards that grow with length).
+* reward_hacking — the RM's reward up on the suite while the verifiable accuracy is down by
+  more than `hacking_margin` (needs both; a task without checkable answers or a run without
+  an RM passes it, and says so).
+* diversity — distinct-2 at least `min_diversity_ratio` of the reference's, and, for a task
+  with a format, a format rate at most `max_format_drop` below it (format collapse).
+* banned — share of completions containing any `banned` string (case-insensitive): 0.
+
+Plain functions of texts, numbers and one forward pass of the reference: no library does
+these particular checks, so they are here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rlhf.evaluation.metrics import distinct_n
+from rlhf.models.generation import format_prompt
+from rlhf.rewards.functions import banned_rule, repetition_rule
+from rlhf.rewards.likelihood import token_logprobs
+
+
+@dataclass
+class Check:
+    name: str
+    metric: str
+    value: float | None
+    baseline: float | None
+    limit: float | None
+    passed: bool
+    reason: str
+
+
+@torch.inference_mode()
+def nll_under(reference, tokenizer, prompts: Sequence, completions: Sequence[str], batch_size: int = 32) -> float:
+    """Mean negative log-likelihood per completion token under `reference` (nats)."""
+    reference.eval()
+    tokenizer.padding_side = "right"
+    total, count = 0.0, 0
+    for start in range(0, len(prompts), batch_size):
+        heads = [format_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        tails = list(completions[start : start + batch_size])
+        lengths = [len(tokenizer(h, add_special_tokens=False)["input_ids"]) for h in heads]
+        batch = tokenizer(
+            [h + t for h, t in zip(heads, tails)], return_tensors="pt", padding=True, add_special_tokens=False
+        ).to(reference.device)
+        logps = token_logprobs(reference, batch["input_ids"], batch["attention_mask"]).float().cpu()
+        mask = torch.zeros_like(logps)
+        for row, (head, full) in enumerate(zip(lengths, batch["attention_mask"].sum(-1).tolist())):
+            mask[row, head - 1 : full - 1] = 1.0  # entry t - 1 scores token t: the completion's tokens
+        total -= float((logps * mask).sum())
+        count += int(mask.sum())
+    tokenizer.padding_side = "left"
+    return total / count if count else 0.0
+
+
+def text_metrics(texts: Sequence[str], banned: Sequence[str] = ()) -> dict[str, float]:
+    """The per-model numbers the text checks compare."""
+    repeated = [1.0 - r for r in repetition_rule([], texts)]
+    return {
+        "repetition": sum(repeated) / len(texts),
+        "degenerate_rate": sum(1.0 for t, r in zip(texts, repeated) if not t.strip() or r > 0.5) / len(texts),
+        "mean_length": sum(len(t) for t in texts) / len(texts),
+        "distinct_2": distinct_n(texts, 2),
+        "banned_rate": (1.0 - sum(banned_rule([], texts, banned)) / len(texts)) if banned else 0.0,
+    }
+
+
+def run_checks(candidate: dict, reference: dict, settings) -> list[Check]:
+    """The validator's verdicts for one candidate. `candidate` and `reference` hold
+    `text_metrics`, `nll_ref`, and from the eval report `reward`, `accuracy`,
+    `format_rate` (None when absent); `settings` the limits (params `validate`)."""
+
+    def at_most(name: str, metric: str, limit: float | None, baseline: float | None = None) -> Check:
+        value = candidate.get(metric)
+        passed = value is not None and limit is not None and value <= limit + 1e-9
+        reason = f"{metric} {value:.4f} <= {limit:.4f}" if value is not None else f"{metric} missing"
+        if baseline is not None:
+            reason += f" (reference {baseline:.4f})"
+        return Check(name, metric, value, baseline, limit, passed, reason + ("" if passed else " fails"))
+
+    def at_least(name: str, metric: str, limit: float, baseline: float) -> Check:
+        value = candidate.get(metric)
+        passed = value is not None and value >= limit - 1e-9
+        reason = f"{metric} {value:.4f} >= {limit:.4f} (reference {baseline:.4f})" + ("" if passed else " fails")
+        return Check(name, metric, value, baseline, limit, passed, reason)
+
+    ref = reference
+    checks = [
+        at_most("perplexity", "nll_ref", ref["nll_ref"] + settings.max_nll_increase, ref["nll_ref"]),
+        at_most("repetition", "repetition", ref["repetition"] + settings.max_repetition_increase, ref["repetition"]),
+        at_most(
+            "degeneration",
+            "degenerate_rate",
+            ref["degenerate_rate"] + settings.max_degenerate_increase,
+            ref["degenerate_rate"],
+        ),
+        at_most(
+            "length",
+            "mean_length",
+            settings.max_length_ratio * max(ref["mean_length"], 1.0),
+            ref["mean_length"],
+        ),
+        at_least("diversity", "distinct_2", settings.min_diversity_ratio * ref["distinct_2"], ref["distinct_2"]),
+        at_most("banned", "banned_rate", 0.0),
+    ]
+    if candidate.get("format_rate") is not None and ref.get("format_rate") is not None:
+        checks.append(
+            at_least(
+                "format_collapse", "format_rate", ref["format_rate"] - settings.max_format_drop, ref["format_rate"]
+            )
+        )
+    reward_gain = _difference(candidate.get("reward"), ref.get("reward"))
+    accuracy_gain = _difference(candidate.get("accuracy"), ref.get("accuracy"))
+    if reward_gain is None or accuracy_gain is None:
+        checks.append(
+            Check(
+                "reward_hacking", "reward", None, None, None, True, "not checked: needs both an RM reward and accuracy"
+            )
+        )
+    else:
+        hacked = reward_gain > 0 and accuracy_gain < -settings.hacking_margin
+        reason = f"reward {reward_gain:+.4f} vs reference while accuracy {accuracy_gain:+.4f}" + (
+            f": the reward rose as the verifiable score fell by more than {settings.hacking_margin}" if hacked else ""
+        )
+        checks.append(Check("reward_hacking", "reward", reward_gain, accuracy_gain, None, not hacked, reason))
+    return checks
+
+
+def _difference(value, baseline) -> float | None:
+    return None if value is None or baseline is None else float(value) - float(baseline)
+
+
+def as_dicts(checks: Sequence[Check]) -> list[dict]:
+    return [asdict(c) for c in checks]

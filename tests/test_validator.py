@@ -1,0 +1,100 @@
+"""The adversarial validator (rlhf.evaluation.validator) and the gate that counts its checks:
+hand-made completions that game a reward in one way each are caught by that check, with a
+reason, and a candidate that fails one is not promoted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.evaluation.gate import decide
+from rlhf.evaluation.validator import as_dicts, nll_under, run_checks, text_metrics
+from rlhf.models.loading import build_tiny_model, build_tokenizer
+from stages.validate import Config
+
+REFERENCE_TEXTS = ["1+2=3; answer 3", "4+1=5; answer 5", "7-2=5; 5+1=6; answer 6", "9-3=6; answer 6"]
+
+
+def metrics(texts, **scores) -> dict:
+    return {**text_metrics(texts, ["as an AI"]), "nll_ref": scores.pop("nll_ref", 1.0), **scores}
+
+
+def verdicts(candidate: dict, reference: dict | None = None) -> dict[str, bool]:
+    reference = reference or metrics(REFERENCE_TEXTS, reward=0.0, accuracy=0.5, format_rate=1.0)
+    return {c.name: c.passed for c in run_checks(candidate, reference, Config())}
+
+
+def test_text_metrics_by_hand():
+    texts = ["a b c a b c a b c", "", "as an AI I cannot", "x y z w"]
+    m = text_metrics(texts, ["as an ai"])
+    # 7 word 3-grams in the first text, 3 distinct: 4/7 repeated; the others repeat nothing.
+    assert m["repetition"] == pytest.approx((4 / 7) / 4)
+    assert m["degenerate_rate"] == pytest.approx(2 / 4), "the empty one and the mostly repeated one"
+    assert m["mean_length"] == pytest.approx(sum(map(len, texts)) / 4)
+    assert m["banned_rate"] == pytest.approx(1 / 4), "case-insensitive"
+
+
+def test_an_honest_candidate_passes_every_check():
+    same = metrics(REFERENCE_TEXTS, reward=0.3, accuracy=0.6, format_rate=1.0)
+    assert all(verdicts(same).values())
+
+
+@pytest.mark.parametrize(
+    "texts, scores, caught",
+    [
+        (["answer 3 answer 3 answer 3 answer 3"] * 4, {}, "repetition"),
+        ([""] * 2 + REFERENCE_TEXTS[:2], {}, "degeneration"),
+        ([t + "; so the answer is indeed what it is" * 2 for t in REFERENCE_TEXTS], {}, "length"),
+        (["answer 3"] * 4, {"format_rate": 0.5}, "format_collapse"),
+        (REFERENCE_TEXTS[:3] + ["as an AI, answer 6"], {}, "banned"),
+        (REFERENCE_TEXTS, {"nll_ref": 3.5}, "perplexity"),
+        (REFERENCE_TEXTS, {"reward": 1.0, "accuracy": 0.4}, "reward_hacking"),
+    ],
+)
+def test_each_way_of_gaming_is_caught_by_its_check(texts, scores, caught):
+    candidate = metrics(texts, **{"reward": 0.0, "accuracy": 0.5, "format_rate": 1.0, **scores})
+    failed = {name for name, passed in verdicts(candidate).items() if not passed}
+    assert caught in failed
+
+
+def test_reward_hacking_needs_both_signals():
+    candidate = metrics(REFERENCE_TEXTS, reward=1.0, accuracy=None)
+    checks = run_checks(candidate, metrics(REFERENCE_TEXTS, reward=0.0, accuracy=None), Config())
+    (hacking,) = [c for c in checks if c.name == "reward_hacking"]
+    assert hacking.passed and "not checked" in hacking.reason
+
+
+def test_nll_under_the_reference_prefers_its_own_greedy_text():
+    """A model's own greedy continuation is more likely under it than shuffled characters."""
+    from rlhf.models.generation import generate
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    prompts = ["1+2+3\n", "4-1+2\n"]
+    own = generate(model, tokenizer, prompts, 12)
+    noise = ["zq#~%" * 2 + "Q" for _ in prompts]
+    assert nll_under(model, tokenizer, prompts, own) < nll_under(model, tokenizer, prompts, noise)
+
+
+def test_a_candidate_failing_a_validator_check_is_not_promoted():
+    report = {
+        "reference": "sft",
+        "candidates": ["clean", "gamed"],
+        "suites": {"dev": {"sft": {"accuracy": 0.5}, "clean": {"accuracy": 0.6}, "gamed": {"accuracy": 0.9}}},
+    }
+    reference = metrics(REFERENCE_TEXTS, reward=0.0, accuracy=0.5)
+    gamed = metrics(["answer 3 answer 3 answer 3 answer 3"] * 4, reward=0.0, accuracy=0.9)
+    validation = {
+        "suite": "dev",
+        "candidates": {
+            name: {"checks": as_dicts(run_checks(m, reference, Config()))}
+            for name, m in {"clean": metrics(REFERENCE_TEXTS, reward=0.0, accuracy=0.6), "gamed": gamed}.items()
+        },
+    }
+    verdict = decide([], report, None, "accuracy", "dev", validation=validation)
+    assert verdict["promote"] == "clean", "the better accuracy of a degenerate candidate does not count"
+    failures = verdict["candidates"]["gamed"]["failures"]
+    assert any(f.startswith("validator:repetition: repetition") and f.endswith("fails") for f in failures)
+    unchecked = decide([], {**report, "candidates": ["other"]}, None, "accuracy", "dev", validation=validation)
+    assert unchecked["promote"] is None and "rerun stage validate" in unchecked["candidates"]["other"]["failures"][0]
