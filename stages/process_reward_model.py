@@ -168,7 +168,7 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     train = build_dataset(tokenizer, rows, separator, config.max_length)
     transformers.set_seed(config.seed)  # the new head's initialisation
     model = load_prm_model(init, config.trust_remote_code, what=f"models/{config.init}")
-    key = fingerprint(config, [init, DATA, PROMPTS])
+    key = fingerprint(config, [init, DATA, *([PROMPTS] if PROMPTS.exists() else [])])
     trainer = prm_trainer(config, model, tokenizer, train, checkpoint_dir(CHECKPOINTS_DIR, stage, key), config.lora)
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)

@@ -60,6 +60,13 @@ TINY_OVERRIDES = {
         "mcts": {"simulations": 2, "expand": 2, "max_depth": 2},
     },
     # The micro model writes gibberish: test the plumbing, not the quality bar.
+    "validate": {
+        "max_nll_increase": 100.0,
+        "max_repetition_increase": 1.0,
+        "max_degenerate_increase": 1.0,
+        "max_length_ratio": 100.0,
+        "min_diversity_ratio": 0.0,
+    },
     "gate": {
         "tests": [
             {"metric": "accuracy", "relative_to": "sft", "op": ">=", "threshold": -1.0},

@@ -178,14 +178,16 @@ def test_user_files_and_model_run_prepare_to_infer(tmp_path, architecture):
 
     verdict = json.loads((root / "reports/gate.json").read_text())
     for result in verdict["candidates"].values():
-        metrics = {t["metric"] for t in result["tests"]}
-        assert metrics == {"accuracy", "kl_to_ref"}, "the gsm8k defaults: accuracy tests and KL, no format test"
+        declared = [t for t in result["tests"] if not t["name"].startswith("validator:")]
+        assert {t["metric"] for t in declared} == {"accuracy", "kl_to_ref"}, "gsm8k: accuracy and KL, no format"
+        checks = {t["name"] for t in result["tests"]} - {t["name"] for t in declared}
+        assert {"validator:perplexity", "validator:reward_hacking"} <= checks, "the validator's checks are tests"
         assert all(t["reason"] for t in result["tests"])
     if architecture == "gpt2":
         # The harness scores the same greedy completions with the same task: the same accuracy.
         for model, metrics in report["suites"]["harness/rlhf_heldout"].items():
             assert metrics["accuracy"] == pytest.approx(report["suites"]["heldout"][model]["accuracy"]), model
-        suites = {t["suite"] for r in verdict["candidates"].values() for t in r["tests"]}
+        suites = {t["suite"] for r in verdict["candidates"].values() for t in r["tests"]}  # validator: heldout
         assert suites == {"heldout", "harness/rlhf_heldout"}
     infer = json.loads((root / "reports/infer.json").read_text())
     assert infer["suite"] == "heldout" and infer["strategies"]["greedy"]["accuracy"] is not None

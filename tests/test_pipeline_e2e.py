@@ -191,7 +191,8 @@ def test_every_file_a_stage_reads_is_a_dep(flow_run):
 
 def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
     """DPO reads no reward model: a new rm.learning_rate reruns rm and what reads it (the
-    evaluation's judge, the gate after it, infer's scorers), never policy@dpo or merge."""
+    evaluation's judge, the validator reading its report, the gate after them, infer's
+    scorers), never policy@dpo or merge."""
     root, _, _ = flow_run
     params = yaml.safe_load((root / "params.yaml").read_text())
     original = params["rm"]["learning_rate"]
@@ -199,7 +200,7 @@ def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
     write_params(root, params)
     try:
         output = dvc_repro(root)
-        assert sorted(ran(output)) == sorted(["check_params", "rm", "evaluate", "gate", "infer"]), output
+        assert sorted(ran(output)) == sorted(["check_params", "rm", "evaluate", "validate", "gate", "infer"]), output
     finally:
         params["rm"]["learning_rate"] = original
         write_params(root, params)
@@ -221,13 +222,13 @@ def test_dvc_reruns_only_what_changed_and_restores_from_run_cache(flow_run):
     params["policy"]["dpo"]["beta"] = original_beta * 2
     write_params(root, params)
     output = dvc_repro(root)
-    assert ran(output) == ["check_params", "policy@dpo", "merge", "evaluate", "gate"], output
+    assert ran(output) == ["check_params", "policy@dpo", "merge", "evaluate", "validate", "gate"], output
     assert tree_digest(root / "models/policy/dpo") != policy_before
 
     params["policy"]["dpo"]["beta"] = original_beta
     write_params(root, params)
     output = dvc_repro(root)
-    assert restored(output) == ["check_params", "policy@dpo", "merge", "evaluate"], output
+    assert restored(output) == ["check_params", "policy@dpo", "merge", "evaluate", "validate"], output
     assert ran(output) == ["gate"], output
     assert tree_digest(root / "models/policy/dpo") == policy_before
 

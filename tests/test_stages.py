@@ -47,6 +47,7 @@ def project(tmp_path_factory):
     import stages.process_reward_model
     import stages.reward_model
     import stages.sft
+    import stages.validate
     import stages.verifier
 
     root = make_project(tmp_path_factory.mktemp("stages") / "project")
@@ -66,6 +67,7 @@ def project(tmp_path_factory):
         stages.policy.main(["dpo"])
         stages.merge.main()
         stages.evaluate.main()
+        stages.validate.main()
         stages.capability_gate.main()
         stages.infer.main()
     return root
@@ -333,20 +335,22 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     assert not changed(champion, {k: loaded[k] for k in champion}), "the registry holds the champion's weights"
     assert isinstance(pipe("1+2+3\n", max_new_tokens=8)[0]["generated_text"], str)
 
-    current = client.get_model_version_by_alias("rlhf-policy", "champion").version
-    target = next(v.version for v in client.search_model_versions("name = 'rlhf-policy'") if v.version != current)
+    current = str(client.get_model_version_by_alias("rlhf-policy", "champion").version)
+    target = next(
+        str(v.version) for v in client.search_model_versions("name = 'rlhf-policy'") if str(v.version) != current
+    )
     monkeypatch.chdir(project)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
     with pytest.raises(SystemExit, match="has no version 99"):
         stages.rollback.main(["--version", "99"])
     stages.rollback.main(["--version", str(target)])
-    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == str(target)
+    assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
     record = json.loads((project / "models/champion/champion.json").read_text())
-    assert record["model_version"] == str(target) and record["restored"]["from_version"] == str(current)
+    assert record["model_version"] == target and record["restored"]["from_version"] == current
     restored = mlflow.transformers.load_model(f"models:/rlhf-policy/{target}").model.state_dict()
     champion = weights(project / "models/champion")
     assert not changed(champion, {k: restored[k] for k in champion})
     runs = client.search_runs(
         [client.get_experiment_by_name("stages-test").experiment_id], "tags.`rlhf.stage` = 'rollback'"
     )
-    assert runs and runs[0].data.tags["rollback.to_version"] == str(target)
+    assert runs and runs[0].data.tags["rollback.to_version"] == target
