@@ -174,7 +174,8 @@ def test_every_stage_logged_an_mlflow_run_with_params_and_commit(project):
     runs = client.search_runs([experiment.experiment_id])
     by_stage = {r.data.tags.get("rlhf.stage"): r for r in runs if r.data.tags.get("rlhf.stage")}
     assert set(by_stage) == {
-        "prepare", "base", "sft", "verifier", "rm", "prm", "policy@dpo", "merge", "evaluate", "gate", "infer",
+        "prepare", "base", "sft", "verifier", "rm", "prm", "policy@dpo", "merge", "evaluate", "validate", "gate",
+        "infer",
     }  # fmt: skip
     sft = by_stage["sft"]
     assert sft.data.params["max_steps"] == "4"
@@ -205,6 +206,10 @@ def test_gate_rejects_a_worse_candidate_and_the_champion_stays(project):
     report["suites"]["dev"]["worse"] = worse
     report["suites"]["dev"]["sft"]["accuracy"] = champion_accuracy - 0.20  # passes the SFT test
     (project / "reports/eval.json").write_text(json.dumps(report))
+    # The validator passes it as it passed dpo: the one failure is the champion test.
+    validation = json.loads((project / "reports/validation.json").read_text())
+    validation["candidates"]["worse"] = validation["candidates"]["dpo"]
+    (project / "reports/validation.json").write_text(json.dumps(validation))
 
     params = project / "params.yaml"
     original = params.read_text()
