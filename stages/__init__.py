@@ -202,6 +202,18 @@ def load_model_stage(path: str = PARAMS_FILE) -> dict:
     return params
 
 
+def drop_out(stage: str, staging: Path, reason: str, metrics: Path, plot: Path) -> None:
+    """A model stage whose inputs are absent: `absent.json` instead of a model in its output
+    folder (`staging`), the reason as its metrics, an empty curve."""
+    from rlhf.artifacts import write_csv, write_json
+    from rlhf.models.folders import write_absent
+
+    write_absent(staging, reason)
+    write_json(metrics, {"absent": reason})
+    write_csv(plot, [])
+    print(f"{stage}: dropped out: {reason}")
+
+
 def has_rows(path: str | Path) -> bool:
     """Whether a prepared table has rows (prepare writes absent tables with none)."""
     import pyarrow.parquet as pq

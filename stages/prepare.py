@@ -219,11 +219,10 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
         if name not in tables:
             columns = CONTRACTS[kind]["required"]
             tables[name] = pd.DataFrame({c: pd.Series([], dtype=object) for c in columns})
-            source = DERIVED_FROM.get(name)
             origins[name] = (
-                f"absent: give prepare.files.{source or name}"
-                if name != "prm" and name != "prm_eval"
-                else "absent: stage prm derives step labels by rollouts, or give prepare.files.prm"
+                "absent: stage prm derives step labels by rollouts, or give prepare.files.prm"
+                if kind == "prm"
+                else f"absent: give prepare.files.{DERIVED_FROM.get(name, name)}"
             )
 
 

@@ -28,11 +28,11 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.models.folders import check_model_dir, resolve_model_dir, write_absent
+from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.params import StageConfig, reject_unused
 from rlhf.tasks import get_task
 from rlhf.training.params import LoraParams, TrainingParams
-from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, PRM_DIR, SFT_DIR, load_model_stage
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, PRM_DIR, SFT_DIR, drop_out, load_model_stage
 
 DATA = DATA_DIR / "prm.parquet"
 EVAL_DATA = DATA_DIR / "prm_eval.parquet"
@@ -230,10 +230,7 @@ def main() -> None:
         with atomic_dir(OUT_DIR) as tmp:
             rows, held_out, derived = load_labels(config, task, DATA, EVAL_DATA, tmp)
             if rows is None:
-                write_absent(tmp, derived)
-                write_json(METRICS, {"absent": derived})
-                write_csv(PLOT, [])
-                print(f"prm: no process reward model: {derived}")
+                drop_out("prm", tmp, derived, METRICS, PLOT)
                 return
             metrics, curve = run(config, task.step_separator, init_dir(config), rows, held_out, tmp)
             metrics.update(derived or {})

@@ -34,10 +34,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.models.folders import check_model_dir, resolve_model_dir, write_absent
+from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.tasks import Task, get_task
 from rlhf.training.params import LoraParams, TrainingParams
-from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, RM_DIR, has_rows, load_model_stage
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, RM_DIR, drop_out, has_rows, load_model_stage
 
 DATA = DATA_DIR / "prefs.parquet"
 EVAL_DATA = DATA_DIR / "prefs_eval.parquet"
@@ -240,10 +240,7 @@ def main() -> None:
             if not has_rows(DATA):
                 # No preference data: the RM drops out (check_params refuses params that need it).
                 reason = "no preference data: give prepare.files.prefs (prompt, chosen, rejected)"
-                write_absent(tmp, reason)
-                write_json(METRICS, {"absent": reason})
-                write_csv(PLOT, [])
-                print(f"rm: no reward model: {reason}")
+                drop_out("rm", tmp, reason, METRICS, PLOT)
                 return
             metrics, curve = run(config, task, init_dir(config), DATA, EVAL_DATA, tmp)
         write_json(METRICS, metrics)

@@ -36,6 +36,25 @@ def wins(candidate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (candidate > reference).float() + 0.5 * (candidate == reference).float()
 
 
+def completion_batches(tokenizer, prompts: Sequence, completions: Sequence[str], batch_size: int, device):
+    """Prompt + completion, right-padded, in batches: (batch, mask) where mask (B, T - 1) is 1
+    at the positions that predict a completion token (position t predicts token t + 1, so
+    from prompt length - 1 on)."""
+    tokenizer.padding_side = "right"
+    for start in range(0, len(prompts), batch_size):
+        heads = [format_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        tails = list(completions[start : start + batch_size])
+        head_lengths = [len(tokenizer(h, add_special_tokens=False)["input_ids"]) for h in heads]
+        batch = tokenizer(
+            [h + t for h, t in zip(heads, tails)], return_tensors="pt", padding=True, add_special_tokens=False
+        ).to(device)
+        mask = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1)
+        for row, (head, total) in enumerate(zip(head_lengths, batch["attention_mask"].sum(-1).tolist())):
+            mask[row, head - 1 : total - 1] = 1.0
+        yield batch, mask
+    tokenizer.padding_side = "left"
+
+
 @torch.inference_mode()
 def completion_kl(
     policy, reference, tokenizer, prompts: Sequence, completions: Sequence[str], batch_size: int = 32
@@ -43,25 +62,10 @@ def completion_kl(
     """Per-prompt sum over completion tokens of KL(policy || reference)."""
     policy.eval()
     reference.eval()
-    tokenizer.padding_side = "right"
     results = []
-    for start in range(0, len(prompts), batch_size):
-        chunk_prompts = [format_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
-        chunk_completions = list(completions[start : start + batch_size])
-        prompt_lens = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in chunk_prompts]
-        batch = tokenizer(
-            [p + c for p, c in zip(chunk_prompts, chunk_completions)],
-            return_tensors="pt",
-            padding=True,
-            add_special_tokens=False,
-        ).to(policy.device)
-        logp = F.log_softmax(policy(**batch).logits.float(), -1)
-        logq = F.log_softmax(reference(**batch).logits.float(), -1)
-        per_token = (logp.exp() * (logp - logq)).sum(-1)  # (B, T): KL of the next-token distributions
-        # Position t predicts token t+1: completion tokens are predicted from prompt_len-1 on.
-        mask = torch.zeros_like(per_token)
-        lengths = batch["attention_mask"].sum(-1)
-        for row, (plen, total) in enumerate(zip(prompt_lens, lengths.tolist())):
-            mask[row, plen - 1 : total - 1] = 1.0
-        results.append((per_token * mask).sum(-1).cpu())
+    for batch, mask in completion_batches(tokenizer, prompts, completions, batch_size, policy.device):
+        logp = F.log_softmax(policy(**batch).logits.float()[:, :-1], -1)
+        logq = F.log_softmax(reference(**batch).logits.float()[:, :-1], -1)
+        per_token = (logp.exp() * (logp - logq)).sum(-1)  # (B, T - 1): KL of the next-token distributions
+        results.append((per_token.cpu() * mask).sum(-1))
     return torch.cat(results) if results else torch.empty(0)

@@ -32,8 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rlhf.evaluation.metrics import distinct_n
-from rlhf.models.generation import format_prompt
+from rlhf.evaluation.metrics import completion_batches, distinct_n
 from rlhf.rewards.functions import banned_rule, repetition_rule
 from rlhf.rewards.likelihood import token_logprobs
 
@@ -53,22 +52,11 @@ class Check:
 def nll_under(reference, tokenizer, prompts: Sequence, completions: Sequence[str], batch_size: int = 32) -> float:
     """Mean negative log-likelihood per completion token under `reference` (nats)."""
     reference.eval()
-    tokenizer.padding_side = "right"
     total, count = 0.0, 0
-    for start in range(0, len(prompts), batch_size):
-        heads = [format_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
-        tails = list(completions[start : start + batch_size])
-        lengths = [len(tokenizer(h, add_special_tokens=False)["input_ids"]) for h in heads]
-        batch = tokenizer(
-            [h + t for h, t in zip(heads, tails)], return_tensors="pt", padding=True, add_special_tokens=False
-        ).to(reference.device)
+    for batch, mask in completion_batches(tokenizer, prompts, completions, batch_size, reference.device):
         logps = token_logprobs(reference, batch["input_ids"], batch["attention_mask"]).float().cpu()
-        mask = torch.zeros_like(logps)
-        for row, (head, full) in enumerate(zip(lengths, batch["attention_mask"].sum(-1).tolist())):
-            mask[row, head - 1 : full - 1] = 1.0  # entry t - 1 scores token t: the completion's tokens
         total -= float((logps * mask).sum())
         count += int(mask.sum())
-    tokenizer.padding_side = "left"
     return total / count if count else 0.0
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.inference.settings import MCTS, STRATEGIES, BestOfN, SelfConsistency, Strategies
-from rlhf.models.generation import format_prompt, generate
+from rlhf.models.generation import format_prompt, generate, sample
 from rlhf.models.loading import load_causal_lm
 from rlhf.rewards.functions import ModelDirs, build_rewards, weighted_sum
 from rlhf.rewards.prm import load_prm
@@ -53,12 +53,6 @@ def count_tokens(tokenizer, completions: Sequence[str]) -> list[int]:
 def greedy(model, tokenizer, prompts: Sequence, max_new_tokens: int, batch_size: int = 64) -> list[Answer]:
     completions = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
     return [Answer(c, t) for c, t in zip(completions, count_tokens(tokenizer, completions))]
-
-
-def sample(model, tokenizer, prompts: Sequence, n: int, max_new_tokens: int, temperature: float, batch_size: int, seed):
-    """`n` sampled completions per prompt, as one list per prompt."""
-    flat = generate(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // n), True, temperature, n, seed=seed)
-    return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
 def best_of_n(

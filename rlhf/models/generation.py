@@ -68,3 +68,10 @@ def generate(
         new_tokens = output[:, batch["input_ids"].shape[1] :]
         completions.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
     return completions
+
+
+def sample(model, tokenizer, prompts: Sequence, n: int, max_new_tokens: int, temperature: float, batch_size: int, seed):
+    """`n` sampled completions per prompt, as one list per prompt; `batch_size` counts
+    sequences, not prompts."""
+    flat = generate(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // n), True, temperature, n, seed=seed)
+    return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]

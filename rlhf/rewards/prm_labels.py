@@ -99,7 +99,7 @@ def model_completer(
     """The rollout policy of a causal LM: sampled continuations of prefix texts. Each call
     reseeds from `seed` and how many calls came before it, so a fixed sequence of calls
     gives the same texts. `batch_size` counts sequences, not prefixes."""
-    from rlhf.models.generation import generate
+    from rlhf.models.generation import sample
 
     calls = 0
 
@@ -108,18 +108,7 @@ def model_completer(
         calls += 1
         if not prefixes:
             return []
-        flat = generate(
-            model,
-            tokenizer,
-            prefixes,
-            max_new_tokens,
-            max(1, batch_size // n),
-            do_sample=True,
-            temperature=temperature,
-            num_return_sequences=n,
-            seed=seed + calls - 1,
-        )
-        return [flat[i * n : (i + 1) * n] for i in range(len(prefixes))]
+        return sample(model, tokenizer, prefixes, n, max_new_tokens, temperature, batch_size, seed + calls - 1)
 
     return complete
 
