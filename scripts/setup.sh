@@ -17,4 +17,13 @@ fi
 # The CPU build of torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[test]"
+# A headless browser for the labelling page's browser test (tests/test_feedback.py): Debian's
+# chromium and its driver, when missing and we may install them. Never fails setup: without
+# them that one test skips and says why.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing chromium and chromium-driver (apt-get) for the browser test"
+  { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } >/dev/null 2>&1 ||
+    echo "setup: could not install chromium (the browser test will skip)"
+fi
 echo "$want" > "$stamp"

@@ -33,6 +33,7 @@ SECTIONS = {
     "validate": "stages.validate:Config",
     "gate": "stages.capability_gate:Config",
     "infer": "stages.infer:Config",
+    "improve": "stages.improve:Config",
 }
 
 DATA_DIR = Path("data/prepared")

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
+from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import StageConfig
 from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, decision_suite, load_all
 
@@ -38,19 +38,6 @@ VERDICT = REPORTS_DIR / "gate.json"
 VALIDATION_REPORT = REPORTS_DIR / "validation.json"
 MODEL_ARTIFACT = "model"
 EXPERIMENT_ENV = "DVC_EXP_NAME"  # set by `dvc exp run` for the stages it runs
-
-
-class CapabilityTest(StageConfig):
-    name: str | None = Field(None, description="label in reports (default: built from the fields)")
-    metric: str = Field(description="a metric of reports/eval.json, e.g. accuracy, format_rate, kl_to_ref")
-    suite: str | None = Field(
-        None, description="eval suite the metric is read from; null: the decision suite (dev when there is one)"
-    )
-    op: Literal[">=", "<=", ">", "<"] = Field(">=", description="comparison")
-    threshold: float = Field(
-        0.0, description="added to the baseline: value op baseline + threshold (relative tests: the minimum effect)"
-    )
-    relative_to: Literal["absolute", "sft", "champion"] = Field("absolute", description="the baseline")
 
 
 def default_tests(checks_answers: bool, has_format: bool) -> list[CapabilityTest]:

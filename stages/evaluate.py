@@ -38,8 +38,9 @@ from pathlib import Path
 from pydantic import Field
 
 from rlhf.artifacts import write_json
+from rlhf.evaluation.suites import evaluate_model, suite_digest
 from rlhf.params import StageConfig
-from rlhf.tasks import Task, get_task
+from rlhf.tasks import get_task
 from stages import (
     MERGED_DIR,
     REPORTS_DIR,
@@ -100,72 +101,6 @@ def candidate_dirs(methods: list[str]) -> dict[str, Path]:
     return dirs
 
 
-def suite_digest(prompts: list, answers: list) -> str:
-    """Names one version of a suite: paired comparisons need the same problems."""
-    import hashlib
-    import json
-
-    return hashlib.sha256(json.dumps([prompts, answers], default=str).encode()).hexdigest()[:16]
-
-
-def summarise(config: Config, outcomes: dict[str, list], difficulty: list | None) -> dict:
-    """The means of the per-problem outcomes, with intervals, and accuracy per difficulty."""
-    from rlhf.evaluation.statistics import bootstrap_interval, group_by
-
-    summary: dict = {}
-    for name, values in outcomes.items():
-        if not values:
-            summary[name] = None
-            continue
-        summary[name] = sum(values) / len(values)
-        low, high = bootstrap_interval(values, config.confidence, config.bootstrap_samples)
-        summary[f"{name}_low"], summary[f"{name}_high"] = low, high
-    if difficulty is not None and outcomes.get("accuracy"):
-        groups = group_by(outcomes["accuracy"], difficulty)
-        summary["accuracy_by_difficulty"] = {k: sum(v) / len(v) for k, v in groups.items()}
-        summary["problems_by_difficulty"] = {k: len(v) for k, v in groups.items()}
-    return summary
-
-
-def evaluate_model(config: Config, task: Task, model, reference, tokenizer, judge, suite, ref_rewards) -> tuple:
-    """(metrics, per-problem outcomes, completions) of one model on one suite."""
-    import pandas as pd
-    import torch
-
-    from rlhf.evaluation.metrics import completion_kl, distinct_n, wins
-    from rlhf.models.generation import generate
-
-    prompts = suite["prompt"].tolist()
-    answers = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
-    texts = generate(model, tokenizer, prompts, config.max_new_tokens, config.batch_size)
-    rewards = judge.score(prompts, texts) if judge is not None else None
-    kl_n = min(config.kl_prompts, len(prompts))
-    if kl_n and model is not reference:
-        kl = completion_kl(model, reference, tokenizer, prompts[:kl_n], texts[:kl_n])
-    else:
-        kl = torch.zeros(1)
-    outcomes = {
-        "accuracy": [float(task.is_correct(t, a)) for t, a in zip(texts, answers) if a is not None]
-        if task.checks_answers
-        else [],
-        "format_rate": [float(task.is_well_formatted(t)) for t in texts] if task.has_format else [],
-        "reward": rewards.mean.tolist() if rewards is not None else [],
-        "win_rate": wins(rewards.mean, rewards.mean if ref_rewards is None else ref_rewards).tolist()
-        if rewards is not None
-        else [],
-    }
-    with_answers = [d for d, a in zip(suite["difficulty"], answers) if a is not None] if "difficulty" in suite else None
-    metrics = {
-        **summarise(config, outcomes, with_answers),
-        "kl_to_ref": float(kl.mean()),
-        "reward_std": float(rewards.std.mean()) if rewards is not None else None,
-        "distinct_1": distinct_n(texts, 1),
-        "distinct_2": distinct_n(texts, 2),
-        "mean_length": sum(len(t) for t in texts) / len(texts),
-    }
-    return metrics, outcomes, rewards.mean if rewards is not None else None, texts
-
-
 def harness_tasks(config: Config, task_config, workdir: Path) -> tuple[list[str], list[str]]:
     """The harness task names to run and the folders to find them in: the user's tasks,
     and each of `harness.suites` written as a local task `rlhf_<suite>` into `workdir`."""
@@ -187,7 +122,7 @@ def harness_tasks(config: Config, task_config, workdir: Path) -> tuple[list[str]
 
 
 def run(
-    config: Config, task: Task, methods: list[str], suite_names: list[str], task_config=None
+    config: Config, task, methods: list[str], suite_names: list[str], task_config=None
 ) -> tuple[dict, dict, dict, dict]:
     """The eval report, the per-problem outcomes and the samples on `suite_names`. The
     reference stays loaded (for KL); candidates are loaded one at a time. Without a reward

@@ -46,7 +46,7 @@ from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.params import StageConfig
 from rlhf.rewards.functions import DEFAULT_REWARDS, RewardSpec, model_paths
 from rlhf.tasks import Task, get_task
-from rlhf.training.params import LoraParams, PPOParams, TrainingParams
+from rlhf.training.params import EwcParams, LoraParams, PPOParams, TrainingParams
 from stages import (
     CHECKPOINTS_DIR,
     DATA_DIR,
@@ -61,6 +61,7 @@ from stages import (
 PREFS = DATA_DIR / "prefs.parquet"
 UNPAIRED = DATA_DIR / "unpaired.parquet"
 PROMPTS = DATA_DIR / "prompts.parquet"
+SFT_DATA = DATA_DIR / "sft.parquet"  # EWC's previous data (params `ewc`), what SFT learned
 OUT_ROOT = POLICY_DIR
 METRICS_ROOT = Path("metrics/policy")
 PLOTS_ROOT = Path("plots/policy")
@@ -82,6 +83,9 @@ class OfflineParams(TrainingParams):
     learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(96, gt=0, description="tokens per prompt+response")
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+    ewc: EwcParams = Field(
+        default_factory=EwcParams, description="elastic weight consolidation towards SFT, Fisher on the SFT data"
+    )
 
 
 class DPOParams(OfflineParams):
@@ -157,6 +161,9 @@ class OnlineParams(TrainingParams):
     num_iterations: int = Field(1, gt=0, description="optimisation passes per generated batch (mu)")
     rewards: list[RewardSpec] = REWARDS_FIELD
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+    ewc: EwcParams = Field(
+        default_factory=EwcParams, description="elastic weight consolidation towards SFT, Fisher on the SFT data"
+    )
 
     @model_validator(mode="after")
     def _groups_fit(self):
@@ -203,6 +210,15 @@ class PPOMethodParams(PPOParams):
     """PPO (ours, rlhf/training/ppo.py) on the prompts, with the same weighted rewards as GRPO/RLOO."""
 
     rewards: list[RewardSpec] = REWARDS_FIELD
+    ewc: EwcParams = Field(
+        default_factory=EwcParams, description="elastic weight consolidation towards SFT, Fisher on the SFT data"
+    )
+
+    @model_validator(mode="after")
+    def _ewc_without_lora(self):
+        if self.ewc.strength and self.lora.enabled:
+            raise ValueError("ewc.strength with lora.enabled: PPO's EWC pulls the full weights; turn one of them off")
+        return self
 
 
 OFFLINE_METHODS = ("dpo", "simpo", "orpo", "kto")
@@ -299,7 +315,7 @@ def train_trl(
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
     dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
-    key = fingerprint(params, [SFT_DIR, data, *inputs])
+    key = fingerprint(params, [SFT_DIR, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
     config_cls, trainer_cls = trl_classes
     args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), **trl_args)
     trainer = trainer_cls(
@@ -310,6 +326,7 @@ def train_trl(
         peft_config=params.lora.peft_config(),
         **trainer_kwargs,
     )
+    ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
     save_model(merged_model(trainer.model), tokenizer, out_dir)
@@ -319,9 +336,23 @@ def train_trl(
         "steps": trainer.state.global_step,
         "resumed": bool(resumed),
     }
+    if ewc is not None:
+        metrics["ewc_penalty"] = ewc.penalty()
     if hasattr(trainer, "ref_cache_hit"):
         metrics["ref_logps_cache_hit"] = trainer.ref_cache_hit
     return metrics, log_history_rows(history, logged)
+
+
+def consolidate_on_sft(model, tokenizer, params, accumulation: int = 1):
+    """EWC towards the SFT weights `model` starts from, with the Fisher information of the
+    SFT data (params `ewc`); None when `ewc.strength` is 0."""
+    if not params.ewc.strength:
+        return None
+    from rlhf.data.contracts import read_prepared
+    from rlhf.training.ewc import consolidate
+
+    table = read_prepared(SFT_DATA, "sft")
+    return consolidate(model, tokenizer, table, params.ewc, params.max_length, 1.0 / accumulation, params.seed)
 
 
 def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:
@@ -447,7 +478,9 @@ def train_ppo_method(
     value_model = load_value_model(value_init, config.trust_remote_code)
     table = read_prepared(PROMPTS, stage)
     functions, weights = build_rewards(params.rewards, task, REWARD_MODEL_DIRS, config.trust_remote_code)
-    key = fingerprint(params, [SFT_DIR, PROMPTS, value_init, *model_paths(params.rewards, REWARD_MODEL_DIRS)])
+    ewc = consolidate_on_sft(policy, tokenizer, params)
+    inputs = [SFT_DIR, PROMPTS, value_init, *model_paths(params.rewards, REWARD_MODEL_DIRS)]
+    key = fingerprint(params, inputs + ([SFT_DATA] if params.ewc.strength else []))
 
     def log(metrics: dict, step: int) -> None:
         mlflow.log_metrics(numeric_metrics(metrics), step=step)
@@ -475,6 +508,8 @@ def train_ppo_method(
         "kl": last["kl"],
         "steps": len(history),
     }
+    if ewc is not None:
+        metrics["ewc_penalty"] = ewc.penalty()
     curve = [{"step": row["step"], "loss": row["policy_loss"], **{k: row[k] for k in PPO_LOGGED}} for row in history]
     return metrics, curve
 

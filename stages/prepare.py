@@ -29,6 +29,15 @@ derived here, and the manifest says which:
 With no preference file, prefs, prefs_eval and unpaired have no rows: the RM drops out
 and params that need it are errors (check_params names the key that would supply it).
 
+Human feedback. The labelling page (`python -m stages.label`, rlhf.feedback) appends the
+pairs a person chooses to data/raw/feedback_prefs.jsonl (in git, empty until then). When it
+has rows, prepare adds them to the training preference table `prefs` under either source
+(validated by the preference contract first; the manifest counts them under `feedback`), so
+the next `dvc repro` trains on them. Params checks do not read data files: with
+`source: files` and no other preference file, name it (`prepare.files.prefs: {path:
+data/raw/feedback_prefs.jsonl}`) for check_params to know there are pairs; its pairs are
+then added once, not twice.
+
     python -m stages.prepare
 """
 
@@ -58,6 +67,8 @@ FILE_KINDS = {
 EVAL_PREFIX = "eval_"
 # What each file can be derived from (prepare itself, or stage prm for the step labels).
 DERIVED_FROM = {"prefs_eval": "prefs", "unpaired": "prefs", "prompts": "sft"}
+# Pairs chosen on the labelling page (stages.label), added to prefs when the file has rows.
+FEEDBACK_FILE = Path("data/raw/feedback_prefs.jsonl")
 
 
 class BuiltinTask(StageConfig):
@@ -68,12 +79,19 @@ class BuiltinTask(StageConfig):
         0.75, ge=0, le=1, description="share of SFT demonstrations of short problems that give the answer alone"
     )
     shortcut_max_operands: int = Field(3, ge=0, le=8, description="problems with at most this many numbers are short")
+    long_operands: tuple[int, int] | None = Field(
+        None, description="[fewest, most] numbers of the extra held-out suites dev_long and test_long; null: none"
+    )
     sizes: dict[str, int] = Field(default_factory=dict, description="rows per file, overriding TaskSizes defaults")
 
     @model_validator(mode="after")
     def _check(self):
         if self.min_operands > self.max_operands:
             raise ValueError(f"min_operands ({self.min_operands}) is larger than max_operands ({self.max_operands})")
+        if self.long_operands and not 2 <= self.long_operands[0] <= self.long_operands[1] <= 12:
+            raise ValueError(
+                f"long_operands {list(self.long_operands)}: want [fewest, most] with 2 <= fewest <= most <= 12"
+            )
         known = set(TaskSizes.__dataclass_fields__)
         unknown = sorted(set(self.sizes) - known)
         if unknown:
@@ -128,6 +146,8 @@ class Config(StageConfig):
         names = set(self.files)
         if self.source == "builtin":
             names |= set(FILE_KINDS) | {EVAL_PREFIX + "dev", EVAL_PREFIX + "test"}
+            if self.builtin.long_operands:
+                names |= {EVAL_PREFIX + "dev_long", EVAL_PREFIX + "test_long"}
         return names
 
     def available(self) -> set[str]:
@@ -143,9 +163,30 @@ def kind_of(name: str) -> str:
     return "prompts" if name.startswith(EVAL_PREFIX) else FILE_KINDS[name]
 
 
-def run(config: Config, task) -> tuple[dict, dict]:
+def read_feedback(path: str | Path = FEEDBACK_FILE):
+    """The human feedback pairs in `path` (a preference JSONL file), validated; None when the
+    file is absent or has no rows."""
+    from rlhf.data.contracts import load_contract
+
+    path = Path(path)
+    # Opened here (not only by the contract's reader), so that an empty file is not an error.
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as file:
+        if not any(line.strip() for line in file):
+            return None
+    return load_contract(path, "preference")
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
     """The prepared tables (DataFrames) keyed by file name, and where each came from. User
-    files are validated in full first; then the absent tables are derived or left empty."""
+    files are validated in full first; then the human `feedback` pairs (a frame from
+    `read_feedback`, or None) are added to prefs, and the absent tables are derived or left
+    empty."""
     import pandas as pd
 
     from rlhf.data.contracts import DataValidationError, load_contract
@@ -183,8 +224,34 @@ def run(config: Config, task) -> tuple[dict, dict]:
     if errors:
         problems = [f"{e.path}: {p}" for e in errors for p in e.problems]
         raise DataValidationError(", ".join(e.path for e in errors), problems)
+    if feedback is not None and len(feedback):
+        add_feedback(tables, origins, feedback, config)
     derive(tables, origins, task, config)
     return tables, origins
+
+
+def add_feedback(tables: dict, origins: dict, feedback, config: Config) -> None:
+    """The labelling page's pairs, added to prefs (or prefs itself when there is none);
+    nothing when prepare.files already names the feedback file."""
+    import pandas as pd
+
+    from rlhf.data.contracts import DataValidationError
+
+    if any(same_file(spec.path, FEEDBACK_FILE) for spec in config.files.values() if Path(spec.path).exists()):
+        return
+    pairs = f"{len(feedback)} human feedback pair{'' if len(feedback) == 1 else 's'}"
+    described = f"{FEEDBACK_FILE.as_posix()} ({pairs})"
+    prefs = tables.get("prefs")
+    if prefs is None:
+        tables["prefs"], origins["prefs"] = feedback.reset_index(drop=True), described
+        return
+    if len(prefs) and isinstance(prefs["prompt"].iloc[0], str) != isinstance(feedback["prompt"].iloc[0], str):
+        raise DataValidationError(
+            FEEDBACK_FILE,
+            ["its prompts and those of the other preference pairs must both be text or both be messages"],
+        )
+    tables["prefs"] = pd.concat([prefs, feedback], ignore_index=True)
+    origins["prefs"] = f"{origins['prefs']} + {described}"
 
 
 def derive(tables: dict, origins: dict, task, config: Config) -> None:
@@ -257,6 +324,24 @@ def table_path(root: Path, name: str) -> Path:
     return root / f"{name}.parquet"
 
 
+def write_prepared(root: Path, config: Config, tables: dict, origins: dict, feedback=None) -> dict:
+    """Every table as Parquet and the manifest, replacing `root` atomically; the manifest."""
+    manifest = {
+        "source": config.source,
+        "rows": {name: len(frame) for name, frame in tables.items()},
+        "origin": origins,
+        # The pairs of the labelling page's file (in prefs: added, or named in prepare.files).
+        "feedback": {"path": FEEDBACK_FILE.as_posix(), "rows": 0 if feedback is None else len(feedback)},
+    }
+    with atomic_dir(root) as tmp:
+        for name, frame in tables.items():
+            path = table_path(tmp, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            frame.to_parquet(path, index=False)
+        write_json(tmp / "manifest.json", manifest)
+    return manifest
+
+
 def main() -> None:
     import mlflow
 
@@ -266,19 +351,10 @@ def main() -> None:
     params = load_all()
     config = params["prepare"]
     with stage_run("prepare", config):
-        tables, origins = run(config, get_task(params["task"]))
-        with atomic_dir(DATA_DIR) as tmp:
-            for name, frame in tables.items():
-                path = table_path(tmp, name)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                frame.to_parquet(path, index=False)
-            manifest = {
-                "source": config.source,
-                "rows": {name: len(frame) for name, frame in tables.items()},
-                "origin": origins,
-            }
-            write_json(tmp / "manifest.json", manifest)
-        mlflow.log_metrics(numeric_metrics({"rows": manifest["rows"]}))
+        feedback = read_feedback(FEEDBACK_FILE)
+        tables, origins = run(config, get_task(params["task"]), feedback=feedback)
+        manifest = write_prepared(DATA_DIR, config, tables, origins, feedback)
+        mlflow.log_metrics(numeric_metrics({"rows": manifest["rows"], "feedback_rows": manifest["feedback"]["rows"]}))
         for name, frame in tables.items():
             print(f"prepare: {name}: {len(frame)} rows ({origins[name]})")
 

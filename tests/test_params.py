@@ -135,7 +135,7 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
         "gate.tests.1.op: Input should be '>=', '<=', '>' or '<' (got '==')",
         "prepare.builtin: Value error, min_operands (6) is larger than max_operands (5)",
         "rewards: unknown section (known: task, compute, prepare, base, sft, verifier, rm, prm, policy, merge, "
-        "evaluate, validate, gate, infer)",
+        "evaluate, validate, gate, infer, improve)",
     ]:
         assert sum(problem.startswith(expected) for problem in error.problems) == 1, expected
     assert "(got 'many')" in message  # says what was given

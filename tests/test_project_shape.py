@@ -42,6 +42,7 @@ STAGE_MODULE = {
     "validate": "stages.validate",
     "gate": "stages.capability_gate",
     "infer": "stages.infer",
+    "round": "stages.improve",
 }
 
 
@@ -173,7 +174,11 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
             assert policy_keys in (set(), {"policy.offline", "policy.online"}), f"stage {name}: {policy_keys}"
         if name != "prepare":  # the suites' roles: which files prepare reads, not how
             prepare_keys = {p for p in params if p.startswith("prepare")}
-            assert prepare_keys in (set(), {"prepare.source", "prepare.files"}), f"stage {name}: {prepare_keys}"
+            # ... and the rounds generate built-in problems as large as prepare's.
+            allowed = {"prepare.source", "prepare.files"} | (
+                {"prepare.builtin.max_value"} if name == "round" else set()
+            )
+            assert prepare_keys in (set(), allowed), f"stage {name}: {prepare_keys}"
 
 
 def test_every_listed_param_is_in_params_yaml():
@@ -183,14 +188,18 @@ def test_every_listed_param_is_in_params_yaml():
     for name, stage in dvc_stages().items():
         body = stage.get("do", stage)
         items = [None]
-        if "foreach" in stage:
+        if name == "round":  # one stage per entry of improve.rounds (a dict: `${key}`)
+            items = list(params["improve"]["rounds"]) or ["<no round>"]
+        elif "foreach" in stage:
             items = params["policy"]["offline" if name == "policy" else "online"] or [
                 "dpo" if name == "policy" else "grpo"
             ]
         for item in items:
             for key in body.get("params", []):
+                if item == "<no round>" and "${key}" in key:
+                    continue
                 value = params
-                for part in key.replace("${item}", str(item)).split("."):
+                for part in key.replace("${item}", str(item)).replace("${key}", str(item)).split("."):
                     assert isinstance(value, dict) and part in value, f"stage {name}: params.yaml has no {key}"
                     value = value[part]
 

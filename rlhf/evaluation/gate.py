@@ -35,8 +35,26 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf.params import StageConfig
 
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+
+
+class CapabilityTest(StageConfig):
+    name: str | None = Field(None, description="label in reports (default: built from the fields)")
+    metric: str = Field(description="a metric of reports/eval.json, e.g. accuracy, format_rate, kl_to_ref")
+    suite: str | None = Field(
+        None, description="eval suite the metric is read from; null: the decision suite (dev when there is one)"
+    )
+    op: Literal[">=", "<=", ">", "<"] = Field(">=", description="comparison")
+    threshold: float = Field(
+        0.0, description="added to the baseline: value op baseline + threshold (relative tests: the minimum effect)"
+    )
+    relative_to: Literal["absolute", "sft", "champion"] = Field("absolute", description="the baseline")
 
 
 @dataclass

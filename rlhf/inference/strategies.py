@@ -167,6 +167,19 @@ def puct(parent: Node, child: Node, c_puct: float) -> float:
     return child.q + c_puct * child.prior * math.sqrt(parent.visits) / (1 + child.visits)
 
 
+def prefix_text(tokenizer, prompt, steps: Sequence[str], separator: str) -> str:
+    """The text a model continues a partial solution from: the prompt as the model sees it
+    (`format_prompt`), then each step exactly as written (a leading space stays) followed by
+    the separator. MCTS expands from it; PRM-guided refinement regenerates from it."""
+    return format_prompt(tokenizer, prompt) + "".join(s + separator for s in steps)
+
+
+def join_continuation(steps: Sequence[str], rest: str, separator: str) -> str:
+    """The completion a continuation `rest` of `prefix_text(..., steps, ...)` makes: the
+    steps, each followed by the separator, then `rest` as generated."""
+    return "".join(s + separator for s in steps) + rest
+
+
 def next_steps(
     model,
     tokenizer,
@@ -183,7 +196,7 @@ def next_steps(
     tokens generated for them (the whole samples: the text after the separator is
     generated too, then dropped)."""
     separator = task.step_separator
-    prefix = format_prompt(tokenizer, prompt) + "".join(s + separator for s in steps)
+    prefix = prefix_text(tokenizer, prompt, steps, separator)
     texts = generate(model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed)
     counted: Counter = Counter()
     for text in texts:
@@ -263,14 +276,9 @@ def mcts(
         node = root
         while node.children:
             node = max(node.children, key=lambda child: child.visits)
-        rest = generate(
-            model,
-            tokenizer,
-            [format_prompt(tokenizer, prompt) + "".join(s + separator for s in node.steps)],
-            max_new_tokens,
-        )[0]
+        rest = generate(model, tokenizer, [prefix_text(tokenizer, prompt, node.steps, separator)], max_new_tokens)[0]
         tokens += count_tokens(tokenizer, [rest])[0]
-        completion = separator.join([*node.steps, rest]) if node.steps else rest
+        completion = join_continuation(node.steps, rest, separator)
         return Answer(completion, tokens, simulations, {"terminal": False, "root_expansions": root.expansions})
     extra = {"terminal": True, "value": best.value, "root_expansions": root.expansions}
     return Answer(separator.join(best.steps), tokens, simulations, extra)

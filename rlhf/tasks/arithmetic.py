@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlhf.tasks.base import Task
 
@@ -61,6 +61,9 @@ class TaskSpec:
     max_value: int = 29
     shortcut_rate: float = 0.75
     shortcut_max_operands: int = 3
+    # Extra held-out suites of longer problems ([fewest, most] numbers), for length
+    # generalisation: `eval_dev_long` and `eval_test_long`. No training split has them.
+    long_operands: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,8 @@ class TaskSizes:
     prompts: int = 2000
     eval_dev: int = 500
     eval_test: int = 500
+    eval_dev_long: int = 300  # with TaskSpec.long_operands only
+    eval_test_long: int = 300
 
 
 def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, list[dict]]:
@@ -348,7 +353,7 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
     rng = random.Random(seed)
     seen: set[str] = set()
 
-    def fresh_problems(count: int) -> list[Problem]:
+    def fresh_problems(count: int, spec: TaskSpec = spec) -> list[Problem]:
         problems: list[Problem] = []
         attempts = 0
         while len(problems) < count:
@@ -410,6 +415,14 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
         unpaired.append({"prompt": p.prompt, "completion": text, "label": good})
     prm = prm_rows(fresh_problems(sizes.prm))
     prompts = prompt_rows(fresh_problems(sizes.prompts))
+    long = {}
+    if spec.long_operands:
+        # Drawn last, so that turning them on leaves every other table as it was; they are
+        # longer than any training problem, so none can be in a training split.
+        low, high = spec.long_operands
+        long_spec = replace(spec, min_operands=low, max_operands=high)
+        long["eval_dev_long"] = eval_rows(fresh_problems(sizes.eval_dev_long, long_spec))
+        long["eval_test_long"] = eval_rows(fresh_problems(sizes.eval_test_long, long_spec))
     return {
         "sft": sft,
         "prefs": prefs,
@@ -420,6 +433,7 @@ def generate_datasets(spec: TaskSpec, sizes: TaskSizes, seed: int) -> dict[str, 
         "prompts": prompts,
         "eval_dev": eval_dev,
         "eval_test": eval_test,
+        **long,
     }
 
 

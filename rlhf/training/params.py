@@ -55,6 +55,30 @@ class LoraParams(StageConfig):
         )
 
 
+class SFTParams(TrainingParams):
+    """Supervised fine-tuning (rlhf.training.sft): stage sft, the verifier and the
+    self-improvement rounds."""
+
+    max_steps: int = Field(1000, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(64, gt=0, description="examples per step per device")
+    learning_rate: float = Field(3e-3, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per example (longer ones are truncated)")
+    loss_on: str = Field("completion", pattern="^(completion|all)$", description="completion only, or every token")
+    length_buckets: int = Field(
+        4, ge=1, description="run each batch as this many length-sorted sub-batches: same loss, less padding (1 = off)"
+    )
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+
+class EwcParams(StageConfig):
+    """Elastic weight consolidation (rlhf.training.ewc): a pull towards the weights the
+    training starts from, weighted by their Fisher information on the previous data."""
+
+    strength: float = Field(0.0, ge=0, description="lambda of the EWC penalty; 0 = off")
+    samples: int = Field(256, gt=0, description="rows of the previous data the Fisher information is measured on")
+
+
 class PPOParams(TrainingParams):
     """PPO with a KL penalty to the reference (Ouyang et al. 2022). `max_steps` counts PPO
     iterations and `max_length` bounds prompt + response (long prompts lose their start).

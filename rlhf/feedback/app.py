@@ -1,0 +1,384 @@
+"""The labelling page: two completions of one model for a prompt, side by side; the person's
+choice is appended to a preference file as ``{"prompt", "chosen", "rejected"}``.
+
+Our own code, where no maintained tool fits: labelling tools (Label Studio, Argilla, ...)
+are servers with their own database, accounts and export step, and none samples from a
+local model folder; this is one small FastAPI app, meant to be bound to 127.0.0.1, that
+samples from the project's loader and generator (`rlhf.models`) and writes the project's
+preference contract (`rlhf.data.contracts`) straight into the JSONL file the caller names
+(the pipeline's is data/raw/feedback_prefs.jsonl, which stage prepare adds to prefs).
+
+* Each pair is sampled once (`n` samples of the prompt, of which the first two that are
+  non-empty and differ are shown as A and B; a prompt without such two after `max_tries`
+  rounds is passed over, never shown). Prompts already in the file are not asked again.
+* A choice is validated by the preference contract before anything is written: a row the
+  contract refuses (chosen identical to rejected, an empty completion) is not saved and the
+  page says why. A row is appended as one line, flushed and fsynced, so a crash leaves every
+  earlier row whole; an existing file is validated when the app starts.
+* The page is plain server-rendered HTML with one form per pair (no build step; a few lines
+  of script add the keys a, b and s). The form names the pair by a random id, never by its
+  texts: what is saved is what the server showed, a stale or repeated submit (the back
+  button, a double click) saves nothing, and a page of another site cannot post a label it
+  has not seen. `allowed_hosts` turns away requests for other host names (DNS rebinding).
+* ``GET /api/count``: how many labels the file holds, and how many prompts are left.
+
+    app = create_app("models/champion", prompts, "data/raw/feedback_prefs.jsonl")
+    uvicorn.run(app, host="127.0.0.1", port=8765)
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import random
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+
+CHOICES = ("a", "b", "skip")
+NOTES = {
+    "saved": "Saved. Here is the next pair.",
+    "skipped": "Skipped: nothing saved.",
+    "stale": "That pair was already answered (or the page was old): nothing saved. Here is the current pair.",
+}
+
+
+class OutsideProjectError(ValueError):
+    """A preference file path outside the project's directory."""
+
+
+def check_out_path(out: str | Path, root: str | Path) -> Path:
+    """`out` resolved (symbolic links too); an OutsideProjectError unless it lies under
+    `root`, and a ValueError unless it is a .jsonl file."""
+    root = Path(root).resolve()
+    path = (root / out).resolve()  # an absolute `out` stays as it is
+    if not path.is_relative_to(root):
+        raise OutsideProjectError(f"{out} is outside the project directory {root}")
+    if path.suffix != ".jsonl":
+        raise ValueError(f"{out}: the preference file must be a .jsonl file")
+    return path
+
+
+def plain_prompt(prompt):
+    """A prompt as plain Python: text, or a list of {"role", "content"} messages (a Parquet
+    list column reads as arrays)."""
+    if isinstance(prompt, str):
+        return prompt
+    items = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in items]
+
+
+def prompt_key(prompt) -> str:
+    return json.dumps(plain_prompt(prompt), sort_keys=True, ensure_ascii=False)
+
+
+def preference_row(prompt, chosen: str, rejected: str) -> dict:
+    """One row of the preference contract: text replies for a text prompt, assistant
+    messages for a conversational one (TRL's two formats)."""
+    prompt = plain_prompt(prompt)
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+class PreferenceFile:
+    """A JSONL preference file that only grows by validated, fsynced rows."""
+
+    def __init__(self, path: str | Path):
+        from rlhf.data.contracts import load_contract
+
+        self.path = Path(path)
+        self.rows = 0
+        self.prompts: set[str] = set()
+        self._needs_newline = False
+        if self.path.is_file():
+            data = self.path.read_bytes()
+            self._needs_newline = bool(data) and not data.endswith(b"\n")
+            if data.strip():
+                frame = load_contract(self.path, "preference")  # a bad file fails here, naming row and field
+                self.rows = len(frame)
+                self.prompts = {prompt_key(p) for p in frame["prompt"]}
+
+    def append(self, row: dict) -> None:
+        """Validate `row` by the preference contract, then append it as one line (raises
+        `DataValidationError`, writing nothing, when the contract refuses it)."""
+        import pandas as pd
+
+        from rlhf.data.contracts import validate_contract
+
+        frame = pd.DataFrame({key: pd.Series([value], dtype=object) for key, value in row.items()})
+        validate_contract(frame, "preference", self.path)
+        line = json.dumps(row, ensure_ascii=False) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as file:
+            if self._needs_newline:  # a file edited by hand without a final newline
+                line = "\n" + line
+            file.write(line)
+            file.flush()
+            os.fsync(file.fileno())
+        self._needs_newline = False
+        self.rows += 1
+        self.prompts.add(prompt_key(row["prompt"]))
+
+
+@dataclass
+class Pair:
+    id: str
+    prompt: object
+    a: str
+    b: str
+    answer: str | None = None
+
+
+class LabellingSession:
+    """The queue of prompts, the pair on show, and what a choice does with it. Thread-safe:
+    FastAPI runs the handlers on a thread pool."""
+
+    def __init__(
+        self,
+        sampler: Callable[[object, int], list[str]],
+        prompts: Sequence,
+        out: PreferenceFile,
+        answers: Sequence | None = None,
+        seed: int = 0,
+        max_tries: int = 3,
+    ):
+        self.sampler = sampler
+        self.out = out
+        self.seed = seed
+        self.max_tries = max_tries
+        answers = list(answers) if answers is not None else [None] * len(prompts)
+        order = list(range(len(prompts)))
+        random.Random(seed).shuffle(order)
+        queued = dict.fromkeys(out.prompts)  # each prompt once, and none already in the file
+        self.queue = []
+        for i in order:
+            key = prompt_key(prompts[i])
+            if key not in queued:
+                queued[key] = None
+                self.queue.append((plain_prompt(prompts[i]), answers[i]))
+        self.current: Pair | None = None
+        self.skipped = 0  # by the person
+        self.passed_over = 0  # no two distinct, non-empty completions
+        self._draws = 0
+        self.lock = threading.RLock()
+
+    def pair(self) -> Pair | None:
+        """The pair on show, sampling the next one when there is none; None when no prompt
+        is left."""
+        with self.lock:
+            while self.current is None and self.queue:
+                prompt, answer = self.queue.pop(0)
+                for _ in range(self.max_tries):
+                    self._draws += 1
+                    shown = distinct_two(self.sampler(prompt, self.seed + self._draws))
+                    if shown:
+                        answer = None if answer is None else str(answer)
+                        self.current = Pair(secrets.token_hex(16), prompt, *shown, answer=answer)
+                        break
+                else:
+                    self.passed_over += 1
+            return self.current
+
+    def choose(self, pair_id: str, choice: str) -> tuple[int, str]:
+        """Apply `choice` (a, b or skip) to the pair `pair_id`: (HTTP status, note or message)."""
+        from rlhf.data.contracts import DataValidationError
+
+        with self.lock:
+            pair = self.current
+            if pair is None or not secrets.compare_digest(pair_id.encode(), pair.id.encode()):
+                return 409, "stale"
+            self.current = None  # answered, saved or not: the next request shows the next pair
+            if choice == "skip":
+                self.skipped += 1
+                return 200, "skipped"
+            chosen, rejected = (pair.a, pair.b) if choice == "a" else (pair.b, pair.a)
+            try:
+                self.out.append(preference_row(pair.prompt, chosen, rejected))
+            except DataValidationError as error:
+                return 422, "Not saved: " + "; ".join(error.problems) + "."
+            return 200, "saved"
+
+    def counts(self) -> dict:
+        with self.lock:
+            return {
+                "labels": self.out.rows,
+                "path": str(self.out.path),
+                "skipped": self.skipped,
+                "passed_over": self.passed_over,
+                "remaining": len(self.queue) + (self.current is not None),
+            }
+
+
+def distinct_two(completions: Sequence[str]) -> tuple[str, str] | None:
+    """The first two completions that are non-empty and differ, or None."""
+    first = None
+    for text in completions:
+        if not text.strip():
+            continue
+        if first is None:
+            first = text
+        elif text != first:
+            return first, text
+    return None
+
+
+def model_sampler(model, tokenizer, n: int, max_new_tokens: int, temperature: float):
+    """`n` sampled completions of one prompt, seeded, from a loaded model."""
+    from rlhf.models.generation import sample
+
+    def draw(prompt, seed: int) -> list[str]:
+        return sample(model, tokenizer, [prompt], n, max_new_tokens, temperature, batch_size=n, seed=seed)[0]
+
+    return draw
+
+
+# ----------------------------------------------------------------------------- the page
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 72rem; padding: 0 1rem; }
+pre { white-space: pre-wrap; word-break: break-word; background: #f6f6f6; padding: .75rem;
+      border-radius: .4rem; margin: .25rem 0 1rem; min-height: 1.5rem; }
+.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 1rem; }
+.buttons { display: flex; gap: .75rem; margin-top: 1rem; }
+button { font-size: 1rem; padding: .5rem 1.25rem; cursor: pointer; }
+.note { padding: .5rem .75rem; border-radius: .4rem; background: #eef6ee; }
+.note.error { background: #fbeaea; color: #8a1c1c; }
+.muted { color: #666; font-size: .9rem; }
+"""
+
+KEYS = """
+document.addEventListener("keydown", (event) => {
+  const button = {a: "choose-a", b: "choose-b", s: "skip"}[event.key];
+  if (button && !event.ctrlKey && !event.metaKey && !event.altKey) document.getElementById(button).click();
+});
+"""
+
+
+def _show_prompt(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
+def render(session: LabellingSession, title: str, model: str, note: str | None = None, error: bool = False) -> str:
+    pair = session.pair()
+    counts = session.counts()
+    esc = html.escape
+    parts = [f'<div id="message" class="note{" error" if error else ""}">{esc(note)}</div>' if note else ""]
+    if pair is None:
+        parts.append(
+            '<p id="done">No prompts left to label: close this page. '
+            "The next <code>dvc repro</code> trains on the pairs.</p>"
+        )
+    else:
+        answer = f' <span class="muted">(reference answer: {esc(pair.answer)})</span>' if pair.answer else ""
+        # A newline after <pre> is dropped by the HTML parser: with one always there, a text
+        # that starts with a newline keeps it.
+        parts.append(
+            f"""<h2>Prompt{answer}</h2>
+<pre id="prompt">\n{esc(_show_prompt(pair.prompt))}</pre>
+<div class="pair">
+  <div><h2>A</h2><pre id="completion-a">\n{esc(pair.a)}</pre></div>
+  <div><h2>B</h2><pre id="completion-b">\n{esc(pair.b)}</pre></div>
+</div>
+<form method="post" action="/choose">
+  <input type="hidden" name="pair" value="{esc(pair.id)}">
+  <div class="buttons">
+    <button id="choose-a" type="submit" name="choice" value="a">A is better</button>
+    <button id="choose-b" type="submit" name="choice" value="b">B is better</button>
+    <button id="skip" type="submit" name="choice" value="skip">Skip</button>
+  </div>
+</form>
+<p class="muted">Keys: a, b, s.</p>"""
+        )
+    parts.append(
+        f'<p class="muted"><span id="count">{counts["labels"]}</span> labels in {esc(counts["path"])}; '
+        f"{counts['remaining']} prompts left. Completions of {esc(model)}.</p>"
+    )
+    body = "\n".join(p for p in parts if p)
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
+<style>{STYLE}</style></head>
+<body><h1>{esc(title)}</h1>
+{body}
+<script>{KEYS}</script>
+</body></html>"""
+
+
+def create_app(
+    model_dir: str | Path,
+    prompts: Sequence,
+    out_path: str | Path,
+    *,
+    answers: Sequence | None = None,
+    n: int = 2,
+    max_new_tokens: int = 64,
+    temperature: float = 0.7,
+    seed: int = 0,
+    max_tries: int = 3,
+    trust_remote_code: bool = False,
+    allowed_hosts: Sequence[str] | None = None,
+    title: str = "Which reply is better?",
+):
+    """The labelling app for the model in `model_dir` over `prompts` (text, or lists of
+    messages; `answers`, when given, are shown as reference answers), appending to the JSONL
+    file `out_path`. The model is loaded, and an existing file validated, here: a bad folder
+    or file fails before the server starts. `app.state.session` is the LabellingSession."""
+    from rlhf.models.folders import check_model_dir, resolve_model_dir
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+
+    if n < 2:
+        raise ValueError(f"n must be at least 2 (two completions are compared), got {n}")
+    if not len(prompts):
+        raise ValueError("no prompts to label")
+    check_model_dir(resolve_model_dir(model_dir), "model to label")  # before transformers looks on the Hub
+    out = PreferenceFile(out_path)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
+    model = load_causal_lm(model_dir, trust_remote_code=trust_remote_code, what="model to label")
+    sampler = model_sampler(model, tokenizer, n, max_new_tokens, temperature)
+    session = LabellingSession(sampler, prompts, out, answers=answers, seed=seed, max_tries=max_tries)
+    model_name = Path(model_dir).as_posix()
+
+    app = FastAPI(title="rlhf labelling page", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.session = session
+    if allowed_hosts:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+    no_store = {"Cache-Control": "no-store"}
+
+    @app.get("/", response_class=HTMLResponse)
+    def page(note: str | None = None) -> HTMLResponse:
+        return HTMLResponse(render(session, title, model_name, NOTES.get(note or "")), headers=no_store)
+
+    @app.post("/choose")
+    async def choose(request: Request):
+        # The form is parsed here: FastAPI's Form() needs python-multipart, for two fields.
+        fields = parse_qs((await request.body()).decode("utf-8", "replace"))
+        pair_id, choice = fields.get("pair", [""])[0], fields.get("choice", [""])[0]
+        if choice not in CHOICES:
+            return HTMLResponse(f"unknown choice {choice!r}; expected one of {CHOICES}", status_code=400)
+        status, note = await run_in_threadpool(session.choose, pair_id, choice)
+        if note in NOTES:  # saved, skipped or stale: Post/Redirect/Get, so a reload posts nothing
+            return RedirectResponse(f"/?note={note}", status_code=303)
+        page_html = await run_in_threadpool(render, session, title, model_name, note, True)
+        return HTMLResponse(page_html, status_code=status, headers=no_store)
+
+    @app.get("/api/count")
+    def count() -> JSONResponse:
+        return JSONResponse(session.counts())
+
+    return app

@@ -1,0 +1,552 @@
+"""Stages `round@<name>`: self-improvement rounds, one DVC stage per entry of
+`improve.rounds`.
+
+In:  models/<after> (the model the round starts from: models/sft, models/champion,
+     models/policy/<method>, models/merged, or the previous round's models/rounds/<name>
+     with its `round.json`), models/sft (the reference), models/prm (PRM checks and
+     repairs), data/prepared (sft.parquet for replay and EWC, prompts.parquet for tasks
+     without a generator, the eval suites), params `improve.defaults` and
+     `improve.rounds.<name>`.
+Out: models/rounds/<name> (the round's winner: the new candidate when it passed the round's
+     gate, else the model it started from; with `round.json`, the round's report, and
+     `kept.parquet`, every self-generated row kept so far), data/rounds/<name> (the samples
+     with their verdicts, and the table the candidate trained on), reports/rounds/<name>.json.
+
+A round, in the manner of ReST-EM (Singh et al., 2024) and of self-improving transformers
+for easy-to-hard generalisation (Lee et al., 2025):
+
+1. problems: the built-in task generates `prompts` new problems with `operands` numbers
+   (the curriculum: each round a step harder), none of them in an eval suite; other tasks
+   draw `prompts` rows of data/prepared/prompts.parquet;
+2. the round's starting model samples `samples` completions per problem;
+3. `checks` keep a sample: `answer` (the task's check against the problem's answer), `vote`
+   (it states the majority answer of its problem's samples, held by at least
+   `min_vote_share` of them: no answer key), `prm` (every step scored at least
+   `prm_threshold` by the PRM: no answer key); with `refine`, a rejected sample is repaired
+   from its first bad step (rlhf.inference.refine) and kept if the repair passes;
+4. the candidate is the starting model fine-tuned (rejection-sampling fine-tuning) on at
+   most `keep_per_prompt` kept samples per problem, plus a `replay` share of earlier data
+   (the SFT data and every earlier round's kept rows), optionally with EWC towards the
+   starting weights (Fisher information of the earlier data);
+5. the candidate is evaluated on the eval suites and gated against the starting model
+   (`relative_to: champion` in a round's tests means the starting model) and SFT; the
+   default tests ask for a gain on `progress_suite` and no loss beyond `retention_margin`
+   on `retention_suite` (the retention suite: what a round must not lose);
+6. the winner is the candidate if it passed, else the starting model, and the loop stops:
+   every later round passes its start through unchanged and says where it stopped.
+
+Changing one round's entry reruns that round and the rounds after it (their start
+changed); changing `improve.defaults` reruns them all.
+
+    python -m stages.improve r1
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from rlhf.artifacts import atomic_dir, read_json, write_json
+from rlhf.evaluation.gate import CapabilityTest
+from rlhf.params import StageConfig, format_validation_error
+from rlhf.training.params import EwcParams
+from rlhf.training.params import SFTParams as TrainingConfig
+from stages import CHECKPOINTS_DIR, DATA_DIR, EVAL_DIR, MODELS_DIR, PRM_DIR, REPORTS_DIR, SFT_DIR, load_model_stage
+
+ROUNDS_DIR = MODELS_DIR / "rounds"
+ROUND_DATA = Path("data/rounds")
+ROUND_REPORTS = REPORTS_DIR / "rounds"
+ROUND_FILE = "round.json"  # the round's report, beside the winner's weights
+KEPT_FILE = "kept.parquet"  # every self-generated row kept up to this round
+SFT_DATA = DATA_DIR / "sft.parquet"
+PROMPTS = DATA_DIR / "prompts.parquet"
+STARTS = ("sft", "champion", "merged")  # besides policy/<method> and rounds/<earlier round>
+
+
+def round_training() -> TrainingConfig:
+    return TrainingConfig(max_steps=200, learning_rate=1e-3, max_length=128, save_steps=50)
+
+
+class Settings(StageConfig):
+    """One round's settings: `improve.defaults`, with the round's own keys replacing them."""
+
+    prompts: int = Field(512, gt=0, description="problems per round")
+    operands: tuple[int, int] | None = Field(
+        None, description="built-in task: [fewest, most] numbers of the round's problems; null: prompts.parquet"
+    )
+    samples: int = Field(8, gt=0, description="completions sampled per problem")
+    temperature: float = Field(0.7, gt=0, description="sampling temperature")
+    max_new_tokens: int = Field(96, gt=0, description="new tokens per sample")
+    batch_size: int = Field(256, gt=0, description="sequences per generation batch")
+    checks: list[Literal["answer", "vote", "prm"]] = Field(
+        ["answer"], min_length=1, description="what a kept sample passes: answer | vote | prm (all listed)"
+    )
+    min_vote_share: float = Field(0.5, gt=0, le=1, description="vote: the majority's least share of the samples")
+    prm_threshold: float = Field(0.5, gt=0, lt=1, description="prm: least P(good) of every step")
+    refine: bool = Field(False, description="repair rejected samples from their first bad step (PRM-guided)")
+    refine_attempts: int = Field(4, gt=0, description="continuations sampled per repair")
+    keep_per_prompt: int = Field(1, gt=0, description="most distinct kept samples per problem")
+    replay: float = Field(0.5, ge=0, lt=1, description="share of the training rows drawn from earlier data")
+    train: TrainingConfig = Field(default_factory=round_training, description="the fine-tuning (sft's keys)")
+    ewc: EwcParams = Field(default_factory=EwcParams, description="EWC towards the start, Fisher on earlier data")
+    suites: list[str] | None = Field(None, min_length=1, description="eval suites of the round; null: every one")
+    progress_suite: str | None = Field(None, description="the gain the default tests ask for; null: dev_long or dev")
+    retention_suite: str | None = Field(None, description="what must not be lost; null: the decision suite (dev)")
+    retention_margin: float = Field(0.02, ge=0, lt=1, description="most accuracy the retention suite may lose vs SFT")
+    tests: list[CapabilityTest] | None = Field(None, description="the round's gate; null: progress and retention")
+    confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
+    bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
+    seed: int = Field(0, description="problem and sampling seed (each round adds its position)")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.operands and not 2 <= self.operands[0] <= self.operands[1] <= 12:
+            raise ValueError(f"operands {list(self.operands)}: want [fewest, most] with 2 <= fewest <= most <= 12")
+        return self
+
+
+class Config(StageConfig):
+    defaults: Settings = Field(default_factory=Settings, description="every round's settings")
+    rounds: dict[str, dict] = Field(
+        default_factory=dict,
+        description="name -> {after: where the round starts, any key of defaults}; in order; {} = no rounds",
+    )
+
+    @model_validator(mode="after")
+    def _check_rounds(self):
+        problems, earlier = [], []
+        for name, entry in self.rounds.items():
+            after = (entry or {}).get("after")
+            allowed = f"one of {list(STARTS)}, policy/<method>, or rounds/<an earlier round> ({earlier})"
+            if after is None:
+                problems.append(f"rounds.{name}.after: missing; {allowed}")
+            elif not (after in STARTS or after.startswith("policy/") or after in [f"rounds/{e}" for e in earlier]):
+                problems.append(f"rounds.{name}.after: {after!r} is not {allowed}")
+            try:
+                self.settings(name)
+            except ValidationError as error:
+                problems += format_validation_error(f"rounds.{name}", error)
+            earlier.append(name)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def settings(self, name: str) -> Settings:
+        """Round `name`'s settings: the defaults with the round's own keys (but `after`)
+        merged in, a nested block (train, ewc) key by key."""
+        own = {k: v for k, v in (self.rounds[name] or {}).items() if k != "after"}
+        return Settings.model_validate(merged(self.defaults.model_dump(mode="json"), own))
+
+    def position(self, name: str) -> int:
+        return list(self.rounds).index(name)
+
+
+def merged(base: dict, own: dict) -> dict:
+    out = dict(base)
+    for key, value in own.items():
+        out[key] = merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+def round_problems(settings: Settings, task, params: dict, seed: int, exclude: set[str]):
+    """(prompts, answers) of a round: generated by the built-in task when `operands` is set,
+    else drawn from prompts.parquet (answers None where the table has none)."""
+    import random
+
+    import pandas as pd
+
+    if settings.operands is not None:
+        if task.name != "builtin":
+            raise ValueError(f"improve: operands needs the built-in task (task.kind is {task.name!r})")
+        from rlhf.tasks.arithmetic import TaskSpec, sample_problem
+
+        low, high = settings.operands
+        spec = TaskSpec(min_operands=low, max_operands=high, max_value=params["prepare"].builtin.max_value)
+        rng, problems, seen = random.Random(seed), [], set(exclude)
+        for _ in range(100 * settings.prompts):
+            problem = sample_problem(rng, spec)
+            if problem.prompt not in seen:
+                seen.add(problem.prompt)
+                problems.append(problem)
+            if len(problems) == settings.prompts:
+                break
+        return [p.prompt for p in problems], [str(p.answer) for p in problems]
+    table = pd.read_parquet(PROMPTS)
+    table = table[~table["prompt"].astype(str).isin(exclude)]
+    if len(table) > settings.prompts:
+        table = table.sample(n=settings.prompts, random_state=seed)
+    answers = table["answer"].tolist() if "answer" in table else [None] * len(table)
+    return table["prompt"].tolist(), [a if isinstance(a, str) and a else None for a in answers]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def majority(task, completions: list[str]) -> tuple[str | None, float]:
+    """The most stated answer among `completions` and its share of them (None, 0.0 when
+    none states one)."""
+    from collections import Counter
+
+    stated = Counter(a for a in (task.extract_answer(c) for c in completions) if a is not None)
+    if not stated:
+        return None, 0.0
+    answer, count = stated.most_common(1)[0]
+    return answer, count / len(completions)
+
+
+def judge_samples(settings: Settings, task, prompts, answers, samples, prm) -> list[list[dict]]:
+    """Per problem, per sample: whether each of `settings.checks` passes, and `kept`."""
+    scores = None
+    if "prm" in settings.checks:
+        flat_prompts = [p for p, group in zip(prompts, samples) for _ in group]
+        flat = prm.score_completions(flat_prompts, [c for group in samples for c in group], how="min")
+        scores, start = [], 0
+        for group in samples:
+            scores.append(flat[start : start + len(group)])
+            start += len(group)
+    verdicts = []
+    for i, (answer, group) in enumerate(zip(answers, samples)):
+        top, share = majority(task, group) if "vote" in settings.checks else (None, 0.0)
+        rows = []
+        for j, completion in enumerate(group):
+            row = {"completion": completion, "correct": task.is_correct(completion, answer) if answer else None}
+            if "answer" in settings.checks:
+                row["answer_check"] = bool(row["correct"])
+            if "vote" in settings.checks:
+                row["vote_check"] = share >= settings.min_vote_share and task.extract_answer(completion) == top
+            if "prm" in settings.checks:
+                row["prm_score"] = scores[i][j]
+                row["prm_check"] = scores[i][j] >= settings.prm_threshold
+            row["kept"] = all(row[f"{check}_check"] for check in settings.checks)
+            rows.append(row)
+        verdicts.append(rows)
+    return verdicts
+
+
+def kept_rows(prompts, verdicts, keep_per_prompt: int) -> list[dict]:
+    """At most `keep_per_prompt` distinct kept completions per problem, repaired ones last."""
+    rows = []
+    for prompt, group in zip(prompts, verdicts):
+        chosen: list[str] = []
+        for row in sorted(group, key=lambda r: r.get("source") == "refined"):
+            if row["kept"] and row["completion"] not in chosen and len(chosen) < keep_per_prompt:
+                chosen.append(row["completion"])
+        rows += [{"prompt": prompt, "completion": c} for c in chosen]
+    return rows
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate_models(params: dict, task, models: dict[str, Path], suites: list[str]) -> dict:
+    """{name: {suite: {"metrics", "outcomes", "digest"}}} of each model on each suite, greedy,
+    with KL to SFT (params `evaluate`)."""
+    import pandas as pd
+
+    from rlhf.evaluation.suites import evaluate_model, suite_digest
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+
+    config = params["evaluate"]
+    tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
+    reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
+    tables = {suite: pd.read_parquet(EVAL_DIR / f"{suite}.parquet") for suite in suites}
+    results: dict = {}
+    for name, path in models.items():
+        model = reference if path == SFT_DIR else load_causal_lm(path, config.trust_remote_code, what=str(path))
+        results[name] = {}
+        for suite, table in tables.items():
+            metrics, outcomes, _, _ = evaluate_model(config, task, model, reference, tokenizer, None, table, None)
+            answers = table["answer"].tolist() if "answer" in table else []
+            digest = suite_digest(table["prompt"].tolist(), answers)
+            results[name][suite] = {"metrics": metrics, "outcomes": outcomes, "digest": digest}
+        del model
+    return results
+
+
+def default_tests(settings: Settings, suites: list[str], decision: str) -> list[CapabilityTest]:
+    progress = settings.progress_suite or ("dev_long" if "dev_long" in suites else decision)
+    retention = settings.retention_suite or decision
+    tests = [CapabilityTest(name="progress", metric="accuracy", suite=progress, relative_to="champion", op=">")]
+    tests.append(
+        CapabilityTest(
+            name="retention",
+            metric="accuracy",
+            suite=retention,
+            relative_to="sft",
+            op=">=",
+            threshold=-settings.retention_margin,
+        )
+    )
+    return tests
+
+
+def gate(settings: Settings, tests, name: str, sft: dict, start: dict, candidate: dict) -> dict:
+    """The round's verdict (rlhf.evaluation.gate.decide): `candidate` against SFT and
+    against the round's start as the champion, paired on the same problems."""
+    from rlhf.evaluation.gate import decide
+
+    suites = list(candidate)
+    report = {
+        "reference": "sft",
+        "candidates": [name],
+        "suites": {s: {"sft": sft[s]["metrics"], name: candidate[s]["metrics"]} for s in suites},
+    }
+    outcomes = {
+        "suites": {
+            s: {"digest": candidate[s]["digest"], "models": {"sft": sft[s]["outcomes"], name: candidate[s]["outcomes"]}}
+            for s in suites
+        }
+    }
+    champion = {
+        "metrics": {s: start[s]["metrics"] for s in suites},
+        "outcomes": {s: {"digest": start[s]["digest"], "values": start[s]["outcomes"]} for s in suites},
+    }
+    select = tests[0].suite
+    confidence, resamples = settings.confidence, settings.bootstrap_samples
+    return decide(tests, report, champion, "accuracy", select, outcomes, confidence, resamples)
+
+
+# ----------------------------------------------------------------------------- the round
+
+
+def copy_model(source: Path, out_dir: Path) -> None:
+    """The start's weights and tokenizer into `out_dir` (a round that did not pass)."""
+    for path in source.iterdir():
+        if path.is_file() and path.name not in (ROUND_FILE, KEPT_FILE):
+            shutil.copy2(path, out_dir / path.name)
+
+
+def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: Path) -> dict:
+    """Round `name`: the winner's weights, round.json and kept.parquet into `out_dir`, its
+    samples and training table into `data_dir`; returns the round's report."""
+    import pandas as pd
+
+    from stages import decision_suite, eval_suites
+
+    settings = config.settings(name)
+    after = config.rounds[name]["after"]
+    start_dir = MODELS_DIR / after
+    previous = read_json(start_dir / ROUND_FILE) if (start_dir / ROUND_FILE).is_file() else None
+    report: dict = {"round": name, "after": after, "settings": settings.model_dump(mode="json")}
+    if previous and previous.get("stopped"):
+        copy_model(start_dir, out_dir)
+        if (start_dir / KEPT_FILE).is_file():
+            shutil.copy2(start_dir / KEPT_FILE, out_dir / KEPT_FILE)
+        stopped = {k: previous[k] for k in ("stopped", "stopped_at", "winner", "sft", "winner_eval")}
+        report |= {**stopped, "passed": None, "trained": False}
+        print(f"round {name}: the loop stopped at round {previous['stopped_at']}: nothing to do")
+        return report
+
+    suites = settings.suites or eval_suites(params)
+    tests = settings.tests or default_tests(settings, suites, decision_suite(params))
+    tests = [t if t.suite else t.model_copy(update={"suite": decision_suite(params)}) for t in tests]
+    missing = sorted({t.suite for t in tests} - set(suites))
+    if missing:
+        raise ValueError(f"improve: the round's tests read suites {missing} that it does not evaluate ({suites})")
+    started = time.perf_counter()
+    seed = settings.seed + config.position(name)
+
+    # 1-3: problems, samples, checks (and repairs).
+    from rlhf.models.generation import sample
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+
+    exclude = {p for s in suites for p in pd.read_parquet(EVAL_DIR / f"{s}.parquet")["prompt"].astype(str)}
+    prompts, answers = round_problems(settings, task, params, seed, exclude)
+    if "answer" in settings.checks and not any(answers):
+        raise ValueError("improve.checks: answer needs problems with answers (prompts.parquet has none)")
+    tokenizer = load_tokenizer(start_dir)
+    model = load_causal_lm(start_dir, what=str(start_dir))
+    samples = sample(
+        model, tokenizer, prompts, settings.samples, settings.max_new_tokens, settings.temperature,
+        settings.batch_size, seed,
+    )  # fmt: skip
+    prm = None
+    if "prm" in settings.checks or settings.refine:
+        from rlhf.rewards.prm import load_prm
+
+        prm = load_prm(PRM_DIR)
+    verdicts = judge_samples(settings, task, prompts, answers, samples, prm)
+    repair = repair_rejected(settings, task, model, tokenizer, prm, prompts, answers, verdicts, seed)
+    del model
+
+    # 4: the training table and the candidate.
+    kept = pd.DataFrame(kept_rows(prompts, verdicts, settings.keep_per_prompt), columns=["prompt", "completion"])
+    earlier = pd.read_parquet(start_dir / KEPT_FILE) if (start_dir / KEPT_FILE).is_file() else kept.iloc[0:0]
+    all_kept = pd.concat([earlier, kept], ignore_index=True)
+    sft_table = pd.read_parquet(SFT_DATA, columns=["prompt", "completion"])
+    pool = pd.concat([sft_table, earlier], ignore_index=True)
+    replay_rows = min(len(pool), round(len(kept) * settings.replay / (1 - settings.replay)))
+    train = pd.concat([kept, pool.sample(n=replay_rows, random_state=seed)], ignore_index=True)
+    sample_rows = [
+        {"prompt": p, "answer": a, **row} for p, a, group in zip(prompts, answers, verdicts) for row in group
+    ]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(sample_rows).to_parquet(data_dir / "samples.parquet", index=False)
+    train.to_parquet(data_dir / "train.parquet", index=False)
+    all_kept.to_parquet(out_dir / KEPT_FILE, index=False)
+    flat = [row for group in verdicts for row in group]
+    report["data"] = {
+        "problems": len(prompts),
+        "samples": len(flat),
+        "kept_samples": sum(row["kept"] for row in flat),
+        "kept_share": sum(row["kept"] for row in flat) / len(flat),
+        "problems_with_a_kept_sample": sum(any(r["kept"] for r in g) for g in verdicts) / len(verdicts),
+        "sample_accuracy": _mean([row["correct"] for row in flat if row["correct"] is not None]),
+        "kept_accuracy": _mean([row["correct"] for row in flat if row["kept"] and row["correct"] is not None]),
+        "training_rows": len(train),
+        "new_rows": len(kept),
+        "replay_rows": replay_rows,
+        "repair": repair,
+    }
+    if kept.empty:
+        return stop(report, name, start_dir, out_dir, previous, "no sample passed the checks: nothing to train on")
+
+    from rlhf.training.sft import train_sft
+
+    candidate_dir = out_dir / "candidate"
+    ewc = (settings.ewc, start_dir / KEPT_FILE if not earlier.empty else SFT_DATA) if settings.ewc.strength else None
+    train_metrics, curve = train_sft(
+        settings.train, start_dir, data_dir / "train.parquet", candidate_dir, CHECKPOINTS_DIR, f"round-{name}", ewc
+    )
+    report["train"] = train_metrics
+    report["curve"] = curve
+
+    # 5: evaluate and gate.
+    models = {"candidate": candidate_dir}
+    if previous is None:
+        models = {"sft": SFT_DIR, **({"start": start_dir} if after != "sft" else {}), **models}
+    results = evaluate_models(params, task, models, suites)
+    sft_eval = previous["sft"] if previous else results["sft"]
+    start_eval = previous["winner_eval"] if previous else results.get("start", results.get("sft"))
+    verdict = gate(settings, tests, name, sft_eval, start_eval, results["candidate"])
+    passed = verdict["promote"] == name
+    report |= {
+        "sft": sft_eval,
+        "start_eval": _metrics_only(start_eval),
+        "candidate_eval": _metrics_only(results["candidate"]),
+        "tests": verdict["candidates"][name]["tests"],
+        "failures": verdict["candidates"][name]["failures"],
+        "passed": passed,
+        "seconds": time.perf_counter() - started,
+    }
+    if not passed:
+        shutil.rmtree(candidate_dir)
+        report["winner_eval"] = start_eval
+        return stop(report, name, start_dir, out_dir, previous, "; ".join(report["failures"]))
+    for path in candidate_dir.iterdir():
+        shutil.move(str(path), out_dir / path.name)
+    candidate_dir.rmdir()
+    report |= {"stopped": False, "stopped_at": None, "winner": name, "winner_eval": results["candidate"]}
+    return report
+
+
+def stop(report: dict, name: str, start_dir: Path, out_dir: Path, previous: dict | None, reason: str) -> dict:
+    """A round that did not pass: the start is the winner and the loop stops here."""
+    copy_model(start_dir, out_dir)
+    report |= {
+        "passed": False,
+        "stopped": True,
+        "stopped_at": name,
+        "stop_reason": reason,
+        "winner": previous["winner"] if previous else report["after"],
+    }
+    report.setdefault("winner_eval", previous["winner_eval"] if previous else None)
+    report.setdefault("sft", previous["sft"] if previous else None)
+    print(f"round {name}: stopped: {reason}")
+    return report
+
+
+def repair_rejected(settings: Settings, task, model, tokenizer, prm, prompts, answers, verdicts, seed) -> dict | None:
+    """With `refine`: each rejected sample repaired from its first bad step; a repair that
+    passes the checks is kept (source `refined`). Returns the repair report."""
+    if not settings.refine:
+        return None
+    from rlhf.inference.refine import refine, repair_report
+
+    rejected = [(i, j) for i, group in enumerate(verdicts) for j, row in enumerate(group) if not row["kept"]]
+    if not rejected:
+        return {"flagged": 0, "repaired": 0}
+    results = refine(
+        model, tokenizer, prm, task,
+        [prompts[i] for i, _ in rejected], [verdicts[i][j]["completion"] for i, j in rejected],
+        threshold=settings.prm_threshold, attempts=settings.refine_attempts,
+        max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+        batch_size=settings.batch_size, seed=seed, answers=[answers[i] for i, _ in rejected],
+    )  # fmt: skip
+    repaired = [(i, r.refined) for (i, _), r in zip(rejected, results) if r.status == "repaired"]
+    if repaired:
+        rechecked = judge_samples(
+            settings, task, [prompts[i] for i, _ in repaired], [answers[i] for i, _ in repaired],
+            [[text] for _, text in repaired], prm,
+        )  # fmt: skip
+        for (i, _), [row] in zip(repaired, rechecked):
+            verdicts[i].append({**row, "source": "refined"})
+    report = repair_report(results, [answers[i] for i, _ in rejected], task)
+    report["kept_after_repair"] = sum(row.get("source") == "refined" and row["kept"] for g in verdicts for row in g)
+    return report
+
+
+def _mean(values) -> float | None:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else None
+
+
+def _metrics_only(results: dict) -> dict:
+    return {suite: entry["metrics"] for suite, entry in results.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import mlflow
+
+    from rlhf.tasks import get_task
+    from rlhf.tracking.runs import numeric_metrics, stage_run
+
+    argv = sys.argv[1:] if argv is None else argv
+    params = load_model_stage()
+    config = params["improve"]
+    if len(argv) != 1 or argv[0] not in config.rounds:
+        raise SystemExit(f"usage: python -m stages.improve ROUND, ROUND one of improve.rounds {list(config.rounds)}")
+    name = argv[0]
+    task = get_task(params["task"])
+    with stage_run(f"round@{name}", config.settings(name)):
+        with atomic_dir(ROUNDS_DIR / name) as out, atomic_dir(ROUND_DATA / name) as data:
+            report = run(name, config, params, task, out, data)
+            write_json(out / ROUND_FILE, report)
+        summary = round_summary(report)
+        write_json(ROUND_REPORTS / f"{name}.json", summary)
+        mlflow.log_metrics(numeric_metrics(summary))
+        mlflow.set_tags({"round.passed": str(report.get("passed")), "round.winner": str(report.get("winner"))})
+        print(f"round {name}: " + ", ".join(f"{k} {v}" for k, v in summary.items() if not isinstance(v, dict)))
+
+
+def round_summary(report: dict) -> dict:
+    """The round's headline numbers (reports/rounds/<name>.json, a DVC metric)."""
+    summary = {
+        "passed": report.get("passed"),
+        "stopped": report.get("stopped"),
+        "winner": report.get("winner"),
+        "data": {k: v for k, v in (report.get("data") or {}).items() if not isinstance(v, dict)},
+    }
+    if report.get("data", {}).get("repair"):
+        summary["repair"] = report["data"]["repair"]
+    for role in ("candidate_eval", "start_eval"):
+        if report.get(role):
+            summary[role] = {
+                suite: {k: m.get(k) for k in ("accuracy", "accuracy_low", "accuracy_high", "accuracy_by_difficulty")}
+                for suite, m in report[role].items()
+            }
+    if report.get("failures"):
+        summary["failures"] = report["failures"]
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Command `label`: the human-feedback labelling page (a command, not a DVC stage).
+
+    python -m stages.label                         # http://127.0.0.1:8765
+    python -m stages.label --model models/sft --port 8766
+
+Shows a prompt and two completions the model samples for it (A and B); "A is better" or
+"B is better" appends ``{"prompt", "chosen", "rejected"}``, validated by the preference
+contract, to data/raw/feedback_prefs.jsonl, and the next `dvc repro` trains on it: stage
+prepare adds the file's pairs to prefs (stages/prepare.py), and every stage downstream of
+prefs reruns. The page itself is `rlhf.feedback.app`.
+
+* --model: models/champion when the gate has promoted one, else models/sft.
+* --prompts: data/prepared/prompts.parquet (the training prompts), or any prompts file
+  (JSONL, JSON, Parquet, CSV with a prompt column). An eval suite (data/prepared/eval) is
+  refused unless --allow-eval-prompts: pairs on its problems would train on what the gate
+  and the reported numbers judge.
+* --out: must lie inside the project directory (the current one) and end in .jsonl;
+  prepare reads only data/raw/feedback_prefs.jsonl.
+* --host: 127.0.0.1 unless given: the page has no login, so another address must be named.
+  On 127.0.0.1 requests naming another host are turned away (DNS rebinding).
+
+params.yaml is validated as by every stage, and its `compute` section places the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stages import CHAMPION_DIR, DATA_DIR, EVAL_DIR, SFT_DIR, load_model_stage
+from stages.prepare import FEEDBACK_FILE
+
+PROMPTS_FILE = DATA_DIR / "prompts.parquet"
+LOOPBACK = "127.0.0.1"
+
+
+def default_model() -> Path:
+    return CHAMPION_DIR if CHAMPION_DIR.is_dir() else SFT_DIR
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m stages.label", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: models/champion, else sft)")
+    parser.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help=f"prompts file (default: {PROMPTS_FILE})")
+    parser.add_argument("--out", type=Path, default=FEEDBACK_FILE, help=f"preference file (default: {FEEDBACK_FILE})")
+    parser.add_argument("--host", default=LOOPBACK, help=f"address to bind (default: {LOOPBACK})")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--samples", type=int, default=2, help="completions sampled per prompt, of which two are shown")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--allow-eval-prompts", action="store_true", help="label prompts of an eval suite anyway")
+    return parser.parse_args(argv)
+
+
+def fail(message: str) -> SystemExit:
+    return SystemExit(f"label: {message}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    root = Path.cwd().resolve()
+    from rlhf.feedback.app import OutsideProjectError, check_out_path
+
+    try:
+        out = check_out_path(args.out, root)
+    except OutsideProjectError as error:
+        raise fail(f"--out {error}; give a path inside it, e.g. {FEEDBACK_FILE}") from None
+    except ValueError as error:
+        raise fail(f"--out {error}") from None
+    prompts_path = (root / args.prompts).resolve()
+    if prompts_path.is_relative_to((root / EVAL_DIR).resolve()) and not args.allow_eval_prompts:
+        raise fail(
+            f"--prompts {args.prompts} is an eval suite: its pairs would train on the problems the gate and the "
+            f"reports judge; use {PROMPTS_FILE} (or pass --allow-eval-prompts)"
+        )
+    if not prompts_path.exists():
+        raise fail(f"--prompts {args.prompts} does not exist; run `dvc repro prepare` first, or give a prompts file")
+
+    params = load_model_stage()  # validates params.yaml; places the model (compute)
+    from rlhf.data.contracts import DataValidationError, load_contract
+    from rlhf.feedback.app import create_app
+
+    try:
+        table = load_contract(prompts_path, "prompts")
+    except DataValidationError as error:
+        raise fail(str(error)) from None
+    model = args.model or default_model()
+    answers = list(table["answer"]) if "answer" in table.columns else None
+    allowed = [LOOPBACK, "localhost"] if args.host in (LOOPBACK, "localhost") else None
+    try:
+        app = create_app(
+            model,
+            list(table["prompt"]),
+            out,
+            answers=answers,
+            n=args.samples,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            trust_remote_code=params["policy"].trust_remote_code,
+            allowed_hosts=allowed,
+        )
+    except DataValidationError as error:  # the preference file exists and breaks the contract
+        raise fail(str(error)) from None
+    except FileNotFoundError as error:
+        raise fail(f"{str(error).split('. ')[0]}; run `dvc repro` to build it, or give --model") from None
+    except (OSError, ValueError) as error:  # not a usable model folder
+        raise fail(str(error)) from None
+
+    import uvicorn
+
+    shown = out.relative_to(root).as_posix()
+    if out != (root / FEEDBACK_FILE).resolve():
+        print(f"label: note: prepare reads {FEEDBACK_FILE}; name {shown} in prepare.files to train on it")
+    if args.host not in (LOOPBACK, "localhost"):
+        print(f"label: warning: bound to {args.host}: anyone who can reach it can label (the page has no login)")
+    print(f"label: http://{args.host}:{args.port}/ shows {model}'s completions; choices go to {shown}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

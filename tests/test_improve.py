@@ -1,0 +1,183 @@
+"""Self-improvement rounds (stages/improve.py): the params of a round, the checks that keep
+a sample, the round's gate, and the loop as DVC stages (one per round, a failed gate stops
+it, a change to the last round reruns that round only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from rlhf.params import ParamsError
+from rlhf.tasks.arithmetic import ArithmeticTask
+from stages.improve import Config, Settings, default_tests, gate, judge_samples, kept_rows, majority, round_problems
+from tests.conftest import make_project, run, tiny_params
+
+TASK = ArithmeticTask()
+
+
+def test_a_round_merges_its_keys_into_the_defaults():
+    config = Config(
+        defaults={"samples": 4, "train": {"max_steps": 50, "learning_rate": 5e-4}},
+        rounds={"r1": {"after": "sft", "train": {"max_steps": 80}}, "r2": {"after": "rounds/r1", "samples": 2}},
+    )
+    first, second = config.settings("r1"), config.settings("r2")
+    assert (first.samples, first.train.max_steps, first.train.learning_rate) == (4, 80, 5e-4)
+    assert (second.samples, second.train.max_steps) == (2, 50)
+    assert config.position("r2") == 1
+
+
+@pytest.mark.parametrize(
+    "rounds, message",
+    [
+        ({"r1": {"operands": [6, 6]}}, "rounds.r1.after: missing"),
+        ({"r1": {"after": "rounds/r2"}, "r2": {"after": "sft"}}, "rounds.r1.after: 'rounds/r2' is not one of"),
+        ({"r1": {"after": "sft", "sampels": 3}}, "rounds.r1.sampels: unknown key"),
+        ({"r1": {"after": "sft", "operands": [7, 6]}}, "operands [7, 6]"),
+    ],
+)
+def test_bad_rounds_name_the_round_and_key(rounds, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Config(rounds=rounds)
+
+
+def test_params_yaml_errors_name_the_round(tmp_path):
+    from stages import load_all
+
+    params = tiny_params(improve={"rounds": {"r1": {"after": "policy/dpo", "keep_per_prompt": 0}}})
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    with pytest.raises(ParamsError, match=r"improve: .*rounds\.r1\.keep_per_prompt: Input should be greater than 0"):
+        load_all(str(path))
+
+
+def test_round_problems_follow_the_curriculum_and_skip_eval_problems():
+    settings = Settings(prompts=50, operands=(6, 7))
+    params = {"prepare": type("P", (), {"builtin": type("B", (), {"max_value": 29})()})()}
+    prompts, answers = round_problems(settings, TASK, params, seed=1, exclude=set())
+    assert len(set(prompts)) == 50
+    assert {p.count("+") + p.count("-") + 1 for p in prompts} <= {6, 7}
+    assert all(str(eval(p.strip())) == a for p, a in zip(prompts, answers))  # + and - only: eval is the answer
+    again, _ = round_problems(settings, TASK, params, seed=1, exclude=set(prompts[:10]))
+    assert not set(again) & set(prompts[:10]), "problems of the eval suites are never training problems"
+
+
+def test_checks_keep_the_right_samples():
+    right, wrong = "3+4=7; answer 7", "3+4=8; answer 8"
+    samples = [[right, wrong, right, wrong], [wrong, wrong, wrong, right]]
+    answers = ["7", "7"]
+    by_answer = judge_samples(Settings(checks=["answer"]), TASK, ["3+4\n"] * 2, answers, samples, None)
+    assert [[r["kept"] for r in group] for group in by_answer] == [[True, False, True, False], [False] * 3 + [True]]
+    # No answer key: the majority answer is kept when at least min_vote_share of the samples state it.
+    by_vote = judge_samples(
+        Settings(checks=["vote"], min_vote_share=0.6), TASK, ["3+4\n"] * 2, [None] * 2, samples, None
+    )
+    assert [[r["kept"] for r in group] for group in by_vote] == [[False] * 4, [True, True, True, False]]
+    assert majority(TASK, samples[1]) == ("8", 0.75)
+    assert kept_rows(["a", "b"], by_answer, keep_per_prompt=2) == [
+        {"prompt": "a", "completion": right},
+        {"prompt": "b", "completion": right},
+    ]
+
+
+def _suite(values: list[float]) -> dict:
+    return {
+        "metrics": {"accuracy": sum(values) / len(values)},
+        "outcomes": {"accuracy": values},
+        "digest": f"d{len(values)}",
+    }
+
+
+def test_the_round_gate_asks_for_progress_and_retention():
+    settings = Settings(retention_margin=0.02, bootstrap_samples=500)
+    tests = default_tests(settings, ["dev", "dev_long", "test"], "dev")
+    assert [(t.name, t.suite, t.relative_to, t.op, t.threshold) for t in tests] == [
+        ("progress", "dev_long", "champion", ">", 0.0),
+        ("retention", "dev", "sft", ">=", -0.02),
+    ]
+    n = 200
+    sft = {"dev": _suite([1.0] * n), "dev_long": _suite([0.0] * n)}
+    start = sft
+    better = {"dev": _suite([1.0] * n), "dev_long": _suite([1.0] * 60 + [0.0] * (n - 60))}
+    verdict = gate(settings, tests, "r1", sft, start, better)
+    assert verdict["promote"] == "r1"
+    forgot = {"dev": _suite([1.0] * (n - 40) + [0.0] * 40), "dev_long": better["dev_long"]}
+    verdict = gate(settings, tests, "r1", sft, start, forgot)
+    assert verdict["promote"] is None
+    assert [f.split(":")[0] for f in verdict["candidates"]["r1"]["failures"]] == ["retention"]
+    same = gate(settings, tests, "r1", sft, start, sft)
+    assert [f.split(":")[0] for f in same["candidates"]["r1"]["failures"]] == ["progress"]
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_rounds_as_dvc_stages(tmp_path):
+    """Three rounds on the micro project through `dvc repro`: r1 trains and passes, r2's gate
+    rejects it (an impossible test) so the loop stops, r3 passes r2's winner through; a
+    change to r3's params reruns r3 alone."""
+    import torch
+
+    always = [{"metric": "kl_to_ref", "relative_to": "absolute", "op": "<=", "threshold": 1e9}]
+    never = [{"metric": "kl_to_ref", "relative_to": "absolute", "op": "<=", "threshold": -1.0}]
+    params = tiny_params(
+        improve={
+            "defaults": {
+                "prompts": 6,
+                "operands": [3, 3],
+                "samples": 2,
+                "max_new_tokens": 16,
+                # The micro model writes no answers: a PRM bar every step clears keeps its samples.
+                "checks": ["prm"],
+                "prm_threshold": 1e-9,
+                "train": {"max_steps": 2, "per_device_train_batch_size": 4, "save_steps": 2, "logging_steps": 1},
+                "tests": always,
+                "suites": ["dev"],
+            },
+            "rounds": {
+                "r1": {"after": "sft"},
+                "r2": {"after": "rounds/r1", "tests": never},
+                "r3": {"after": "rounds/r2"},
+            },
+        }
+    )
+    root = make_project(tmp_path / "project", params)
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
+    run([sys.executable, "-m", "dvc", "repro", "round@r3"], root, env=env)
+
+    reports = {r: json.loads((root / f"models/rounds/{r}/round.json").read_text()) for r in ("r1", "r2", "r3")}
+    assert reports["r1"]["passed"] and reports["r1"]["winner"] == "r1" and reports["r1"]["data"]["new_rows"] > 0
+    assert reports["r2"]["passed"] is False and reports["r2"]["stopped_at"] == "r2"
+    assert "kl_to_ref" in reports["r2"]["stop_reason"]
+    assert reports["r3"]["stopped_at"] == "r2" and reports["r3"]["trained"] is False
+    sft, r1, r2, r3 = (_weights(root / f"models/{m}") for m in ("sft", "rounds/r1", "rounds/r2", "rounds/r3"))
+    assert any(not torch.equal(sft[k], r1[k]) for k in sft), "round 1 trained"
+    assert all(torch.equal(r1[k], r2[k]) and torch.equal(r1[k], r3[k]) for k in r1), "the winner stays r1"
+    samples = __import__("pandas").read_parquet(root / "data/rounds/r1/samples.parquet")
+    assert len(samples) == 6 * 2 and samples["kept"].all()
+    summary = json.loads((root / "reports/rounds/r2.json").read_text())
+    assert summary["stopped"] is True and summary["failures"]
+
+    # Only round 3's entry changes: DVC reruns round 3 and nothing before it.
+    params["improve"]["rounds"]["r3"]["samples"] = 3
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    status = run([sys.executable, "-m", "dvc", "status"], root, env=env).stdout
+    assert "round@r3" in status and "round@r1" not in status and "round@r2" not in status
+    out = run([sys.executable, "-m", "dvc", "repro", "round@r3"], root, env=env).stdout
+    assert "Running stage 'round@r3'" in out
+    assert "Running stage 'round@r1'" not in out and "Running stage 'round@r2'" not in out
+
+    import mlflow
+
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    names = set(mlflow.search_runs(search_all_experiments=True)["tags.mlflow.runName"])
+    assert {"round@r1", "round@r2", "round@r3"} <= names
