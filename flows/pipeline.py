@@ -106,6 +106,11 @@ def read_metrics(root: Path = ROOT) -> dict:
         file = root / path
         return json.loads(file.read_text()) if file.exists() else None
 
+    rounds = {}
+    for address in stage_order(root) if (root / "reports/rounds").is_dir() else []:
+        if address.startswith("round@"):
+            name = address.split("@", 1)[1]
+            rounds[name] = load(f"reports/rounds/{name}.json")
     return {
         "sft": load("metrics/sft.json"),
         "rm": load("metrics/rm.json"),
@@ -113,6 +118,7 @@ def read_metrics(root: Path = ROOT) -> dict:
         "eval": load("reports/eval.json"),
         "infer": load("reports/infer.json"),
         "gate": load("reports/gate.json"),
+        "rounds": {name: report for name, report in rounds.items() if report},
     }
 
 
@@ -126,6 +132,28 @@ def with_interval(metrics: dict, name: str) -> str:
     if value is None or low is None:
         return number(value)
     return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def rounds_table(rounds: dict) -> list[str]:
+    """A row per self-improvement round: what it kept, its candidate's accuracy per suite,
+    and the verdict."""
+    suites = sorted({s for r in rounds.values() for s in (r.get("candidate_eval") or {})})
+    lines = ["", "## Self-improvement rounds", ""]
+    lines.append("| round | kept / samples | " + " | ".join(f"{s} accuracy [95% CI]" for s in suites) + " | verdict |")
+    lines.append("|---" * (len(suites) + 3) + "|")
+    for name, r in rounds.items():
+        data = r.get("data") or {}
+        kept = f"{data['kept_samples']} / {data['samples']}" if data else "n/a"
+        evals = r.get("candidate_eval") or {}
+        cells = [with_interval(evals[s], "accuracy") if s in evals else "n/a" for s in suites]
+        if r.get("passed"):
+            verdict = "passed: the candidate is the winner"
+        elif r.get("passed") is None:
+            verdict = f"not run: the loop stopped at round {r.get('stopped_at')}"
+        else:
+            verdict = "stopped: " + "; ".join(r.get("failures") or ["nothing to train on"])
+        lines.append(f"| {name} | {kept} | " + " | ".join(cells) + f" | {verdict} |")
+    return lines
 
 
 def summary_markdown(results: list[dict], metrics: dict) -> str:
@@ -165,6 +193,8 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
                 f"| {m['samples_per_problem']:.1f} "
                 f"| {m['seconds']:.1f} |"
             )
+    if metrics.get("rounds"):
+        lines += rounds_table(metrics["rounds"])
     gate = metrics["gate"]
     if gate:
         verdict = f"promoted **{gate['promote']}**" if gate["promoted"] else "no promotion"

@@ -27,6 +27,11 @@ QUIET_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     # MLflow's git-based run source detection is slow and noisy outside a clean repo.
     "GIT_PYTHON_REFRESH": "quiet",
+    # A tracking server that has gone away: MLflow's defaults (7 retries with exponential
+    # backoff, 120 s per request) hold a write up for minutes; the training stages write
+    # synchronously and stop writing after one failure (rlhf.tracking.runs).
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
 }
 
 

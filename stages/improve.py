@@ -532,6 +532,7 @@ def round_summary(report: dict) -> dict:
     summary = {
         "passed": report.get("passed"),
         "stopped": report.get("stopped"),
+        "stopped_at": report.get("stopped_at"),
         "winner": report.get("winner"),
         "data": {k: v for k, v in (report.get("data") or {}).items() if not isinstance(v, dict)},
     }

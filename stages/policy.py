@@ -308,6 +308,7 @@ def train_trl(
         last_logged,
         log_history_rows,
         merged_model,
+        tracking_callbacks,
         train_resumable,
         trl_config,
     )
@@ -324,6 +325,7 @@ def train_trl(
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=params.lora.peft_config(),
+        callbacks=tracking_callbacks(),
         **trainer_kwargs,
     )
     ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
@@ -467,7 +469,7 @@ def train_ppo_method(
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
     from rlhf.rewards.ensemble import member_dirs
     from rlhf.rewards.functions import build_rewards, weighted_sum
-    from rlhf.tracking.runs import numeric_metrics
+    from rlhf.tracking.runs import log_metrics, numeric_metrics
     from rlhf.training.ppo import load_value_model, train_ppo
     from rlhf.training.trainer_setup import checkpoint_dir, fingerprint
 
@@ -483,7 +485,8 @@ def train_ppo_method(
     key = fingerprint(params, inputs + ([SFT_DATA] if params.ewc.strength else []))
 
     def log(metrics: dict, step: int) -> None:
-        mlflow.log_metrics(numeric_metrics(metrics), step=step)
+        if mlflow.active_run() is not None:
+            log_metrics(numeric_metrics(metrics), step=step)
 
     history = train_ppo(
         policy,

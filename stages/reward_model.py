@@ -86,7 +86,13 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
     from rlhf.models.loading import save_model
     from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, LikelihoodRewardTrainer, ResponseMaskCollator
     from rlhf.tracking.runs import nested_run
-    from rlhf.training.trainer_setup import log_history_rows, merged_model, train_resumable, trl_config
+    from rlhf.training.trainer_setup import (
+        log_history_rows,
+        merged_model,
+        tracking_callbacks,
+        train_resumable,
+        trl_config,
+    )
 
     member_root = root / f"{MEMBER_PREFIX}{index}"
     final = member_root / "final"
@@ -111,6 +117,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
             train_dataset=train,
             processing_class=tokenizer,
             peft_config=config.lora.peft_config("SEQ_CLS"),
+            callbacks=tracking_callbacks(),
         )
     else:
         head, dataset = train
@@ -122,6 +129,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
             train_dataset=dataset,
             processing_class=tokenizer,
             data_collator=ResponseMaskCollator(pad_token_id=tokenizer.pad_token_id),
+            callbacks=tracking_callbacks(),
         )
     # Each member logs its curves to a run nested in the stage's run (the members' training
     # arguments differ, and MLflow params of one run cannot change).

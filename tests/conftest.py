@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -161,11 +162,31 @@ def in_project(tmp_path, monkeypatch, mlflow_store):
 
 @pytest.fixture(autouse=True)
 def no_dangling_mlflow_run():
-    """A trainer run outside a stage (tests call stage `run()` functions directly) leaves
-    transformers' MLflow callback's run active in this process; end it after each test so
-    the next stage's `start_run` starts clean, as it does in its own process under DVC."""
+    """A test that leaves an MLflow run active in this process (a failed stage run, a test's
+    own run) would nest the next stage's run under it; end it after each test so the next
+    stage's `start_run` starts clean, as it does in its own process under DVC."""
     yield
     import mlflow
 
     while mlflow.active_run():
         mlflow.end_run()
+
+
+# ----------------------------------------------------------------------------- tracking waits
+# Every MLflow write and run end of the session (this process and the stages it starts) is
+# timed into one file (rlhf.tracking.runs.record_wait); the summary reports the longest.
+_WAITS = Path(os.environ.setdefault("RLHF_TRACKING_WAITS", str(Path(tempfile.mkdtemp()) / "tracking-waits.jsonl")))
+
+
+def pytest_terminal_summary(terminalreporter):
+    import json
+
+    if not _WAITS.is_file():
+        return
+    rows = [json.loads(line) for line in _WAITS.read_text().splitlines() if line.strip()]
+    for what, label in (("end_run", "end-of-run wait"), ("log_metrics", "metrics write")):
+        times = [row["seconds"] for row in rows if row["what"] == what]
+        if times:
+            terminalreporter.write_line(
+                f"MLflow: longest {label} {max(times):.2f} s over {len(times)} ({what}, rlhf.tracking.runs)"
+            )

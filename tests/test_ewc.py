@@ -37,9 +37,7 @@ def test_fisher_is_the_mean_of_per_example_squared_gradients(micro):
     name, param = next((n, p) for n, p in model.named_parameters() if n.endswith("q_proj.weight"))
     expected = torch.zeros_like(param)
     for example in examples:
-        loss = model(
-            input_ids=torch.tensor([example["input_ids"]]), labels=torch.tensor([example["labels"]])
-        ).loss
+        loss = model(input_ids=torch.tensor([example["input_ids"]]), labels=torch.tensor([example["labels"]])).loss
         (grad,) = torch.autograd.grad(loss, param)
         expected += grad**2
     torch.testing.assert_close(fisher[name], expected / 2)
@@ -128,8 +126,7 @@ def test_consolidate_samples_the_table_and_reads_conversations(micro):
     table = pd.DataFrame(
         {
             "messages": [
-                [{"role": "user", "content": f"{a}+1"}, {"role": "assistant", "content": f"{a + 1}"}]
-                for a in range(10)
+                [{"role": "user", "content": f"{a}+1"}, {"role": "assistant", "content": f"{a + 1}"}] for a in range(10)
             ]
         }
     )

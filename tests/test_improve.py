@@ -181,3 +181,19 @@ def test_rounds_as_dvc_stages(tmp_path):
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     names = set(mlflow.search_runs(search_all_experiments=True)["tags.mlflow.runName"])
     assert {"round@r1", "round@r2", "round@r3"} <= names
+
+
+def test_the_flow_summary_has_a_row_per_round():
+    from flows.pipeline import rounds_table
+
+    accuracy = {"accuracy": 0.5, "accuracy_low": 0.4, "accuracy_high": 0.6}
+    rounds = {
+        "r1": {"passed": True, "data": {"kept_samples": 30, "samples": 80}, "candidate_eval": {"dev_long": accuracy}},
+        "r2": {"passed": False, "data": {"kept_samples": 0, "samples": 80}, "failures": ["progress: fails"]},
+        "r3": {"passed": None, "stopped_at": "r2"},
+    }
+    table = rounds_table(rounds)
+    assert table[3] == "| round | kept / samples | dev_long accuracy [95% CI] | verdict |"
+    assert table[5] == "| r1 | 30 / 80 | 0.500 [0.400, 0.600] | passed: the candidate is the winner |"
+    assert table[6] == "| r2 | 0 / 80 | n/a | stopped: progress: fails |"
+    assert table[7] == "| r3 | n/a | n/a | not run: the loop stopped at round r2 |"

@@ -25,6 +25,7 @@ def default_config() -> Config:
     """The gate's defaults resolved for the built-in task, on suite dev."""
     return resolve(Config(), ArithmeticTask(), "dev")
 
+
 SFT = {"accuracy": 0.40, "format_rate": 0.98, "kl_to_ref": 0.0}
 GOOD = {"accuracy": 0.55, "format_rate": 0.97, "kl_to_ref": 3.2}
 BAD = {"accuracy": 0.30, "format_rate": 0.99, "kl_to_ref": 1.5}

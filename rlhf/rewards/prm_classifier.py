@@ -40,7 +40,7 @@ from rlhf.models.generation import format_prompt
 from rlhf.models.loading import load_tokenizer, save_model
 from rlhf.rewards.steps import DEFAULT_SEPARATOR, PRM_FILE, StepScorer
 from rlhf.training.params import LoraParams, TrainingParams
-from rlhf.training.trainer_setup import trl_config
+from rlhf.training.trainer_setup import tracking_callbacks, trl_config
 
 BAD, GOOD = 0, 1
 IGNORE = -100
@@ -173,6 +173,7 @@ def prm_trainer(
         train_dataset=train,
         data_collator=DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE),
         processing_class=tokenizer,
+        callbacks=tracking_callbacks(),
     )
 
 

@@ -9,14 +9,25 @@ A stage run is nested under the pipeline's parent run when ``RLHF_PARENT_RUN_ID`
 another process need the explicit ``parent_run_id``). Every run is tagged with the git
 commit and its DVC stage address; the flow adds the hash of the stage's dvc.lock entry
 once DVC has written it.
+
+Tracking never holds up training for long, and never silently: every write is synchronous
+(transformers' MLflow callback queues metrics on MLflow's asynchronous logging thread, and
+a run's end then waits for that queue to drain, which was seen to stall training for
+minutes against a busy sqlite store), so a write waits at most for the store's lock timeout
+and a failed write is a warning that names what was not logged (`log_metrics`). Training
+stages use `rlhf.training.trainer_setup.MLflowMetrics` instead of transformers' callback.
+With RLHF_TRACKING_WAITS set to a file, each write's wait and each run's end are appended to
+it as JSON lines (`record_wait`): the test suite reports the longest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +43,34 @@ PARENT_RUN_ENV = "RLHF_PARENT_RUN_ID"
 STAGE_TAG = "rlhf.stage"
 COMMIT_TAG = "mlflow.source.git.commit"
 LOCK_HASH_TAG = "dvc.lock_hash"
+WAITS_ENV = "RLHF_TRACKING_WAITS"
+
+logger = logging.getLogger("rlhf.tracking")
+
+
+def record_wait(what: str, seconds: float) -> None:
+    """Append how long a tracking call held up its caller to the file RLHF_TRACKING_WAITS
+    names (nothing when unset)."""
+    path = os.environ.get(WAITS_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps({"what": what, "seconds": round(seconds, 4), "pid": os.getpid()}) + "\n")
+
+
+def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> bool:
+    """Log to the active run synchronously; on failure warn with the metric names and the
+    step, and return False instead of raising (a tracking store that is away or locked
+    must not lose the training result)."""
+    start = time.perf_counter()
+    try:
+        mlflow.log_metrics(dict(metrics), step=step, synchronous=True)
+        return True
+    except Exception as error:  # any store error: the training goes on, the loss is said
+        where = f" at step {step}" if step is not None else ""
+        logger.warning("MLflow did not log %s%s: %s", ", ".join(sorted(metrics)), where, error)
+        return False
+    finally:
+        record_wait("log_metrics", time.perf_counter() - start)
 
 
 def project_root() -> Path:
@@ -104,10 +143,17 @@ def stage_run(stage: str, config: Any, tags: Mapping[str, str] | None = None) ->
     parent = os.environ.get(PARENT_RUN_ENV) or None
     address = os.environ.get("DVC_STAGE", stage)
     run_tags = {STAGE_TAG: address, COMMIT_TAG: git_commit(), **(tags or {})}
-    with mlflow.start_run(run_name=address, parent_run_id=parent, nested=parent is not None, tags=run_tags) as run:
+    run = mlflow.start_run(run_name=address, parent_run_id=parent, nested=parent is not None, tags=run_tags)
+    try:
         params = flatten(config.model_dump(mode="json")) if hasattr(config, "model_dump") else flatten(config)
         mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})
         yield run
+    except BaseException:
+        mlflow.end_run("FAILED")
+        raise
+    start = time.perf_counter()
+    mlflow.end_run()
+    record_wait("end_run", time.perf_counter() - start)
 
 
 def lock_entry_hash(stage_address: str, lock_path: str | Path = "dvc.lock") -> str | None:
@@ -144,8 +190,13 @@ def tag_stage_runs_with_lock(parent_run_id: str, lock_path: str | Path = "dvc.lo
 def nested_run(name: str) -> Iterator[mlflow.ActiveRun]:
     """A run nested in the active one; a trainer inside logs its curves there.
 
-    We open the nested run ourselves rather than through MLflowCallback's
-    MLFLOW_NESTED_RUN: the callback's __del__ ends whatever run is active when the trainer
-    is garbage-collected, which would end the stage's own run."""
-    with mlflow.start_run(run_name=name, nested=True) as run:
+    The run's end is timed like a stage run's (`record_wait`)."""
+    run = mlflow.start_run(run_name=name, nested=True)
+    try:
         yield run
+    except BaseException:
+        mlflow.end_run("FAILED")
+        raise
+    start = time.perf_counter()
+    mlflow.end_run()
+    record_wait("end_run", time.perf_counter() - start)

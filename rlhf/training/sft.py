@@ -45,6 +45,7 @@ def train_sft(
         last_logged,
         log_history_rows,
         merged_model,
+        tracking_callbacks,
         train_resumable,
         trl_config,
     )
@@ -78,6 +79,7 @@ def train_sft(
         processing_class=tokenizer,
         peft_config=config.lora.peft_config(),
         buckets=config.length_buckets,
+        callbacks=tracking_callbacks(),
     )
     consolidation = None
     if consolidating:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from rlhf.models.compute import current
@@ -50,10 +52,65 @@ def trl_config(config_cls, params: TrainingParams, output_dir: Path, **extra: An
         use_cpu=use_cpu(),
         **precision(),
         activation_checkpointing=params.gradient_checkpointing,
-        report_to=["mlflow"],
+        # The curves go to MLflow through MLflowMetrics (synchronous writes), not through
+        # transformers' callback (asynchronous writes that a run's end waits on).
+        report_to="none",
         dataloader_num_workers=0,
         **extra,
     )
+
+
+class MLflowMetrics(TrainerCallback):
+    """The Trainer's logs (loss, learning rate, TRL's rewards ...) to the active MLflow run,
+    from the main process, synchronously (rlhf.tracking.runs.log_metrics). Nothing is
+    logged without an active run. After a write fails (the store is away or locked past its
+    timeout), the callback stops writing and keeps the rows, so training waits on a broken
+    store once; at the end of training it tries them once more and warns with the steps
+    and names it could not log (the stage's curve CSV has them all). Every trainer of the
+    project takes it (`callbacks=tracking_callbacks()`)."""
+
+    def __init__(self):
+        self.unlogged: list[tuple[int, dict[str, float]]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        import mlflow
+        import torch
+
+        from rlhf.tracking.runs import log_metrics
+
+        if not state.is_world_process_zero or not logs or mlflow.active_run() is None:
+            return
+        metrics = {}
+        for key, value in logs.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                metrics[re.sub(r"[^0-9A-Za-z_\-\.\ :/]", "_", key)] = float(value)
+        if not metrics:
+            return
+        if self.unlogged or not log_metrics(metrics, step=state.global_step):
+            self.unlogged.append((state.global_step, metrics))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        import mlflow
+
+        from rlhf.tracking.runs import log_metrics, logger
+
+        if not self.unlogged or mlflow.active_run() is None:
+            return
+        while self.unlogged and log_metrics(self.unlogged[0][1], step=self.unlogged[0][0]):
+            self.unlogged.pop(0)
+        if self.unlogged:
+            steps = [step for step, _ in self.unlogged]
+            names = sorted({name for _, metrics in self.unlogged for name in metrics})
+            logger.warning(
+                "MLflow did not log %d rows of training metrics (steps %d-%d: %s); the stage's curve file has them",
+                len(steps), steps[0], steps[-1], ", ".join(names),
+            )  # fmt: skip
+
+
+def tracking_callbacks() -> list[TrainerCallback]:
+    return [MLflowMetrics()]
 
 
 def fingerprint(config: Any, inputs: list[str | Path]) -> str:

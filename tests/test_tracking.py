@@ -1,0 +1,173 @@
+"""Tracking never stalls training: the training stages write their curves to MLflow
+synchronously (no asynchronous queue for a run's end to wait on), several trainers back to
+back against one sqlite store each end their run in a bounded time with every curve point
+logged, a store that is locked holds a write up only until it is free, and a tracking
+server that goes away mid-training costs the training nothing but a warning naming what
+was not logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pandas as pd
+import pytest
+
+from rlhf.training.params import SFTParams
+
+END_BOUND_S = 5.0
+
+
+@pytest.fixture
+def sft_inputs(tmp_path):
+    from rlhf.models.loading import build_tiny_model, build_tokenizer, save_model
+
+    tokenizer = build_tokenizer()
+    base = tmp_path / "base"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, base)
+    data = tmp_path / "sft.parquet"
+    pd.DataFrame(
+        {"prompt": [f"{a}+{a}\n" for a in range(16)], "completion": [f"{2 * a}" for a in range(16)]}
+    ).to_parquet(data)
+    return base, data
+
+
+def _params(steps: int = 3) -> SFTParams:
+    return SFTParams(max_steps=steps, per_device_train_batch_size=4, logging_steps=1, save_steps=100, max_length=16)
+
+
+def test_trainers_do_not_use_transformers_asynchronous_callback(tmp_path):
+    from trl import SFTConfig
+
+    from rlhf.training.trainer_setup import MLflowMetrics, tracking_callbacks, trl_config
+
+    args = trl_config(SFTConfig, _params(), tmp_path)
+    assert args.report_to == [] or args.report_to == "none"
+    assert [type(c) for c in tracking_callbacks()] == [MLflowMetrics]
+
+
+def test_trainers_back_to_back_end_their_runs_quickly_and_log_every_point(
+    sft_inputs, tmp_path, mlflow_store, monkeypatch
+):
+    """Four trainings, each in its stage run nested under an open parent run (as under the
+    flow), against one sqlite store: every run end is under the bound, every logged step is
+    in MLflow."""
+    import mlflow
+
+    from rlhf.tracking.runs import setup_experiment, stage_run
+    from rlhf.training.sft import train_sft
+
+    waits = tmp_path / "waits.jsonl"
+    monkeypatch.setenv("RLHF_TRACKING_WAITS", str(waits))
+    base, data = sft_inputs
+    setup_experiment()
+    parent = mlflow.start_run(run_name="pipeline")
+    monkeypatch.setenv("RLHF_PARENT_RUN_ID", parent.info.run_id)
+    run_ids = []
+    try:
+        for i in range(4):
+            with stage_run(f"sft-{i}", _params()) as run:
+                train_sft(_params(), base, data, tmp_path / f"out{i}", tmp_path / "checkpoints", f"sft-{i}")
+                run_ids.append(run.info.run_id)
+            assert mlflow.active_run().info.run_id == parent.info.run_id, "the stage run ended, the parent did not"
+    finally:
+        mlflow.end_run()
+    rows = [json.loads(line) for line in waits.read_text().splitlines()]
+    ends = [r["seconds"] for r in rows if r["what"] == "end_run"]
+    assert len(ends) == 4 and max(ends) < END_BOUND_S, ends
+    client = mlflow.tracking.MlflowClient()
+    for run_id in run_ids:
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2, 3]
+        assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_locked_store_holds_a_write_only_until_it_is_free(mlflow_store, tmp_path, monkeypatch):
+    """Another connection holds the sqlite store's write lock for 2 s: the synchronous write
+    waits for it, then lands (not lost, and not an error)."""
+    import mlflow
+
+    from rlhf.tracking.runs import log_metrics, setup_experiment
+
+    setup_experiment()
+    with mlflow.start_run() as run:
+        lock = sqlite3.connect(mlflow_store.removeprefix("sqlite:///"), timeout=1, check_same_thread=False)
+        lock.execute("BEGIN EXCLUSIVE")
+        threading.Timer(2.0, lock.rollback).start()
+        start = time.perf_counter()
+        assert log_metrics({"loss": 0.5}, step=7)
+        waited = time.perf_counter() - start
+        lock.close()
+    assert 1.5 < waited < 15, waited
+    history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(7, 0.5)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, tmp_path, monkeypatch, caplog):
+    """`mlflow server` on 127.0.0.1 is stopped after the first logged step: the training
+    finishes and saves its model, and a warning names the metrics it could not log."""
+    import mlflow
+
+    from rlhf.tracking.runs import setup_experiment, stage_run
+    from rlhf.training.sft import train_sft
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--workers", "1"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        monkeypatch.delenv("RLHF_ARTIFACT_ROOT", raising=False)
+        monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+        base, data = sft_inputs
+        setup_experiment("server-goes-away")
+        from transformers import TrainerCallback
+
+        class StopServer(TrainerCallback):
+            def on_log(self, args, state, control, **kwargs):
+                if state.global_step == 1:
+                    server.terminate()
+                    server.wait(timeout=30)
+
+        import rlhf.training.trainer_setup as setup
+
+        original = setup.tracking_callbacks
+        monkeypatch.setattr(setup, "tracking_callbacks", lambda: [*original(), StopServer()])
+        out = tmp_path / "out"
+        start = time.perf_counter()
+        with caplog.at_level("WARNING", logger="rlhf.tracking"), pytest.raises(Exception):
+            with stage_run("sft", _params(4)):
+                train_sft(_params(4), base, data, out, tmp_path / "checkpoints", "sft")
+        seconds = time.perf_counter() - start
+    finally:
+        server.kill()
+        while mlflow.active_run():
+            mlflow.end_run()
+    assert (out / "model.safetensors").is_file(), "the trained model is saved"
+    assert seconds < 120
+    text = caplog.text
+    assert "MLflow did not log" in text and "loss" in text
+    assert os.environ.get("MLFLOW_TRACKING_URI") == uri
