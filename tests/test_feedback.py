@@ -211,7 +211,8 @@ def test_the_feedback_file_is_in_git_and_a_dep_of_prepare():
     ignored = subprocess.run(["git", "check-ignore", "-q", "data/raw/feedback_prefs.jsonl"], cwd=REPO, check=False)
     assert ignored.returncode == 1, "git must track the feedback file"
     prepare = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["prepare"]
-    assert "data/raw/feedback_prefs.jsonl" in prepare["deps"]
+    # The folder is the dep (DVC warns at every run about an empty file listed as a dep).
+    assert "data/raw" in prepare["deps"]
 
 
 # ----------------------------------------------------------------------------- a real browser
