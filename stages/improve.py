@@ -101,7 +101,7 @@ class Settings(StageConfig):
     tests: list[CapabilityTest] | None = Field(None, description="the round's gate; null: progress and retention")
     confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
     bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
-    seed: int = Field(0, description="problem and sampling seed (each round adds its position)")
+    seed: int = Field(0, description="problem and sampling seed (each round adds a number from its name)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -142,8 +142,13 @@ class Config(StageConfig):
         own = {k: v for k, v in (self.rounds[name] or {}).items() if k != "after"}
         return Settings.model_validate(merged(self.defaults.model_dump(mode="json"), own))
 
-    def position(self, name: str) -> int:
-        return list(self.rounds).index(name)
+
+def round_seed(seed: int, name: str) -> int:
+    """A round's seed: `seed` plus a number from the round's name, so that rounds draw
+    different problems and samples, and a round's draw does not depend on the others."""
+    import zlib
+
+    return seed + zlib.crc32(name.encode()) % 100_000
 
 
 def merged(base: dict, own: dict) -> dict:
@@ -352,7 +357,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     if missing:
         raise ValueError(f"improve: the round's tests read suites {missing} that it does not evaluate ({suites})")
     started = time.perf_counter()
-    seed = settings.seed + config.position(name)
+    seed = round_seed(settings.seed, name)
 
     # 1-3: problems, samples, checks (and repairs).
     from rlhf.models.generation import sample
