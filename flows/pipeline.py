@@ -9,8 +9,11 @@
 The DAG comes from DVC itself (`Repo.index.graph`), so dvc.yaml stays the single source
 of truth. Each task runs `dvc repro --single-item <stage>` in topological order: DVC alone
 decides whether the stage is stale, runs it, restores it from the run-cache, or skips it,
-and the task reports which. Tasks run one at a time, because DVC locks the repository
-for a repro (and two training stages on one machine would only share its cores).
+and the task reports which. Each task waits for the tasks of the stages it depends on
+(`wait_for`), so Prefect's run graph draws the DVC DAG, and a stage downstream of a failed
+one is not run (Prefect marks it NotReady) while the rest go on; the flow then fails,
+naming them. Tasks run one at a time, because DVC locks the repository for a repro (and
+two training stages on one machine would only share its cores).
 
 Prefect adds retries, logs, the UI and schedules; MLflow gets one parent run per flow run
 with one nested run per stage that ran (the stages read `RLHF_PARENT_RUN_ID`), each tagged
@@ -33,6 +36,7 @@ import mlflow
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 
 import rlhf  # noqa: F401  (offline, no-telemetry environment first)
 from rlhf.tracking.runs import PARENT_RUN_ENV, git_commit, setup_experiment, tag_stage_runs_with_lock
@@ -41,15 +45,25 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRESS_RE = re.compile(r"\d+%\|")
 
 
-def stage_order(root: Path = ROOT) -> list[str]:
-    """Every stage address of dvc.yaml (foreach expanded), dependencies first."""
+def stage_graph(root: Path = ROOT) -> tuple[list[str], dict[str, list[str]]]:
+    """Every stage address of dvc.yaml (foreach expanded), dependencies first, and for each
+    the stages whose outputs it depends on (DVC's own graph: `dvc dag`)."""
     import networkx as nx
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
-        order = reversed(list(nx.topological_sort(graph)))
-        return [stage.addressing for stage in order if getattr(stage, "cmd", None)]
+        stages = [stage for stage in reversed(list(nx.topological_sort(graph))) if getattr(stage, "cmd", None)]
+        upstream = {
+            stage.addressing: sorted(dep.addressing for dep in graph.successors(stage) if getattr(dep, "cmd", None))
+            for stage in stages
+        }
+        return [stage.addressing for stage in stages], upstream
+
+
+def stage_order(root: Path = ROOT) -> list[str]:
+    """Every stage address of dvc.yaml (foreach expanded), dependencies first."""
+    return stage_graph(root)[0]
 
 
 def parse_status(output: str, address: str) -> str:
@@ -99,6 +113,11 @@ def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> d
     if code != 0:
         raise RuntimeError(f"`{' '.join(command)}` failed with exit code {code}:\n{output[-4000:]}")
     return {"stage": address, "status": parse_status(output, address), "seconds": time.perf_counter() - start}
+
+
+def describe(state) -> str:
+    """failed, or not run (upstream failed), for the summary."""
+    return "failed" if state.is_failed() or state.is_crashed() else "not run: an upstream stage failed"
 
 
 def read_metrics(root: Path = ROOT) -> dict:
@@ -205,7 +224,7 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
     return "\n".join(lines)
 
 
-@flow(name="rlhf-pipeline", log_prints=True)
+@flow(name="rlhf-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
 def pipeline(force: list[str] | None = None, retries: int = 0, root: str | None = None) -> dict:
     """Run every stage of dvc.yaml through DVC; return per-stage status and the metrics."""
     global ROOT
@@ -218,10 +237,23 @@ def pipeline(force: list[str] | None = None, retries: int = 0, root: str | None 
     with mlflow.start_run(
         run_name=run_name, tags={"rlhf.stage": "pipeline", "mlflow.source.git.commit": git_commit()}
     ) as parent:
-        results = []
         task = run_stage.with_options(retries=retries, retry_delay_seconds=10)
-        for address in stage_order(ROOT):
-            results.append(task(address, parent.info.run_id, force=address in force))
+        order, upstream = stage_graph(ROOT)
+        # Each stage waits for the stages it depends on: the run graph draws dvc.yaml's DAG,
+        # and a stage downstream of a failure is not run (Prefect marks it NotReady) while
+        # the others go on. One worker: DVC locks the repository for a repro.
+        futures: dict = {}
+        for address in order:
+            waits = [futures[u] for u in upstream[address] if u in futures]
+            futures[address] = task.submit(address, parent.info.run_id, force=address in force, wait_for=waits)
+        for future in futures.values():
+            future.wait()
+        states = {address: future.state for address, future in futures.items()}
+        failed = [a for a in order if not states[a].is_completed()]
+        results = [
+            futures[a].result() if a not in failed else {"stage": a, "status": describe(states[a]), "seconds": 0.0}
+            for a in order
+        ]
         tag_stage_runs_with_lock(parent.info.run_id, ROOT / "dvc.lock")
         metrics = read_metrics(ROOT)
         for r in results:
@@ -232,10 +264,16 @@ def pipeline(force: list[str] | None = None, retries: int = 0, root: str | None 
             )
         markdown = summary_markdown(results, metrics)
         mlflow.log_text(markdown, "summary.md")
+        if failed:
+            mlflow.set_tag("pipeline.failed", ",".join(failed))
     create_markdown_artifact(
         markdown=markdown, key="pipeline-summary", description="stage status, metrics, gate verdict"
     )
     print(markdown)
+    if failed:
+        raise RuntimeError(
+            "stages not completed: " + ", ".join(f"{a} ({describe(states[a])})" for a in order if a in failed)
+        )
     return {"stages": results, "metrics": metrics, "mlflow_run_id": parent.info.run_id}
 
 

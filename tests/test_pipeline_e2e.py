@@ -45,12 +45,13 @@ ORDER = [
 # Data and model deps a stage may leave unread in the default run, because a param's value
 # decides whether it reads them (DVC deps cannot follow a value).
 UNREAD_BY_DESIGN = {
-    ("prepare", "data/raw"): "read only with prepare.source: files",
+    ("prepare", "data/raw"): "read with prepare.source: files, and the labelling page's file when it has rows",
     ("merge", "data/prepared/eval"): "read only by merge.method: greedy_soup",
     ("prm", "models/sft"): "the rollout policy, read only when no step labels are given",
     ("prm", "data/prepared/prompts.parquet"): "read only when step labels are derived by rollouts",
     ("infer", "models/rm"): "read only by a reward_model scorer (the default best-of-n scorer is the PRM)",
     ("policy@dpo", "data/prepared/unpaired.parquet"): "the offline template's KTO input",
+    ("policy@dpo", "data/prepared/sft.parquet"): "EWC's previous data, read only with policy.<method>.ewc.strength > 0",
     ("gate", "models/policy"): "read only when a policy is promoted (here: dpo)",
     ("gate", "models/merged"): "read only when the merge is promoted",
 }
@@ -95,6 +96,7 @@ def flow_run(tmp_path_factory):
             with prefect_test_harness(server_startup_timeout=120):
                 result = pipeline(root=str(root))
                 artifacts = read_artifacts()
+                result["task_runs"] = read_task_runs()
         finally:
             os.chdir(cwd)
     return root, result, artifacts
@@ -110,6 +112,38 @@ def read_artifacts():
             return await client.read_artifacts()
 
     return asyncio.run(fetch())
+
+
+def read_task_runs():
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def fetch():
+        async with get_client() as client:
+            return await client.read_task_runs()
+
+    return asyncio.run(fetch())
+
+
+def test_the_prefect_run_graph_has_the_edges_of_dvc_dag(flow_run):
+    """Each task waits for its upstream stages' tasks: as many edges as `dvc dag` draws."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    root, result, _ = flow_run
+    runs = {r.name: r for r in result["task_runs"]}
+    ids = {r.id: name for name, r in runs.items()}
+    edges = {(ids[i.id], name) for name, r in runs.items() for i in r.task_inputs.get("wait_for", []) if i.id in ids}
+    cwd = os.getcwd()
+    try:
+        os.chdir(root)
+        with Repo(str(root)) as repo:
+            graph = repo.index.graph
+            dag = {(dep.addressing, stage.addressing) for stage, dep in graph.edges}
+    finally:
+        os.chdir(cwd)
+    assert edges == dag and len(edges) == nx.number_of_edges(graph)
 
 
 def test_flow_runs_every_stage_as_a_task_and_summarises(flow_run):

@@ -1,0 +1,66 @@
+"""The Prefect flow draws dvc.yaml's DAG: each stage's task waits for the tasks of the
+stages it depends on, a stage downstream of a failure is not run while an independent one
+is, and the flow fails naming them. A four-stage DVC project of shell commands, run through
+the real flow on Prefect's test harness."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import run
+
+pytestmark = pytest.mark.slow  # starts Prefect's test server
+
+DVC_YAML = {
+    "stages": {
+        "a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]},
+        "b": {"cmd": "cat a.txt > b.txt && exit 3", "deps": ["a.txt"], "outs": ["b.txt"]},
+        "c": {"cmd": "cat b.txt > c.txt", "deps": ["b.txt"], "outs": ["c.txt"]},
+        "d": {"cmd": "cat a.txt > d.txt", "deps": ["a.txt"], "outs": ["d.txt"]},
+    }
+}
+
+
+def test_the_run_graph_has_the_dags_edges_and_a_failure_stops_only_its_downstream(tmp_path, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import pipeline, stage_graph
+
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "dvc.yaml").write_text(yaml.safe_dump(DVC_YAML))
+    run(["git", "init", "-q"], root)
+    run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    cwd = os.getcwd()
+    monkeypatch.chdir(root)  # DVC names stages relative to the working directory, as the flow runs
+    order, upstream = stage_graph(root)
+    assert upstream == {"a": [], "b": ["a"], "c": ["b"], "d": ["a"]}
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID", "RLHF_ARTIFACT_ROOT"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            with pytest.raises(RuntimeError, match=r"stages not completed: b \(failed\), c \(not run"):
+                pipeline(root=str(root))
+
+            async def task_runs():
+                async with get_client() as client:
+                    return await client.read_task_runs()
+
+            runs = asyncio.run(task_runs())
+    finally:
+        os.chdir(cwd)
+    by_name = {r.name: r for r in runs}
+    assert set(by_name) == {"a", "b", "c", "d"}
+    states = {name: r.state.type.value for name, r in by_name.items()}
+    assert states["a"] == "COMPLETED" and states["d"] == "COMPLETED", "an independent stage still runs"
+    assert states["b"] == "FAILED"
+    assert states["c"] != "COMPLETED" and not (root / "c.txt").exists(), "downstream of the failure: not run"
+    ids = {r.id: name for name, r in by_name.items()}
+    edges = {(ids[i.id], name) for name, r in by_name.items() for i in r.task_inputs.get("wait_for", []) if i.id in ids}
+    assert edges == {("a", "b"), ("b", "c"), ("a", "d")}, "one edge per dependency in `dvc dag`"
