@@ -39,7 +39,14 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 import rlhf  # noqa: F401  (offline, no-telemetry environment first)
-from rlhf.tracking.runs import PARENT_RUN_ENV, git_commit, setup_experiment, tag_stage_runs_with_lock
+from rlhf.tracking.runs import (
+    PARENT_RUN_ENV,
+    flatten,
+    git_commit,
+    log_metrics,
+    setup_experiment,
+    tag_stage_runs_with_lock,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRESS_RE = re.compile(r"\d+%\|")
@@ -113,6 +120,53 @@ def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> d
     if code != 0:
         raise RuntimeError(f"`{' '.join(command)}` failed with exit code {code}:\n{output[-4000:]}")
     return {"stage": address, "status": parse_status(output, address), "seconds": time.perf_counter() - start}
+
+
+HEADLINE = ("accuracy", "accuracy_low", "accuracy_high", "format_rate", "reward", "win_rate", "kl_to_ref")
+
+
+def headline_metrics(metrics: dict) -> dict[str, float]:
+    """What the parent run carries for MLflow's Compare: per suite and model accuracy,
+    format rate, reward, win-rate and KL (with the accuracy interval), the RM and PRM
+    held-out accuracy, the gate's verdict, and per round its candidate's accuracy."""
+    out: dict[str, float] = {}
+
+    def put(name: str, value) -> None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[re.sub(r"[^0-9A-Za-z_\-\.\ :/]", "_", name)] = float(value)
+
+    for suite, models in ((metrics.get("eval") or {}).get("suites") or {}).items():
+        for model, m in models.items():
+            if isinstance(m, dict):
+                for key in HEADLINE:
+                    put(f"{suite}.{model}.{key}", m.get(key))
+    put("rm.ensemble_accuracy", (metrics.get("rm") or {}).get("ensemble_accuracy"))
+    put("prm.step_accuracy", (metrics.get("prm") or {}).get("step_accuracy"))
+    gate = metrics.get("gate")
+    if gate:
+        put("gate.promoted", float(bool(gate.get("promoted"))))
+        for name, result in gate["candidates"].items():
+            put(f"gate.{name}.passed", float(result["passed"]))
+    for name, report in (metrics.get("rounds") or {}).items():
+        put(f"round.{name}.passed", float(bool(report.get("passed"))))
+        for suite, m in (report.get("candidate_eval") or {}).items():
+            put(f"round.{name}.{suite}.accuracy", m.get("accuracy"))
+    for name, strategy in ((metrics.get("infer") or {}).get("strategies") or {}).items():
+        put(f"infer.{name}.accuracy", strategy.get("accuracy"))
+    return out
+
+
+def log_run_definition(root: Path) -> None:
+    """The params that define the run, on the parent run: every key of params.yaml,
+    flattened (`sft.learning_rate`), and its hash, so that Compare shows what changed."""
+    import hashlib
+
+    import yaml
+
+    text = (root / "params.yaml").read_text()
+    params = flatten(yaml.safe_load(text) or {})
+    mlflow.log_params({key: str(value)[:6000] for key, value in params.items()})
+    mlflow.set_tag("params.sha256", hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
 def describe(state) -> str:
@@ -256,6 +310,8 @@ def pipeline(force: list[str] | None = None, retries: int = 0, root: str | None 
         ]
         tag_stage_runs_with_lock(parent.info.run_id, ROOT / "dvc.lock")
         metrics = read_metrics(ROOT)
+        log_run_definition(ROOT)
+        log_metrics(headline_metrics(metrics))
         for r in results:
             mlflow.set_tag(f"stage.{r['stage'].replace('@', ':')}", r["status"])
         if metrics["gate"]:

@@ -199,3 +199,24 @@ def test_the_flow_summary_has_a_row_per_round():
     assert table[5] == "| r1 | 30 / 80 | 0.500 [0.400, 0.600] | passed: the candidate is the winner |"
     assert table[6] == "| r2 | 0 / 80 | n/a | stopped: progress: fails |"
     assert table[7] == "| r3 | n/a | n/a | not run: the loop stopped at round r2 |"
+
+
+def test_the_parent_run_headline_has_each_models_suite_metrics_and_each_round():
+    from flows.pipeline import headline_metrics
+
+    metrics = {
+        "eval": {"suites": {"dev": {"sft": {"accuracy": 0.5, "kl_to_ref": 0.0}, "dpo": {"accuracy": 0.7}}}},
+        "rm": {"ensemble_accuracy": 0.9},
+        "gate": {"promoted": True, "candidates": {"dpo": {"passed": True}}},
+        "rounds": {"r1": {"passed": False, "candidate_eval": {"dev_long": {"accuracy": 0.1}}}},
+    }
+    assert headline_metrics(metrics) == {
+        "dev.sft.accuracy": 0.5,
+        "dev.sft.kl_to_ref": 0.0,
+        "dev.dpo.accuracy": 0.7,
+        "rm.ensemble_accuracy": 0.9,
+        "gate.promoted": 1.0,
+        "gate.dpo.passed": 1.0,
+        "round.r1.passed": 0.0,
+        "round.r1.dev_long.accuracy": 0.1,
+    }

@@ -164,6 +164,12 @@ def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
     root, result, _ = flow_run
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     parent = client.get_run(result["mlflow_run_id"])
+    # The parent run carries what MLflow's Compare shows: headline metrics and the params.
+    assert {"dev.dpo.accuracy", "dev.sft.accuracy", "test.dpo.accuracy_low", "gate.promoted"} <= set(
+        parent.data.metrics
+    )
+    assert parent.data.metrics["gate.promoted"] == 1.0
+    assert parent.data.params["sft.max_steps"] == "4" and "params.sha256" in parent.data.tags
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
