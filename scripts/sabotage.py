@@ -26,7 +26,6 @@ check is among the reasons; the champion folder and registry before and after) g
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -84,15 +83,6 @@ def training_tables(task, args) -> dict[str, pd.DataFrame]:
         "repetition": sft.assign(completion=[c + f"; answer {a}" * 4 for c, a in zip(sft["completion"], answers)]),
         "rm_fooled": rm_fooled_rows(task, args.prompts, args.samples, args.seed),
     }
-
-
-def folder_digest(path: Path) -> str | None:
-    if not path.exists():
-        return None
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(file.relative_to(path).as_posix().encode() + file.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def stage(name: str, env: dict) -> str:
@@ -154,7 +144,9 @@ def main() -> None:
     write_json(evaluate_stage.OUTCOMES, outcomes)
     write_json(evaluate_stage.SAMPLES, samples)
     write_json(evaluate_stage.COMPLETIONS, completions)
-    champion_before = folder_digest(work / "models/champion")
+    from rlhf.tracking.champion import read_champion
+
+    champion_before = read_champion(work / "models/champion")
     print(stage("validate", env), end="")
     print(stage("capability_gate", env), end="")
     verdict = json.loads((work / "reports/gate.json").read_text())
@@ -178,7 +170,11 @@ def main() -> None:
             "mean_length": metrics.get("mean_length"),
         }
     results["reference"] = {k: report["suites"][suite]["sft"].get(k) for k in ("accuracy", "reward", "mean_length")}
-    results["champion_unchanged"] = folder_digest(work / "models/champion") == champion_before
+    # The champion's record (models/champion/champion.json): what a promotion writes.
+    results["champion_before"] = champion_before and champion_before["candidate"]
+    champion_after = read_champion(work / "models/champion")
+    results["champion_after"] = champion_after and champion_after["candidate"]
+    results["champion_unchanged"] = champion_after == champion_before
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     for kind, result in results["candidates"].items():
