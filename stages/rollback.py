@@ -57,8 +57,12 @@ def rollback(version: str, registered_model: str) -> dict:
         raise SystemExit(
             f"rollback: {registered_model!r} has no version {version} (versions: {sorted(known, key=int) or 'none'})"
         )
+    # Where the alias points now: the registry is the record, whichever clone this runs in
+    # (a fresh clone has no models/champion of its own).
     previous = read_champion(CHAMPION_DIR)
-    moved_from = previous.get("model_version") if previous else None
+    moved_from = next((v for v, info in known.items() if info["champion"]), None)
+    if moved_from is None and previous:
+        moved_from = previous.get("model_version")
     tags = {"rlhf.stage": "rollback", "rollback.from_version": str(moved_from), "rollback.to_version": version}
     with mlflow.start_run(run_name=f"rollback-to-v{version}", tags=tags):
         with atomic_dir(CHAMPION_DIR) as staging:

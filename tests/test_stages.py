@@ -16,7 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tests.conftest import make_project
+from tests.conftest import make_project, run
 
 pytestmark = pytest.mark.slow  # trains real models: the full suite runs it, the quick tier does not
 
@@ -322,8 +322,9 @@ def test_a_dvc_experiment_does_not_move_the_champion(project):
 def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, tmp_path, monkeypatch):
     """Every promoted version is an MLflow transformers model: from another directory,
     `models:/rlhf-policy@champion` loads as a text-generation pipeline with the champion's
-    weights. `python -m stages.rollback --version V` brings version V back: models/champion
-    holds its weights and record, the alias points at it, and a run records the move."""
+    weights. `python -m stages.rollback --version V`, run in a second clone pointed at the
+    same tracking store, brings version V back: that clone's models/champion holds its
+    weights and record, the alias points at it, and a run records the move."""
     import mlflow
 
     import stages.rollback
@@ -344,16 +345,20 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     target = next(
         str(v.version) for v in client.search_model_versions("name = 'rlhf-policy'") if str(v.version) != current
     )
-    monkeypatch.chdir(project)
+    # The rollback runs in a second clone of the project pointed at the same tracking store:
+    # the registry, not the first workspace, is where the versions live.
+    second = tmp_path / "second"
+    run(["git", "clone", "-q", str(project), str(second)], tmp_path)
+    monkeypatch.chdir(second)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
     with pytest.raises(SystemExit, match="has no version 99"):
         stages.rollback.main(["--version", "99"])
     stages.rollback.main(["--version", str(target)])
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
-    record = json.loads((project / "models/champion/champion.json").read_text())
+    record = json.loads((second / "models/champion/champion.json").read_text())
     assert record["model_version"] == target and record["restored"]["from_version"] == current
     restored = mlflow.transformers.load_model(f"models:/rlhf-policy/{target}").model.state_dict()
-    champion = weights(project / "models/champion")
+    champion = weights(second / "models/champion")
     assert not changed(champion, {k: restored[k] for k in champion})
     runs = client.search_runs(
         [client.get_experiment_by_name("stages-test").experiment_id], "tags.`rlhf.stage` = 'rollback'"
