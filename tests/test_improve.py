@@ -149,12 +149,14 @@ def test_rounds_as_dvc_stages(tmp_path):
                 "r1": {"after": "sft"},
                 "r2": {"after": "rounds/r1", "tests": never},
                 "r3": {"after": "rounds/r2"},
+                # A PRM bar no micro-model step clears: every sample is rejected and repaired.
+                "fix": {"after": "sft", "refine": True, "refine_attempts": 2, "prm_threshold": 0.999},
             },
         }
     )
     root = make_project(tmp_path / "project", params)
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
-    run([sys.executable, "-m", "dvc", "repro", "round@r3"], root, env=env)
+    run([sys.executable, "-m", "dvc", "repro", "round@r3", "round@fix"], root, env=env)
 
     reports = {r: json.loads((root / f"models/rounds/{r}/round.json").read_text()) for r in ("r1", "r2", "r3")}
     assert reports["r1"]["passed"] and reports["r1"]["winner"] == "r1" and reports["r1"]["data"]["new_rows"] > 0
@@ -168,6 +170,9 @@ def test_rounds_as_dvc_stages(tmp_path):
     assert len(samples) == 6 * 2 and samples["kept"].all()
     summary = json.loads((root / "reports/rounds/r2.json").read_text())
     assert summary["stopped"] is True and summary["failures"]
+    repair = json.loads((root / "models/rounds/fix/round.json").read_text())["data"]["repair"]
+    assert repair["samples"] == 12 and repair["flagged"] == 12, "every rejected sample went to the repair"
+    assert repair["repaired"] + repair["unrepaired"] == 12
 
     # Only round 3's entry changes: DVC reruns round 3 and nothing before it.
     params["improve"]["rounds"]["r3"]["samples"] = 3
@@ -182,7 +187,7 @@ def test_rounds_as_dvc_stages(tmp_path):
 
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     names = set(mlflow.search_runs(search_all_experiments=True)["tags.mlflow.runName"])
-    assert {"round@r1", "round@r2", "round@r3"} <= names
+    assert {"round@r1", "round@r2", "round@r3", "round@fix"} <= names
 
 
 def test_the_flow_summary_has_a_row_per_round():
