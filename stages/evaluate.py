@@ -188,6 +188,27 @@ def run(
     return report, outcomes, samples, completions
 
 
+def log_models(report: dict, methods: list[str]) -> None:
+    """Each eval suite as an MLflow dataset input of the run, and each model evaluated as an
+    MLflow logged model (external: DVC keeps the weights) with its metrics on each suite
+    linked to it and to that dataset."""
+    from rlhf.tracking.runs import log_model_metrics, log_table, numeric_metrics
+
+    dirs = candidate_dirs(methods)
+    datasets = {
+        suite: log_table(eval_suite_path(suite), "evaluation")
+        for suite in report["suites"]
+        if not suite.startswith(HARNESS_PREFIX)
+    }
+    for name, path in dirs.items():
+        scored = [
+            (numeric_metrics({suite: results[name]}), datasets.get(suite))
+            for suite, results in report["suites"].items()
+            if name in results
+        ]
+        log_model_metrics(name, path, scored)
+
+
 def print_report(report: dict) -> None:
     for suite, results in report["suites"].items():
         if suite.startswith(HARNESS_PREFIX):
@@ -232,6 +253,7 @@ def main() -> None:
         write_json(COMPLETIONS, completions)
         mlflow.log_metrics(numeric_metrics(report["suites"]))
         mlflow.log_artifact(str(REPORT))
+        log_models(report, methods)
         print_report(report)
 
 

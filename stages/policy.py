@@ -528,6 +528,11 @@ METHODS: dict[str, Callable] = {
 }
 
 
+def training_data(method: str) -> Path:
+    """The prepared table a method trains on."""
+    return {"kto": UNPAIRED}.get(method, PREFS) if method in OFFLINE_METHODS else PROMPTS
+
+
 def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
     from rlhf.training.trainer_setup import discard_checkpoints
 
@@ -541,7 +546,7 @@ def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, l
 def main(argv: list[str] | None = None) -> None:
     import mlflow
 
-    from rlhf.tracking.runs import numeric_metrics, stage_run
+    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
 
     argv = sys.argv[1:] if argv is None else argv
     params = load_model_stage()
@@ -559,6 +564,7 @@ def main(argv: list[str] | None = None) -> None:
         write_csv(PLOTS_ROOT / f"{method}.csv", curve)
         mlflow.log_metrics(numeric_metrics(metrics))
         mlflow.log_artifact(str(PLOTS_ROOT / f"{method}.csv"))
+        log_table(training_data(method), "training")
 
 
 if __name__ == "__main__":

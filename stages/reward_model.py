@@ -239,7 +239,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
 def main() -> None:
     import mlflow
 
-    from rlhf.tracking.runs import numeric_metrics, stage_run
+    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
 
     params = load_model_stage()
     config, task = params["rm"], get_task(params["task"])
@@ -254,6 +254,8 @@ def main() -> None:
         write_json(METRICS, metrics)
         write_csv(PLOT, curve)
         mlflow.log_metrics(numeric_metrics(metrics))
+        log_table(DATA, "training")
+        log_table(EVAL_DATA, "evaluation")
         mlflow.log_artifact(str(PLOT))
         print(f"rm: ensemble held-out pairwise accuracy {metrics['ensemble_accuracy']:.3f}")
 

@@ -52,7 +52,7 @@ def main(
     this with its own section and paths)."""
     import mlflow
 
-    from rlhf.tracking.runs import numeric_metrics, stage_run
+    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
 
     params = load_model_stage()
     config = params[stage]  # the verifier stage runs this trainer with its own section
@@ -63,6 +63,7 @@ def main(
         write_csv(plot, curve)
         mlflow.log_metrics(numeric_metrics(metrics))
         mlflow.log_artifact(str(plot))
+        log_table(DATA, "training")
 
 
 if __name__ == "__main__":

@@ -181,6 +181,15 @@ def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
         assert child.data.tags["mlflow.source.git.commit"] == parent.data.tags["mlflow.source.git.commit"]
     assert parent.data.tags["gate.promoted"] == "True"
     assert client.get_model_version_by_alias("rlhf-policy", "champion").tags["candidate"] == "dpo"
+    # The Dataset and Models columns: tables as run inputs, candidates as logged models.
+    evaluate_run = next(r for r in children if r.data.tags["rlhf.stage"] == "evaluate")
+    assert {i.dataset.name for i in client.get_run(evaluate_run.info.run_id).inputs.dataset_inputs} == {"dev", "test"}
+    sft_run = next(r for r in children if r.data.tags["rlhf.stage"] == "sft")
+    assert [i.dataset.name for i in client.get_run(sft_run.info.run_id).inputs.dataset_inputs] == ["sft"]
+    models = client.search_logged_models(experiment_ids=[parent.info.experiment_id])
+    assert {m.name for m in models} >= {"sft", "dpo"}
+    dpo = next(m for m in models if m.name == "dpo")
+    assert dpo.tags["dvc.md5"].endswith(".dir") and any(m.key == "dev.accuracy" for m in dpo.metrics)
 
 
 def stage_files(root: Path) -> dict[str, tuple[list[str], list[str]]]:

@@ -171,3 +171,29 @@ def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, t
     text = caplog.text
     assert "MLflow did not log" in text and "loss" in text
     assert os.environ.get("MLFLOW_TRACKING_URI") == uri
+
+
+def test_tables_are_run_inputs_with_their_dvc_hash_and_models_carry_their_metrics(tmp_path, mlflow_store):
+    """A prepared table is an MLflow dataset input whose digest is the file's md5 (DVC's
+    hash); a candidate is a logged model (external: DVC keeps it) whose metrics are linked to
+    it and to the suite's dataset."""
+    import hashlib
+
+    import mlflow
+
+    from rlhf.tracking.runs import log_model_metrics, log_table, setup_experiment
+
+    table = tmp_path / "dev.parquet"
+    pd.DataFrame({"prompt": ["1+1\n", "2+2\n"], "answer": ["2", "4"]}).to_parquet(table)
+    setup_experiment()
+    with mlflow.start_run() as run:
+        dataset = log_table(table, "evaluation")
+        model_id = log_model_metrics("dpo", tmp_path / "models/policy/dpo", [({"dev.accuracy": 0.75}, dataset)])
+    inputs = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+    assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [
+        ("dev", hashlib.md5(table.read_bytes()).hexdigest())
+    ]
+    model = mlflow.get_logged_model(model_id)
+    assert model.name == "dpo" and model.tags["path"].endswith("models/policy/dpo")
+    [metric] = model.metrics
+    assert (metric.key, metric.value, metric.dataset_name) == ("dev.accuracy", 0.75, "dev")

@@ -57,6 +57,67 @@ def record_wait(what: str, seconds: float) -> None:
             file.write(json.dumps({"what": what, "seconds": round(seconds, 4), "pid": os.getpid()}) + "\n")
 
 
+def file_md5(path: str | Path) -> str:
+    """The md5 of a file's bytes: what DVC records for a file dep or out."""
+    digest = hashlib.md5()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def log_table(path: str | Path, context: str, frame=None):
+    """Log a prepared table as an input of the active run: an MLflow dataset named after
+    the file, whose digest is the file's md5 (the hash DVC records for it), so MLflow's
+    Dataset column says exactly which version trained or scored the run. Returns the
+    dataset, or None (with a warning) when it could not be logged."""
+    import pandas as pd
+    from mlflow.data import from_pandas
+
+    path = Path(path)
+    try:
+        table = frame if frame is not None else pd.read_parquet(path)
+        dataset = from_pandas(table, source=path.as_posix(), name=path.stem, digest=file_md5(path))
+        mlflow.log_input(dataset, context=context)
+        return dataset
+    except Exception as error:  # tracking must not fail a stage whose result is made
+        logger.warning("MLflow did not log the input %s: %s", path, error)
+        return None
+
+
+def dvc_out_hash(path: str | Path, lock_path: str | Path = "dvc.lock") -> str | None:
+    """The hash dvc.lock records for the output `path` (a folder's `.dir` md5), or None."""
+    lock = Path(lock_path)
+    if not lock.is_file():
+        return None
+    wanted = Path(path).as_posix()
+    for entry in ((yaml.safe_load(lock.read_text()) or {}).get("stages") or {}).values():
+        for out in entry.get("outs") or []:
+            if out.get("path") == wanted:
+                return out.get("md5") or out.get("hash")
+    return None
+
+
+def log_model_metrics(name: str, path: str | Path, scored: list[tuple[Mapping[str, float], Any]]) -> str | None:
+    """An MLflow logged model for a model DVC keeps (`create_external_model`: no weights are
+    copied; its tags say where it is and its DVC hash), with each (metrics, dataset) of
+    `scored` linked to it and to that dataset, so MLflow's Models column and model pages
+    show what each candidate scored on what. Returns the model id, or None (with a
+    warning) when the store refused."""
+    active = mlflow.active_run()
+    try:
+        tags = {"path": Path(path).as_posix(), "dvc.md5": str(dvc_out_hash(path))}
+        model = mlflow.create_external_model(
+            name=name, source_run_id=active.info.run_id if active else None, tags=tags, model_type="causal-lm"
+        )
+        for metrics, dataset in scored:
+            mlflow.log_metrics(dict(metrics), model_id=model.model_id, dataset=dataset, synchronous=True)
+        return model.model_id
+    except Exception as error:  # tracking must not fail a stage whose result is made
+        logger.warning("MLflow did not log model %s (%s): %s", name, path, error)
+        return None
+
+
 def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> bool:
     """Log to the active run synchronously; on failure warn with the metric names and the
     step, and return False instead of raising (a tracking store that is away or locked
