@@ -163,6 +163,8 @@ def log_run_definition(root: Path) -> None:
 
     import yaml
 
+    if not (root / "params.yaml").is_file():  # a DAG without params
+        return
     text = (root / "params.yaml").read_text()
     params = flatten(yaml.safe_load(text) or {})
     mlflow.log_params({key: str(value)[:6000] for key, value in params.items()})
