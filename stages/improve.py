@@ -397,7 +397,8 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     pd.DataFrame(sample_rows).to_parquet(data_dir / "samples.parquet", index=False)
     train.to_parquet(data_dir / "train.parquet", index=False)
     all_kept.to_parquet(out_dir / KEPT_FILE, index=False)
-    flat = [row for group in verdicts for row in group]
+    # The model's own samples (repairs are counted under `repair`).
+    flat = [row for group in verdicts for row in group if row.get("source") != "refined"]
     report["data"] = {
         "problems": len(prompts),
         "samples": len(flat),
