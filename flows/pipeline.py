@@ -34,7 +34,7 @@ from pathlib import Path
 
 import mlflow
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -123,6 +123,48 @@ def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> d
 
 
 HEADLINE = ("accuracy", "accuracy_low", "accuracy_high", "format_rate", "reward", "win_rate", "kl_to_ref")
+
+
+def table_artifacts(metrics: dict) -> dict[str, list[dict]]:
+    """The tables that read better as tables than as logs, by artifact key: every model on
+    every suite, the gate's verdict test by test, and the inference strategies."""
+    tables: dict[str, list[dict]] = {}
+    suites = ((metrics.get("eval") or {}).get("suites")) or {}
+    rows = [
+        {"suite": suite, "model": model, **{key: m.get(key) for key in HEADLINE}}
+        for suite, models in suites.items()
+        for model, m in models.items()
+        if isinstance(m, dict)
+    ]
+    if rows:
+        tables["eval-table"] = rows
+    gate = metrics.get("gate")
+    if gate:
+        tables["gate-verdict"] = [
+            {"candidate": name, "test": test["name"], "passed": test["passed"], "reason": test["reason"]}
+            for name, result in gate["candidates"].items()
+            for test in result["tests"]
+        ]
+    infer = metrics.get("infer")
+    if infer:
+        tables["inference-table"] = [
+            {
+                "strategy": name,
+                **{
+                    k: m.get(k)
+                    for k in (
+                        "accuracy",
+                        "accuracy_low",
+                        "accuracy_high",
+                        "tokens_per_problem",
+                        "samples_per_problem",
+                        "seconds",
+                    )
+                },
+            }
+            for name, m in infer["strategies"].items()
+        ]
+    return tables
 
 
 def headline_metrics(metrics: dict) -> dict[str, float]:
@@ -320,10 +362,15 @@ def pipeline(force: list[str] | None = None, retries: int = 0, root: str | None 
             mlflow.set_tags(
                 {"gate.promoted": str(metrics["gate"]["promoted"]), "gate.champion": str(metrics["gate"]["champion"])}
             )
+        tables = table_artifacts(metrics)
         markdown = summary_markdown(results, metrics)
+        if tables:
+            markdown += "\n\nTables: " + ", ".join(f"artifact `{key}`" for key in tables)
         mlflow.log_text(markdown, "summary.md")
         if failed:
             mlflow.set_tag("pipeline.failed", ",".join(failed))
+    for key, rows in tables.items():
+        create_table_artifact(table=rows, key=key, description=f"{key.replace('-', ' ')} of this run")
     create_markdown_artifact(
         markdown=markdown, key="pipeline-summary", description="stage status, metrics, gate verdict"
     )

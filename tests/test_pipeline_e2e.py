@@ -156,6 +156,12 @@ def test_flow_runs_every_stage_as_a_task_and_summarises(flow_run):
     assert summary, "the flow ends with a markdown artifact"
     markdown = summary[0].data
     assert "| policy@dpo | ran |" in markdown and "## Gate: promoted **dpo**" in markdown
+    # Tables read better as tables: each is an artifact of its own, named in the summary.
+    keys = {a.key for a in artifacts}
+    assert {"eval-table", "gate-verdict", "inference-table"} <= keys
+    assert "artifact `gate-verdict`" in markdown
+    verdict = next(a for a in artifacts if a.key == "gate-verdict")
+    assert "kl_to_ref" in str(verdict.data) and "passed" in str(verdict.data)
 
 
 def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
