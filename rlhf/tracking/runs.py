@@ -205,9 +205,17 @@ def stage_run(stage: str, config: Any, tags: Mapping[str, str] | None = None) ->
     address = os.environ.get("DVC_STAGE", stage)
     run_tags = {STAGE_TAG: address, COMMIT_TAG: git_commit(), **(tags or {})}
     run = mlflow.start_run(run_name=address, parent_run_id=parent, nested=parent is not None, tags=run_tags)
-    try:
+    with ending(run):
         params = flatten(config.model_dump(mode="json")) if hasattr(config, "model_dump") else flatten(config)
         mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})
+        yield run
+
+
+@contextmanager
+def ending(run: mlflow.ActiveRun) -> Iterator[mlflow.ActiveRun]:
+    """End the started `run` after the block: FAILED on an exception (which propagates),
+    else FINISHED, with the time the end took recorded (`record_wait`)."""
+    try:
         yield run
     except BaseException:
         mlflow.end_run("FAILED")
@@ -252,12 +260,5 @@ def nested_run(name: str) -> Iterator[mlflow.ActiveRun]:
     """A run nested in the active one; a trainer inside logs its curves there.
 
     The run's end is timed like a stage run's (`record_wait`)."""
-    run = mlflow.start_run(run_name=name, nested=True)
-    try:
+    with ending(mlflow.start_run(run_name=name, nested=True)) as run:
         yield run
-    except BaseException:
-        mlflow.end_run("FAILED")
-        raise
-    start = time.perf_counter()
-    mlflow.end_run()
-    record_wait("end_run", time.perf_counter() - start)
