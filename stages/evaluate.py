@@ -6,7 +6,7 @@ In:  models/sft (the reference), models/policy/<method> for each policy method,
 Out: reports/eval.json (DVC metrics: per suite, per model), reports/outcomes.json (per
      problem, per model: what the gate's paired tests read), reports/samples.json (a few
      generations per model, for reading), reports/completions.json (every greedy completion,
-     for stage validate).
+     for stage validate), plots/evaluate/<suite>.csv (accuracy per model: bar plots).
 
 Per model and suite, from greedy completions: task accuracy (the task's answer check) with
 its 95% bootstrap interval over problems and its value per difficulty (the suite's
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhf.artifacts import write_json
+from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.evaluation.suites import evaluate_model, suite_digest
 from rlhf.params import StageConfig
 from rlhf.tasks import get_task
@@ -59,6 +59,7 @@ REPORT = REPORTS_DIR / "eval.json"
 OUTCOMES = REPORTS_DIR / "outcomes.json"
 SAMPLES = REPORTS_DIR / "samples.json"
 COMPLETIONS = REPORTS_DIR / "completions.json"  # every greedy completion: what stage validate reads
+PLOTS = Path("plots/evaluate")  # <suite>.csv: accuracy per model, the bar plots of `dvc plots show`
 # Metrics with one value per problem: their means get intervals and paired gate tests.
 PER_PROBLEM = ("accuracy", "format_rate", "reward", "win_rate")
 HARNESS_PREFIX = "harness/"  # report["suites"] key of a harness task's scores
@@ -229,6 +230,21 @@ def print_report(report: dict) -> None:
             )
 
 
+def accuracy_bars(report: dict) -> dict[str, list[dict]]:
+    """Per eval suite (harness tasks left out), a row per model with a task accuracy:
+    model, accuracy and its interval; suites with no accuracy (kind none) are left out."""
+    bars = {}
+    for suite, models in report["suites"].items():
+        rows = [
+            {"model": model, **{key: m.get(key) for key in ("accuracy", "accuracy_low", "accuracy_high")}}
+            for model, m in models.items()
+            if isinstance(m, dict) and isinstance(m.get("accuracy"), int | float)
+        ]
+        if rows and not suite.startswith(HARNESS_PREFIX):
+            bars[suite] = rows
+    return bars
+
+
 def main() -> None:
     import mlflow
 
@@ -251,6 +267,9 @@ def main() -> None:
         write_json(OUTCOMES, outcomes)
         write_json(SAMPLES, samples)
         write_json(COMPLETIONS, completions)
+        with atomic_dir(PLOTS) as plots:
+            for suite, rows in accuracy_bars(report).items():
+                write_csv(plots / f"{suite}.csv", rows)
         mlflow.log_metrics(numeric_metrics(report["suites"]))
         mlflow.log_artifact(str(REPORT))
         log_models(report, methods)

@@ -6,7 +6,7 @@ In:  models/sft (policy init and reference); offline methods (`policy.offline`, 
      KTO; online methods (`policy.online`, stages `rl@<method>`): data/prepared/prompts.parquet
      and the reward models their rewards (and PPO's value_init) name.
 Out: models/policy/<method> (a plain model: LoRA adapters are merged on save),
-     metrics/policy/<method>.json, plots/policy/<method>.csv.
+     metrics/policy/<method>.json, plots/policy/<method>/ (loss, reward, kl, accuracy curves: PLOTTED).
 
 dvc.yaml expands each list with `foreach`, so each method is its own stage with its own
 params section (`policy.<method>`): changing DPO's beta reruns DPO alone. The two lists are
@@ -68,6 +68,18 @@ PLOTS_ROOT = Path("plots/policy")
 
 OFFLINE_LOGGED = ("loss", "rewards/margins", "rewards/accuracies")
 PPO_LOGGED = ("score", "kl", "kl_coef", "value_loss", "clipfrac", "approx_kl", "entropy", "response_length")
+# The curves `dvc plots show` draws for a policy, one file each under plots/policy/<method>/:
+# quantity -> the logged names that carry it, the first one a method logs wins (its name is
+# the file's y column, so a plot says what it shows). Reward: GRPO's and RLOO's weighted
+# reward, PPO's score, DPO-style methods' implicit reward margin (chosen minus rejected).
+# Accuracy: the answer-match reward's mean on sampled completions (online methods), the
+# share of pairs whose implicit reward ranks chosen first (offline methods).
+PLOTTED = {
+    "loss": ("loss",),
+    "reward": ("reward", "score", "rewards/margins"),
+    "kl": ("kl",),
+    "accuracy": ("rewards/answer_match/mean", "rewards/accuracies"),
+}
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -533,6 +545,17 @@ def training_data(method: str) -> Path:
     return {"kto": UNPAIRED}.get(method, PREFS) if method in OFFLINE_METHODS else PROMPTS
 
 
+def plotted_curves(curve: list[dict]) -> dict[str, list[dict]]:
+    """The per-quantity curves of PLOTTED that `curve` (rows of step and logged values) has:
+    {quantity: rows of step and the logged name}."""
+    out = {}
+    for quantity, names in PLOTTED.items():
+        name = next((n for n in names if any(n in row for row in curve)), None)
+        if name is not None:
+            out[quantity] = [{"step": row["step"], name: row[name]} for row in curve if name in row]
+    return out
+
+
 def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
     from rlhf.training.trainer_setup import discard_checkpoints
 
@@ -561,9 +584,11 @@ def main(argv: list[str] | None = None) -> None:
         with atomic_dir(OUT_ROOT / method) as tmp:
             metrics, curve = run(config, task, method, tmp)
         write_json(METRICS_ROOT / f"{method}.json", metrics)
-        write_csv(PLOTS_ROOT / f"{method}.csv", curve)
+        with atomic_dir(PLOTS_ROOT / method) as tmp:
+            for quantity, rows in plotted_curves(curve).items():
+                write_csv(tmp / f"{quantity}.csv", rows)
         mlflow.log_metrics(numeric_metrics(metrics))
-        mlflow.log_artifact(str(PLOTS_ROOT / f"{method}.csv"))
+        mlflow.log_artifacts(str(PLOTS_ROOT / method), f"plots/{method}")
         log_table(training_data(method), "training")
 
 

@@ -3,7 +3,8 @@
 In:  models/<rm.init> (sft, verifier or base), data/prepared/prefs.parquet,
      data/prepared/prefs_eval.parquet.
 Out: models/rm/member_<i>, metrics/rm.json (held-out pairwise accuracy per member and for
-     the ensemble mean, and per kind of flaw), plots/rm/loss.csv.
+     the ensemble mean, and per kind of flaw), plots/rm/member_<i>.csv (loss and accuracy
+     on the training batches, per step).
 
 Each member is trained by TRL's `RewardTrainer` (Bradley-Terry loss,
 -log sigmoid(r_chosen - r_rejected)) from the same initial model with a different seed, which
@@ -44,7 +45,7 @@ EVAL_DATA = DATA_DIR / "prefs_eval.parquet"
 OUT_DIR = RM_DIR
 MEMBER_PREFIX = "member_"  # rlhf.rewards.ensemble reads members from folders named so
 METRICS = Path("metrics/rm.json")
-PLOT = Path("plots/rm/loss.csv")
+PLOTS = Path("plots/rm")  # member_<i>.csv: step, loss, accuracy (train batches)
 
 
 class Config(TrainingParams):
@@ -248,15 +249,20 @@ def main() -> None:
             if not has_rows(DATA):
                 # No preference data: the RM drops out (check_params refuses params that need it).
                 reason = "no preference data: give prepare.files.prefs (prompt, chosen, rejected)"
-                drop_out("rm", tmp, reason, METRICS, PLOT)
+                drop_out("rm", tmp, reason, METRICS, PLOTS / f"{MEMBER_PREFIX}0.csv")
                 return
             metrics, curve = run(config, task, init_dir(config), DATA, EVAL_DATA, tmp)
         write_json(METRICS, metrics)
-        write_csv(PLOT, curve)
+        with atomic_dir(PLOTS) as plots:
+            for index in range(config.num_members):
+                write_csv(
+                    plots / f"{MEMBER_PREFIX}{index}.csv",
+                    [{k: v for k, v in r.items() if k != "member"} for r in curve if r["member"] == index],
+                )
         mlflow.log_metrics(numeric_metrics(metrics))
         log_table(DATA, "training")
         log_table(EVAL_DATA, "evaluation")
-        mlflow.log_artifact(str(PLOT))
+        mlflow.log_artifacts(str(PLOTS), "plots")
         print(f"rm: ensemble held-out pairwise accuracy {metrics['ensemble_accuracy']:.3f}")
 
 

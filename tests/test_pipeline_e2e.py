@@ -18,8 +18,10 @@ test harness, MLflow in the project's sqlite store), then with plain `dvc repro`
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -196,6 +198,28 @@ def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
     assert {m.name for m in models} >= {"sft", "dpo"}
     dpo = next(m for m in models if m.name == "dpo")
     assert dpo.tags["dvc.md5"].endswith(".dir") and any(m.key == "dev.accuracy" for m in dpo.metrics)
+
+
+def test_dvc_plots_show_renders_loss_reward_kl_and_accuracy(flow_run):
+    """`dvc plots show` draws every declared curve with data and no load error: the SFT
+    curves, each RM member, the DPO policy's loss, implicit reward and preference accuracy,
+    and a bar of accuracy per model on every eval suite."""
+    root, _, _ = flow_run
+    out = subprocess.run(
+        [sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=root, capture_output=True, text=True, check=True
+    )
+    shown = json.loads(out.stdout)
+    assert not shown.get("errors"), shown.get("errors")
+    rows = {name: plots[0]["content"]["data"]["values"] for name, plots in shown["data"].items() if plots}
+    expected = {
+        "SFT loss", "SFT token accuracy", "plots/rm/member_0.csv", "plots/rm/member_1.csv",
+        "plots/policy/dpo/loss.csv", "plots/policy/dpo/reward.csv", "plots/policy/dpo/accuracy.csv",
+        "plots/evaluate/dev.csv", "plots/evaluate/test.csv",
+    }  # fmt: skip
+    assert expected <= {name for name, values in rows.items() if values}, sorted(rows)
+    assert "rewards/margins" in rows["plots/policy/dpo/reward.csv"][0]
+    assert shown["data"]["plots/evaluate/test.csv"][0]["content"]["mark"]["type"] == "bar"
+    assert {row["model"] for row in rows["plots/evaluate/test.csv"]} >= {"sft", "dpo"}
 
 
 def stage_files(root: Path) -> dict[str, tuple[list[str], list[str]]]:

@@ -70,6 +70,13 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
     metrics, curve = stages.policy.run(config, get_task(), method, out)
     assert metrics["steps"] == 2 and math.isfinite(metrics["train_loss"])
     assert len(curve) == 2 and all(math.isfinite(row["loss"]) for row in curve)
+    # The curves `dvc plots show` draws: the loss always, a reward where the method has one.
+    plotted = stages.policy.plotted_curves(curve)
+    assert [row["loss"] for row in plotted["loss"]] == [row["loss"] for row in curve]
+    if method in ("dpo", "grpo", "rloo", "ppo"):
+        (name,) = set(plotted["reward"][0]) - {"step"}
+        assert name == {"dpo": "rewards/margins", "ppo": "score"}.get(method, "reward")
+        assert len(plotted["reward"]) == 2 and all(math.isfinite(row[name]) for row in plotted["reward"])
     assert not any(p.name.startswith("adapter") for p in out.iterdir()), "adapters are merged on save"
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert changed(weights(sft_project / "models/sft"), weights(out))
