@@ -3,6 +3,7 @@
     python -m flows.pipeline                  # run once (ephemeral Prefect, no server needed)
     python -m flows.pipeline --force sft      # rerun sft (and what is stale after it)
     python -m flows.pipeline --retries 2      # retry a failed stage (e.g. a preempted worker)
+    python -m flows.pipeline --pull --push    # fetch results from the DVC remote first, share them after
     python -m flows.pipeline --serve --cron "0 3 * * *"   # scheduled runs (needs a server:
                                                           #   prefect server start --host 127.0.0.1)
 
@@ -14,6 +15,10 @@ and the task reports which. Each task waits for the tasks of the stages it depen
 one is not run (Prefect marks it NotReady) while the rest go on; the flow then fails,
 naming them. Tasks run one at a time, because DVC locks the repository for a repro (and
 two training stages on one machine would only share its cores).
+
+With a DVC remote (`dvc remote add -d <name> <url>`), `--pull` first runs `dvc pull
+--run-cache` (outputs of dvc.lock and the run-cache: a stage whose inputs someone already
+ran is restored, not retrained) and `--push` ends with `dvc push --run-cache`.
 
 Prefect adds retries, logs, the UI and schedules; MLflow gets one parent run per flow run
 with one nested run per stage that ran (the stages read `RLHF_PARENT_RUN_ID`), each tagged
@@ -30,6 +35,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlflow
@@ -120,6 +126,67 @@ def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> d
     if code != 0:
         raise RuntimeError(f"`{' '.join(command)}` failed with exit code {code}:\n{output[-4000:]}")
     return {"stage": address, "status": parse_status(output, address), "seconds": time.perf_counter() - start}
+
+
+LOCK_FILE = Path(".dvc/tmp/rlhf-flow.lock")  # one flow run per workspace
+
+
+@contextmanager
+def workspace_lock(root: Path):
+    """Hold the workspace for one flow run: a second flow (a scheduled run while one is
+    going, a second terminal) fails at once, naming the holder, before any stage starts.
+    An advisory `flock`: the kernel drops it when the holder dies, even by `kill -9`."""
+    import fcntl
+
+    path = root / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RuntimeError(
+            f"another flow run holds this workspace ({root}): {holder}. Wait for it to end; "
+            f"two runs in one workspace would overwrite each other's outputs ({path})"
+        ) from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(
+            f"pid {os.getpid()}, flow run {flow_run.get_name() or '-'}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        )
+        handle.flush()
+        yield
+    finally:
+        handle.close()
+
+
+def default_remote(root: Path) -> str | None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dvc", "config", "core.remote"], cwd=root, capture_output=True, text=True, check=False
+    )
+    return out.stdout.strip() or None
+
+
+@task(name="dvc-remote")
+def sync_remote(direction: str) -> str:
+    """`dvc pull --run-cache` or `dvc push --run-cache` against the default remote."""
+    remote = default_remote(ROOT)
+    if remote is None:
+        raise RuntimeError(
+            f"--{direction}: this project has no default DVC remote; add one with "
+            "`dvc remote add -d <name> <url>` (a local folder, s3://, gs://, ssh://...)"
+        )
+    command = [sys.executable, "-m", "dvc", direction, "--run-cache"]
+    done = subprocess.run(command, cwd=ROOT, env=stage_environment(None), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"`dvc {direction} --run-cache` (remote {remote}) failed:\n{(done.stdout + done.stderr)[-4000:]}"
+        )
+    get_run_logger().info(f"dvc {direction} --run-cache ({remote}): {done.stdout.strip()[-500:]}")
+    return remote
 
 
 HEADLINE = ("accuracy", "accuracy_low", "accuracy_high", "format_rate", "reward", "win_rate", "kl_to_ref")
@@ -323,17 +390,36 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
 
 
 @flow(name="rlhf-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
-def pipeline(force: list[str] | None = None, retries: int = 0, root: str | None = None) -> dict:
-    """Run every stage of dvc.yaml through DVC; return per-stage status and the metrics."""
+def pipeline(
+    force: list[str] | None = None,
+    retries: int = 0,
+    root: str | None = None,
+    pull: bool = False,
+    push: bool = False,
+) -> dict:
+    """Run every stage of dvc.yaml through DVC; return per-stage status and the metrics.
+    `pull`/`push`: `dvc pull --run-cache` before, `dvc push --run-cache` after success."""
     global ROOT
     if root:
         ROOT = Path(root).resolve()
     os.chdir(ROOT)
-    force = set(force or [])
+    with workspace_lock(ROOT):
+        return run_pipeline(set(force or []), retries, pull, push)
+
+
+def run_pipeline(force: set[str], retries: int, pull: bool, push: bool) -> dict:
+    if pull:
+        sync_remote("pull")
     setup_experiment()
     run_name = f"pipeline-{flow_run.get_name() or time.strftime('%Y%m%d-%H%M%S')}"
     with mlflow.start_run(
-        run_name=run_name, tags={"rlhf.stage": "pipeline", "mlflow.source.git.commit": git_commit()}
+        run_name=run_name,
+        tags={
+            "rlhf.stage": "pipeline",
+            "mlflow.source.git.commit": git_commit(),
+            # The Prefect flow run this MLflow run belongs to (its page: /runs/flow-run/<id>).
+            "prefect.flow_run_id": str(flow_run.get_id() or ""),
+        },
     ) as parent:
         task = run_stage.with_options(retries=retries, retry_delay_seconds=10)
         order, upstream = stage_graph(ROOT)
@@ -375,6 +461,8 @@ def pipeline(force: list[str] | None = None, retries: int = 0, root: str | None 
         markdown=markdown, key="pipeline-summary", description="stage status, metrics, gate verdict"
     )
     print(markdown)
+    if push and not failed:
+        sync_remote("push")
     if failed:
         raise RuntimeError(
             "stages not completed: " + ", ".join(f"{a} ({describe(states[a])})" for a in order if a in failed)
@@ -386,13 +474,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="rerun these stages even if unchanged")
     parser.add_argument("--retries", type=int, default=0, help="retry a failed stage this many times")
+    parser.add_argument("--pull", action="store_true", help="dvc pull --run-cache from the default remote first")
+    parser.add_argument("--push", action="store_true", help="dvc push --run-cache to the default remote after")
     parser.add_argument("--serve", action="store_true", help="serve the flow with a schedule (needs a Prefect server)")
     parser.add_argument("--cron", default="0 3 * * *", help="schedule for --serve")
     args = parser.parse_args(argv)
     if args.serve:
         pipeline.serve(name="scheduled", cron=args.cron)
         return
-    pipeline(force=args.force, retries=args.retries)
+    pipeline(force=args.force, retries=args.retries, pull=args.pull, push=args.push)
 
 
 if __name__ == "__main__":

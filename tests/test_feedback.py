@@ -33,8 +33,6 @@ from rlhf.feedback.app import (
 
 PROMPTS = ["3+4\n", "12-5+1\n", "7+7-3\n", "20-9\n"]
 ANSWERS = ["7", "8", "11", "11"]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
 
 def shown(page: str, element: str) -> str:
@@ -226,15 +224,12 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_a_person_labels_two_pairs_in_a_headless_browser(micro_dir, tmp_path):
-    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+    from rlhf.browser import INSTALL_HINT, headless_chromium, missing_browser
+
+    missing = missing_browser()
     if missing:
-        pytest.skip(
-            f"no headless browser ({', '.join(missing)} missing): install Debian's chromium and "
-            "chromium-driver (apt-get install chromium chromium-driver; scripts/setup.sh does as root)"
-        )
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e .[test])")
+        pytest.skip(f"no headless browser ({', '.join(missing)} missing): {INSTALL_HINT}")
     import uvicorn
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -249,28 +244,11 @@ def test_a_person_labels_two_pairs_in_a_headless_browser(micro_dir, tmp_path):
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--window-size=1280,900",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        options.add_argument(flag)
     screenshot = tmp_path / "screenshots/labelling.png"
     screenshot.parent.mkdir()
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver = headless_chromium(tmp_path / "chromium-profile")
     seen = []
     try:
-        driver.set_page_load_timeout(60)
         driver.get(f"http://127.0.0.1:{port}/")
         for _ in range(2):
             text = {

@@ -64,3 +64,44 @@ def test_the_run_graph_has_the_dags_edges_and_a_failure_stops_only_its_downstrea
     ids = {r.id: name for name, r in by_name.items()}
     edges = {(ids[i.id], name) for name, r in by_name.items() for i in r.task_inputs.get("wait_for", []) if i.id in ids}
     assert edges == {("a", "b"), ("b", "c"), ("a", "d")}, "one edge per dependency in `dvc dag`"
+
+
+def test_a_second_flow_in_a_held_workspace_fails_at_once_and_a_killed_holder_frees_it(tmp_path, monkeypatch):
+    """One flow run per workspace: while another process holds it, the flow fails before
+    any stage, naming the holder; once the holder is killed (-9), the next flow runs."""
+    import subprocess
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import LOCK_FILE, pipeline
+
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"a": DVC_YAML["stages"]["a"]}}))
+    run(["git", "init", "-q"], root)
+    run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    (root / LOCK_FILE).parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "f.write('pid 4242, flow run held-by-test'); f.flush(); print('held', flush=True); time.sleep(600)"
+        ), str(root / LOCK_FILE)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    cwd = os.getcwd()
+    monkeypatch.chdir(root)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID", "RLHF_ARTIFACT_ROOT"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with prefect_test_harness(server_startup_timeout=120):
+            with pytest.raises(RuntimeError, match="another flow run holds this workspace.*held-by-test"):
+                pipeline(root=str(root))
+            assert not (root / "a.txt").exists(), "no stage ran"
+            holder.kill()
+            holder.wait()
+            result = pipeline(root=str(root))
+    finally:
+        holder.kill()
+        os.chdir(cwd)
+    assert [s["status"] for s in result["stages"]] == ["ran"] and (root / "a.txt").read_text() == "a\n"

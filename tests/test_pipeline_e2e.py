@@ -222,6 +222,39 @@ def test_dvc_plots_show_renders_loss_reward_kl_and_accuracy(flow_run):
     assert {row["model"] for row in rows["plots/evaluate/test.csv"]} >= {"sft", "dpo"}
 
 
+def test_a_clone_that_pulls_from_a_dvc_remote_trains_nothing(flow_run, tmp_path):
+    """The first run's results pushed to a local-folder DVC remote (run-cache included); a
+    fresh clone with the same dvc.lock runs the flow with --pull --push: every stage is
+    restored or up to date, none trains, and the policy is byte for byte the first run's."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import pipeline
+
+    root, _, _ = flow_run
+    remote = tmp_path / "remote"
+    run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "store", str(remote)], root)
+    run([sys.executable, "-m", "dvc", "push", "--run-cache"], root)
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(root), str(clone)], tmp_path)
+    (clone / "dvc.lock").write_bytes((root / "dvc.lock").read_bytes())  # what a commit of the run would carry
+    run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "store", str(remote)], clone)
+    cwd = os.getcwd()
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            result = pipeline(root=str(clone), pull=True, push=True)
+    finally:
+        os.chdir(cwd)
+    status = {s["stage"]: s["status"] for s in result["stages"]}
+    # Only the gate runs: the champion is the workspace's state (persisted, never cached),
+    # so the clone's gate decides afresh on the restored reports; it trains nothing.
+    assert {a for a, s in status.items() if s == "ran"} <= {"gate"}, status
+    assert {"sft", "rm", "prm", "policy@dpo", "evaluate"} <= {
+        a for a, s in status.items() if s in ("restored", "skipped")
+    }
+    assert tree_digest(clone / "models/policy/dpo") == tree_digest(root / "models/policy/dpo")
+    assert (clone / "reports/eval.json").read_bytes() == (root / "reports/eval.json").read_bytes()
+
+
 def stage_files(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     """Each stage's resolved deps and outs (paths relative to the project), from DVC."""
     from dvc.repo import Repo

@@ -144,12 +144,18 @@ def tracking_uri() -> str:
 
 def setup_experiment(name: str | None = None) -> str:
     """Point MLflow at the project's store and return the experiment id, creating the
-    experiment with an explicit artifact location (so artifacts never land in the cwd)."""
-    mlflow.set_tracking_uri(tracking_uri())
+    experiment with an explicit artifact location for a local store (the project's
+    mlartifacts/, so artifacts never land in the cwd); a tracking server keeps artifacts
+    where it is configured to (`mlflow server --artifacts-destination`), unless
+    RLHF_ARTIFACT_ROOT names a location."""
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
     name = name or os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
     experiment = mlflow.get_experiment_by_name(name)
     if experiment is None:
-        artifacts = os.environ.get("RLHF_ARTIFACT_ROOT") or (project_root() / "mlartifacts").as_uri()
+        artifacts = os.environ.get("RLHF_ARTIFACT_ROOT")
+        if artifacts is None and not uri.startswith(("http://", "https://", "databricks")):
+            artifacts = (project_root() / "mlartifacts").as_uri()
         experiment_id = mlflow.create_experiment(name, artifact_location=artifacts)
     else:
         experiment_id = experiment.experiment_id
