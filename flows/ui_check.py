@@ -44,8 +44,8 @@ import yaml
 
 from flows.pipeline import stage_environment
 from rlhf.environment import configure_environment
+from rlhf.tracking.runs import DEFAULT_EXPERIMENT
 
-EXPERIMENT = "rlhf-pipeline"  # rlhf.tracking.runs.DEFAULT_EXPERIMENT
 SCREENSHOT_WAIT_S = 8.0  # for the pages' scripts to draw after their text is there
 
 
@@ -148,7 +148,8 @@ def set_param(text: str, key: str, value) -> str:
 
 
 def dag_edges(project: Path) -> set[tuple[str, str]]:
-    """(upstream, downstream) stage addresses of `dvc dag`."""
+    """(upstream, downstream) stage addresses of `dvc dag`, read from DVC afresh (not from
+    flows.pipeline.stage_graph, which the flow's edges come from: the check stays independent)."""
     from dvc.repo import Repo
 
     cwd = os.getcwd()
@@ -177,7 +178,7 @@ def pipeline_runs(mlflow_uri: str) -> list:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(mlflow_uri)
-    experiment = client.get_experiment_by_name(EXPERIMENT)
+    experiment = client.get_experiment_by_name(DEFAULT_EXPERIMENT)
     return client.search_runs(
         [experiment.experiment_id],
         filter_string="tags.`rlhf.stage` = 'pipeline'",

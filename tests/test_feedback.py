@@ -14,7 +14,6 @@ from __future__ import annotations
 import html
 import json
 import re
-import socket
 import threading
 import time
 from pathlib import Path
@@ -216,12 +215,6 @@ def test_the_feedback_file_is_in_git_and_a_dep_of_prepare():
 # ----------------------------------------------------------------------------- a real browser
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_person_labels_two_pairs_in_a_headless_browser(micro_dir, tmp_path):
     from rlhf.browser import INSTALL_HINT, headless_chromium, missing_browser
@@ -235,6 +228,8 @@ def test_a_person_labels_two_pairs_in_a_headless_browser(micro_dir, tmp_path):
 
     out = tmp_path / "data/raw/feedback_prefs.jsonl"
     app = create_app(micro_dir, PROMPTS, out, max_new_tokens=16, allowed_hosts=["127.0.0.1", "localhost"])
+    from flows.ui_check import free_port
+
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
