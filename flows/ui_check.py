@@ -44,7 +44,7 @@ import yaml
 
 from flows.pipeline import stage_environment
 from rlhf.environment import configure_environment
-from rlhf.tracking.runs import DEFAULT_EXPERIMENT
+from rlhf.tracking.runs import experiment_name
 
 SCREENSHOT_WAIT_S = 8.0  # for the pages' scripts to draw after their text is there
 
@@ -178,7 +178,9 @@ def pipeline_runs(mlflow_uri: str) -> list:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(mlflow_uri)
-    experiment = client.get_experiment_by_name(DEFAULT_EXPERIMENT)
+    experiment = client.get_experiment_by_name(experiment_name())
+    if experiment is None:
+        raise RuntimeError(f"no experiment {experiment_name()!r} on {mlflow_uri}: the flow logged no run there")
     return client.search_runs(
         [experiment.experiment_id],
         filter_string="tags.`rlhf.stage` = 'pipeline'",

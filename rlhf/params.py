@@ -9,12 +9,13 @@ errors: every section forbids extras.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 PARAMS_FILE = "params.yaml"
 
@@ -25,6 +26,23 @@ class ParamsError(ValueError):
     def __init__(self, path: str | Path, problems: list[str]):
         self.problems = problems
         super().__init__(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  {p}" for p in problems))
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+def _check_name(name: str) -> str:
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise ValueError(
+            f"{name!r} is not a plain name: names become file and folder names under the project, "
+            "so use letters, digits and _ . + - only (no '/', no '..')"
+        )
+    return name
+
+
+# A params value that becomes part of an output path (an eval suite, a prepared table, a
+# round): a plain name, so no params.yaml can make a stage write outside the project.
+SafeName = Annotated[str, AfterValidator(_check_name)]
 
 
 class StageConfig(BaseModel):

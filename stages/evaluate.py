@@ -39,7 +39,7 @@ from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.evaluation.suites import evaluate_model, suite_digest
-from rlhf.params import StageConfig
+from rlhf.params import SafeName, StageConfig
 from rlhf.tasks import get_task
 from stages import (
     MERGED_DIR,
@@ -80,7 +80,7 @@ class Harness(StageConfig):
 
 
 class Config(StageConfig):
-    suites: list[str] | None = Field(
+    suites: list[SafeName] | None = Field(
         None, min_length=1, description="eval suites (data/prepared/eval/<suite>.parquet); null: every one"
     )
     max_new_tokens: int = Field(64, gt=0, description="generation budget per completion")

@@ -53,7 +53,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
-from rlhf.params import StageConfig, format_validation_error
+from rlhf.params import SafeName, StageConfig, format_validation_error
 from rlhf.training.params import EwcParams
 from rlhf.training.params import SFTParams as TrainingConfig
 from stages import CHECKPOINTS_DIR, DATA_DIR, EVAL_DIR, MODELS_DIR, PRM_DIR, REPORTS_DIR, SFT_DIR, load_model_stage
@@ -112,7 +112,7 @@ class Settings(StageConfig):
 
 class Config(StageConfig):
     defaults: Settings = Field(default_factory=Settings, description="every round's settings")
-    rounds: dict[str, dict] = Field(
+    rounds: dict[SafeName, dict] = Field(
         default_factory=dict,
         description="name -> {after: where the round starts, any key of defaults}; in order; {} = no rounds",
     )

@@ -50,7 +50,7 @@ from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_json
 from rlhf.models.folders import looks_like_hub_id
-from rlhf.params import StageConfig
+from rlhf.params import SafeName, StageConfig
 from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
 from stages import DATA_DIR, EVAL_DIR, load_all
 
@@ -115,7 +115,7 @@ class Config(StageConfig):
     )
     seed: int = Field(0, description="generator seed of the built-in task, and of the held-out split")
     builtin: BuiltinTask = Field(default_factory=BuiltinTask, description="difficulty and sizes of the built-in task")
-    files: dict[str, UserFile] = Field(
+    files: dict[SafeName, UserFile] = Field(
         default_factory=dict, description="name (sft, prefs, ..., eval_<suite>) -> file; added to builtin tables"
     )
     heldout_share: float = Field(

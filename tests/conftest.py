@@ -161,6 +161,20 @@ def in_project(tmp_path, monkeypatch, mlflow_store):
 
 
 @pytest.fixture(autouse=True)
+def tracking_environment_restored():
+    """setup_experiment exports MLFLOW_EXPERIMENT_NAME (transformers' callback reads it);
+    a test's own experiment must not leak into the next test's flows and servers."""
+    names = ("MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
 def no_dangling_mlflow_run():
     """A test that leaves an MLflow run active in this process (a failed stage run, a test's
     own run) would nest the next stage's run under it; end it after each test so the next

@@ -246,3 +246,22 @@ def test_validation_fails_fast_from_a_cold_start(tmp_path, repo_params):
     assert "ParamsError" in result.stderr
     assert "sft.learnin_rate: unknown key" in result.stderr
     assert elapsed < 30, f"validation took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("prepare", "files", {"eval_../../outside": {"path": "params.yaml"}}, "prepare.files.eval_../../outside"),
+        ("evaluate", "suites", ["dev", "/tmp/outside"], "evaluate.suites.1"),
+        ("improve", "rounds", {"../r1": {}}, "improve.rounds.../r1"),
+    ],
+)
+def test_a_name_that_would_write_outside_the_project_is_refused(tmp_path, repo_params, section, key, value, expected):
+    """Names that become output paths (a prepared table, an eval suite's bar plot, a round's
+    folder) are plain names: a params.yaml cannot point a stage's writes out of the project."""
+    params = copy.deepcopy(repo_params)
+    params[section][key] = value
+    error = params_error(write_params(tmp_path, params))
+    assert len(error.problems) == 1, error.problems
+    assert error.problems[0].startswith(expected), error.problems[0]
+    assert "not a plain name" in error.problems[0] and "no '..'" in error.problems[0]

@@ -41,11 +41,13 @@ def test_compare_lists_the_params_that_differ_and_the_metrics_that_moved():
 
 
 @pytest.mark.slow
-def test_two_runs_in_real_prefect_and_mlflow_servers(tmp_path):
+def test_two_runs_in_real_prefect_and_mlflow_servers(tmp_path, monkeypatch):
     from flows.ui_check import check
     from rlhf.browser import missing_browser
 
     root = make_project(tmp_path / "project")
+    # A user's own experiment name: the flow logs there and the check looks there.
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ui-check-experiment")
     report = check(root, root / "reports/ui", vary="policy.dpo.beta=0.4")
     prefect = report["prefect"]
     assert prefect["state"] == "COMPLETED"

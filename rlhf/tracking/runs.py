@@ -142,6 +142,11 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
 
 
+def experiment_name() -> str:
+    """The experiment runs go to: MLFLOW_EXPERIMENT_NAME, else the project's default."""
+    return os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
+
+
 def setup_experiment(name: str | None = None) -> str:
     """Point MLflow at the project's store and return the experiment id, creating the
     experiment with an explicit artifact location for a local store (the project's
@@ -150,7 +155,7 @@ def setup_experiment(name: str | None = None) -> str:
     RLHF_ARTIFACT_ROOT names a location."""
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
-    name = name or os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
+    name = name or experiment_name()
     experiment = mlflow.get_experiment_by_name(name)
     if experiment is None:
         artifacts = os.environ.get("RLHF_ARTIFACT_ROOT")
