@@ -4,8 +4,10 @@
     python -m flows.pipeline --force sft      # rerun sft (and what is stale after it)
     python -m flows.pipeline --retries 2      # retry a failed stage (e.g. a preempted worker)
     python -m flows.pipeline --pull --push    # fetch results from the DVC remote first, share them after
-    python -m flows.pipeline --serve --cron "0 3 * * *"   # scheduled runs (needs a server:
+    python -m flows.pipeline --deploy --pool rlhf --cron "0 3 * * *"   # a scheduled deployment
+    prefect worker start --pool rlhf                      #   that a worker runs (both need a server:
                                                           #   prefect server start --host 127.0.0.1)
+    python -m flows.pipeline --serve --cron "0 3 * * *"   # or: this process serves the schedule
 
 The DAG comes from DVC itself (`Repo.index.graph`), so dvc.yaml stays the single source
 of truth. Each task runs `dvc repro --single-item <stage>` in topological order: DVC alone
@@ -15,6 +17,12 @@ and the task reports which. Each task waits for the tasks of the stages it depen
 one is not run (Prefect marks it NotReady) while the rest go on; the flow then fails,
 naming them. Tasks run one at a time, because DVC locks the repository for a repro (and
 two training stages on one machine would only share its cores).
+
+`--deploy` registers the flow as a deployment (`rlhf-pipeline/scheduled`) of this
+checkout on a process work pool (created if missing) with a cron schedule and a
+concurrency limit of one: a worker on the machine that holds the checkout runs each
+scheduled or triggered run in a subprocess, and runs that come due while one is running
+wait (the workspace lock below also stops a second flow started by hand).
 
 With a DVC remote (`dvc remote add -d <name> <url>`), `--pull` first runs `dvc pull
 --run-cache` (outputs of dvc.lock and the run-cache: a stage whose inputs someone already
@@ -470,6 +478,46 @@ def run_pipeline(force: set[str], retries: int, pull: bool, push: bool) -> dict:
     return {"stages": results, "metrics": metrics, "mlflow_run_id": parent.info.run_id}
 
 
+DEPLOYMENT = "scheduled"
+
+
+def deploy(pool: str, cron: str, name: str = DEPLOYMENT):
+    """This checkout's flow as deployment `rlhf-pipeline/<name>` on process work pool
+    `pool` (created when missing), scheduled by `cron`, one run at a time; its id."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.workers.process import ProcessWorker
+
+    async def ensure_pool() -> None:
+        async with get_client() as client:
+            try:
+                await client.create_work_pool(
+                    WorkPoolCreate(
+                        name=pool, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
+                    )
+                )
+            except ObjectAlreadyExists:
+                existing = await client.read_work_pool(pool)
+                if existing.type != "process":
+                    raise SystemExit(f"work pool {pool!r} is of type {existing.type!r}; name a process pool") from None
+
+    asyncio.run(ensure_pool())
+    source = pipeline.from_source(str(ROOT), f"{Path(__file__).relative_to(ROOT).as_posix()}:pipeline")
+    return source.deploy(
+        name=name,
+        work_pool_name=pool,
+        cron=cron,
+        concurrency_limit=1,
+        parameters={"root": str(ROOT)},
+        description=f"dvc.yaml's stages through DVC in {ROOT}",
+        print_next_steps=False,
+        ignore_warnings=True,  # Prefect suggests .serve for a process pool: --serve is that
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="rerun these stages even if unchanged")
@@ -477,8 +525,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pull", action="store_true", help="dvc pull --run-cache from the default remote first")
     parser.add_argument("--push", action="store_true", help="dvc push --run-cache to the default remote after")
     parser.add_argument("--serve", action="store_true", help="serve the flow with a schedule (needs a Prefect server)")
-    parser.add_argument("--cron", default="0 3 * * *", help="schedule for --serve")
+    parser.add_argument(
+        "--deploy", action="store_true", help="register a scheduled deployment for a worker (needs a Prefect server)"
+    )
+    parser.add_argument("--pool", default="rlhf", help="process work pool of --deploy (created when missing)")
+    parser.add_argument("--cron", default="0 3 * * *", help="schedule of --serve and --deploy")
     args = parser.parse_args(argv)
+    if args.deploy:
+        deployment = deploy(args.pool, args.cron)
+        print(
+            f"deployment rlhf-pipeline/{DEPLOYMENT} ({deployment}) on work pool {args.pool!r}, cron {args.cron!r}.\n"
+            f"Start a worker here: prefect worker start --pool {args.pool}\n"
+            f"Run it now:          prefect deployment run rlhf-pipeline/{DEPLOYMENT}"
+        )
+        return
     if args.serve:
         pipeline.serve(name="scheduled", cron=args.cron)
         return

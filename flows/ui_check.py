@@ -72,9 +72,10 @@ def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 1
 
 
 @contextmanager
-def servers(state: Path, prefect_port: int | None = None, mlflow_port: int | None = None):
-    """A Prefect server and an MLflow server on 127.0.0.1, their state under `state`;
-    yields {"prefect": api url, "prefect_ui": ui url, "mlflow": url}, stops both after."""
+def servers(state: Path, prefect_port: int | None = None, mlflow_port: int | None = None, names=("prefect", "mlflow")):
+    """A Prefect server and an MLflow server (or those of `names`) on 127.0.0.1, their
+    state under `state`; yields {"prefect": api url, "prefect_ui": ui url, "mlflow": url},
+    stops them after."""
     state.mkdir(parents=True, exist_ok=True)
     prefect_port, mlflow_port = prefect_port or free_port(), mlflow_port or free_port()
     env = {**os.environ, "PREFECT_HOME": str(state / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -97,7 +98,8 @@ def servers(state: Path, prefect_port: int | None = None, mlflow_port: int | Non
     }  # fmt: skip
     processes = {}
     try:
-        for name, (command, log) in commands.items():
+        for name in names:
+            command, log = commands[name]
             with open(log, "w") as handle:
                 processes[name] = subprocess.Popen(
                     command, cwd=state, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
@@ -107,8 +109,8 @@ def servers(state: Path, prefect_port: int | None = None, mlflow_port: int | Non
             "prefect_ui": f"http://127.0.0.1:{prefect_port}",
             "mlflow": f"http://127.0.0.1:{mlflow_port}",
         }
-        wait_http(urls["prefect"] + "/health", processes["prefect"], prefect_log)
-        wait_http(urls["mlflow"] + "/health", processes["mlflow"], mlflow_log)
+        for name in names:
+            wait_http(urls[name] + "/health", processes[name], commands[name][1])
         yield urls
     finally:
         for process in processes.values():
