@@ -482,7 +482,7 @@ def train_ppo_method(
     from rlhf.rewards.ensemble import member_dirs
     from rlhf.rewards.functions import build_rewards, weighted_sum
     from rlhf.tracking.runs import log_metrics, numeric_metrics
-    from rlhf.training.ppo import load_value_model, train_ppo
+    from rlhf.training.ppo import latest_checkpoint, load_value_model, train_ppo
     from rlhf.training.trainer_setup import checkpoint_dir, fingerprint
 
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
@@ -500,6 +500,8 @@ def train_ppo_method(
         if mlflow.active_run() is not None:
             log_metrics(numeric_metrics(metrics), step=step)
 
+    checkpoints = checkpoint_dir(CHECKPOINTS_DIR, stage, key)
+    resumed = latest_checkpoint(checkpoints) is not None  # train_ppo resumes from it
     history = train_ppo(
         policy,
         reference,
@@ -509,7 +511,7 @@ def train_ppo_method(
         {column: table[column].tolist() for column in table.columns if column != "prompt"},
         weighted_sum(functions, weights),
         params,
-        checkpoint_dir(CHECKPOINTS_DIR, stage, key),
+        checkpoints,
         log_fn=log,
     )
     save_model(policy, tokenizer, out_dir)
@@ -522,6 +524,7 @@ def train_ppo_method(
         "score_last_10pct": sum(row["score"] for row in window) / len(window),
         "kl": last["kl"],
         "steps": len(history),
+        "resumed": resumed,
     }
     if ewc is not None:
         metrics["ewc_penalty"] = ewc.penalty()

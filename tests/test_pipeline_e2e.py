@@ -295,6 +295,66 @@ def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, tmp_path
         assert re.search(r"\| sft \| (skipped|restored) \|", summary[0]["data"]), summary[0]["data"]
 
 
+def test_queued_experiments_run_two_at_a_time_compare_and_never_move_the_champion(flow_run):
+    """`dvc exp run --queue -S policy.dpo.beta=...` twice, `dvc queue start -j 2`: both run
+    in DVC's temporary workspaces (their MLflow runs land in the project's store, DVC_ROOT),
+    `dvc exp show` lists each with its beta and its own DPO metrics, the gate of each
+    reports its verdict without promoting, and the workspace's champion (folder and
+    registry alias) and outputs are as they were."""
+    root, _, _ = flow_run
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    alias = client.get_model_version_by_alias("rlhf-policy", "champion").version
+    champion = tree_digest(root / "models/champion")
+    policy = tree_digest(root / "models/policy/dpo")
+    # An experiment's baseline is a commit: the user commits the run's dvc.lock first.
+    run(["git", "add", "dvc.lock"], root)
+    run(["git", "commit", "-qm", "results of the first run"], root)
+    dvc = [sys.executable, "-m", "dvc"]
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    for name, beta in (("beta-02", 0.2), ("beta-04", 0.4)):
+        run([*dvc, "exp", "run", "--queue", "--name", name, "-S", f"policy.dpo.beta={beta}"], root, env=env)
+    # The workers it starts outlive it: their output goes to a file, not a pipe to wait on.
+    with open(root.parent / "queue-start.log", "w") as log:
+        started = subprocess.run(
+            [*dvc, "queue", "start", "-j", "2"],
+            cwd=root,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    assert started.returncode == 0, (root.parent / "queue-start.log").read_text()
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        status = run([*dvc, "queue", "status"], root, env=env).stdout
+        if not re.search(r"\b(Queued|Running)\b", status):
+            break
+        time.sleep(5)
+    logs = {
+        name: run([*dvc, "queue", "logs", name], root, env=env, check=False).stdout for name in ("beta-02", "beta-04")
+    }
+    assert len(re.findall(r"\bSuccess\b", status)) == 2, (status, {k: v[-3000:] for k, v in logs.items()})
+    shown = json.loads(run([*dvc, "exp", "show", "--json"], root, env=env).stdout)
+    experiments = {}
+    for baseline in shown:
+        for exp in baseline.get("experiments") or []:
+            for rev in exp["revs"]:
+                data = rev["data"]
+                params = data["params"]["params.yaml"]["data"]
+                metrics = data["metrics"]
+                experiments[rev["name"]] = (
+                    params["policy"]["dpo"]["beta"],
+                    metrics["metrics/policy/dpo.json"]["data"],
+                    metrics["reports/gate.json"]["data"],
+                )
+    assert {name: beta for name, (beta, _, _) in experiments.items()} == {"beta-02": 0.2, "beta-04": 0.4}
+    assert experiments["beta-02"][1] != experiments["beta-04"][1]  # each trained its own DPO policy
+    for name, (_, _, gate) in experiments.items():
+        assert gate["promoted"] is False, (name, gate)
+    assert tree_digest(root / "models/champion") == champion
+    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == alias
+    assert tree_digest(root / "models/policy/dpo") == policy  # the workspace is untouched
+
+
 def post_json(url: str, body: dict):
     import urllib.request
 

@@ -43,6 +43,7 @@ from rlhf.artifacts import atomic_dir
 from rlhf.models.compute import current
 from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.models.generation import format_prompt
+from rlhf.training.checkpoints import usable_checkpoint
 from rlhf.training.params import PPOParams
 from rlhf.training.trainer_setup import merged_model
 
@@ -391,8 +392,8 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    found = [(int(m[1]), p) for p in directory.glob("step-*") if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
-    return max(found)[1] if found else None
+    """The newest whole checkpoint (a damaged one is discarded, naming it)."""
+    return usable_checkpoint(directory, "step", "ppo")
 
 
 def save_checkpoint(directory: Path, iteration: int, models, opts, kl_coef: float, history: list[dict]) -> None:

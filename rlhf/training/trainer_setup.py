@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from rlhf.models.compute import current
+from rlhf.training.checkpoints import usable_checkpoint
 from rlhf.training.params import TrainingParams
 
 
@@ -132,8 +132,10 @@ def checkpoint_dir(root: Path, stage: str, key: str) -> Path:
     return Path(root) / stage.replace("@", "-") / key
 
 
-def last_checkpoint(directory: Path) -> str | None:
-    return get_last_checkpoint(str(directory)) if directory.is_dir() else None
+def last_checkpoint(directory: Path, label: str = "resume") -> str | None:
+    """The newest whole Trainer checkpoint in `directory` (damaged ones are discarded)."""
+    found = usable_checkpoint(directory, "checkpoint", label)
+    return str(found) if found else None
 
 
 def discard_checkpoints(root: Path, stage: str) -> None:
@@ -150,7 +152,7 @@ def merged_model(model):
 def train_resumable(trainer, stage: str, key: str) -> str | None:
     """Train, resuming from the stage's last checkpoint for this fingerprint if one exists.
     Returns the checkpoint resumed from (None for a fresh start)."""
-    resume = last_checkpoint(Path(trainer.args.output_dir))
+    resume = last_checkpoint(Path(trainer.args.output_dir), stage)
     if resume:
         print(f"{stage}: resuming from {resume}")
     trainer.train(resume_from_checkpoint=resume)
