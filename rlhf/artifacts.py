@@ -2,7 +2,8 @@
 
 Every output is built under a temporary sibling path and renamed into place. A rename on
 one filesystem is atomic, so a reader (DVC, the next stage, a person) sees either the old
-artifact or the new one.
+artifact or the new one. Under a multi-process launch (stages.launch) only rank 0
+publishes: the other ranks' temporary paths are discarded, never renamed into place.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def _publishes() -> bool:
+    """Rank 0 (or the only process) publishes outputs; torchrun / accelerate set RANK."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _tmp_sibling(path: Path) -> Path:
@@ -34,7 +40,10 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    replace_path(tmp, path)
+    if _publishes():
+        replace_path(tmp, path)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replace_path(src: Path, dst: Path) -> None:
@@ -60,7 +69,10 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, path)
+    if _publishes():
+        os.replace(tmp, path)
+    else:
+        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: str | Path, data) -> None:

@@ -313,6 +313,7 @@ def train_trl(
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
+    from rlhf.models.compute import is_main
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
@@ -343,11 +344,13 @@ def train_trl(
     ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
-    save_model(merged_model(trainer.model), tokenizer, out_dir)
+    if is_main():  # the other processes of a multi-process launch trained the same weights
+        save_model(merged_model(trainer.model), tokenizer, out_dir)
     metrics = {
         "train_loss": last_logged(history, "loss"),
         **{name.replace("/", "_"): last_logged(history, name) for name in logged if name != "loss"},
         "steps": trainer.state.global_step,
+        "processes": trainer.args.world_size,
         "resumed": bool(resumed),
     }
     if ewc is not None:
@@ -560,12 +563,14 @@ def plotted_curves(curve: list[dict]) -> dict[str, list[dict]]:
 
 
 def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
+    from rlhf.models.compute import is_main
     from rlhf.training.trainer_setup import discard_checkpoints
 
     stage = stage_name(method)
     start = time.perf_counter()
     metrics, curve = METHODS[method](config, task, getattr(config, method), out_dir, stage)
-    discard_checkpoints(CHECKPOINTS_DIR, stage)
+    if is_main():
+        discard_checkpoints(CHECKPOINTS_DIR, stage)
     return {**metrics, "method": method, "train_seconds": time.perf_counter() - start}, curve
 
 
@@ -583,9 +588,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     method = argv[0]
     listed = "offline" if method in config.offline else "online"
-    with stage_run(stage_name(method), config.model_dump(include={listed, method})):
+    with stage_run(stage_name(method), config.model_dump(include={listed, method})) as active:
         with atomic_dir(OUT_ROOT / method) as tmp:
             metrics, curve = run(config, task, method, tmp)
+        if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
+            return
         write_json(METRICS_ROOT / f"{method}.json", metrics)
         with atomic_dir(PLOTS_ROOT / method) as tmp:
             for quantity, rows in plotted_curves(curve).items():

@@ -56,9 +56,11 @@ def main(
 
     params = load_model_stage()
     config = params[stage]  # the verifier stage runs this trainer with its own section
-    with stage_run(stage, config):
+    with stage_run(stage, config) as active:
         with atomic_dir(out_dir) as tmp:
             metrics, curve = run(config, init_dir, DATA, tmp, stage=stage)
+        if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
+            return
         write_json(metrics_path, metrics)
         write_csv(plot, curve)
         mlflow.log_metrics(numeric_metrics(metrics))

@@ -26,7 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-PROJECT_FILES = ["rlhf", "stages", "flows", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/raw"]
+PROJECT_FILES = [
+    "rlhf", "stages", "flows", "configs", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", "data/raw",
+]  # fmt: skip
 
 TINY_OVERRIDES = {
     "prepare": {

@@ -155,8 +155,10 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
             assert set(body["deps"]) == {"stages", "rlhf/tasks", "params.yaml"} and "params" not in body
             continue
         assert "reports/params.ok" in body["deps"], f"stage {name} must run after check_params"
-        module = re.match(r"python -m (stages\.\w+)", body["cmd"]).group(1)
+        launched, module = re.match(r"python -m (stages\.launch )?(stages\.\w+)", body["cmd"]).groups()
         assert STAGE_MODULE[name] == module, f"stage {name} runs {module}"
+        if launched:  # the launcher reads params `compute` and is the stage's code too
+            assert "stages/launch.py" in body["deps"] and "compute" in body.get("params", []), name
         source = REPO / (module.replace(".", "/") + ".py")
         assert source.relative_to(REPO).as_posix() in body["deps"], f"stage {name} must depend on {source.name}"
         reused = {f for f in code_closure(source) if f.startswith("stages/") and f != "stages/__init__.py"}

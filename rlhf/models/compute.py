@@ -8,6 +8,9 @@ a GPU, or to bfloat16, in one place:
 * `dtype`: `auto`, `bfloat16`, `float16` or `float32`. `auto` is float32 on the CPU (half
   precision is slow or unsupported there) and on a GPU bfloat16 where the GPU supports it,
   else float16.
+* `launcher`, `processes`, `accelerate_config`: how the training stages start
+  (stages.launch): one process, or `processes` data-parallel ones under `torchrun` or
+  `accelerate launch`. Rank 0 publishes (`is_main`): outputs, metrics, the MLflow run.
 
 Inference (evaluate, infer, the reward models and PRM, the greedy soup) loads weights in
 that dtype on that device. Training keeps float32 master weights and trains in mixed
@@ -20,11 +23,13 @@ imported only when a setting is resolved.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf.params import StageConfig
 
@@ -32,11 +37,32 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
+LAUNCHERS = ("python", "torchrun", "accelerate")
+
+
 class ComputeConfig(StageConfig):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:<i> | mps (auto: a GPU when present)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="inference weights, training mixed precision (auto: float32 on CPU, bf16/fp16 on GPU)"
     )
+    launcher: Literal["python", "torchrun", "accelerate"] = Field(
+        "python", description="how training stages start (stages.launch): one process, or `processes` of them"
+    )
+    processes: int = Field(1, ge=1, description="training processes on this machine (torchrun / accelerate launch)")
+    accelerate_config: str | None = Field(
+        None, description="accelerate config file for launcher accelerate (configs/accelerate/: DeepSpeed, FSDP; GPU)"
+    )
+
+    @model_validator(mode="after")
+    def _check_launcher(self):
+        if self.launcher == "python" and self.processes > 1:
+            raise ValueError("processes > 1 needs launcher torchrun or accelerate (python starts one process)")
+        if self.accelerate_config is not None:
+            if self.launcher != "accelerate":
+                raise ValueError("accelerate_config: read only with launcher accelerate; remove it")
+            if not Path(self.accelerate_config).is_file():
+                raise ValueError(f"accelerate_config: {self.accelerate_config} does not exist")
+        return self
 
     @field_validator("device")
     @classmethod
@@ -113,3 +139,14 @@ def current() -> Placement:
     if _current is None:
         _current = resolve(None)
     return _current
+
+
+def rank() -> int:
+    """This process's rank among the training processes (torchrun / accelerate launch set
+    RANK); 0 when there is one process."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    """The process that publishes: writes outputs, metrics and the MLflow run."""
+    return rank() == 0

@@ -210,7 +210,11 @@ def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 @contextmanager
 def stage_run(stage: str, config: Any, tags: Mapping[str, str] | None = None) -> Iterator[mlflow.ActiveRun]:
     """An MLflow run for one stage: resolved config logged as params, tags set, nested under
-    the pipeline run when there is one. Exceptions propagate (the run ends FAILED)."""
+    the pipeline run when there is one. Exceptions propagate (the run ends FAILED). Under a
+    multi-process launch only rank 0 opens the run; the other ranks get None."""
+    if os.environ.get("RANK", "0") != "0":
+        yield None
+        return
     setup_experiment()
     parent = os.environ.get(PARENT_RUN_ENV) or None
     address = os.environ.get("DVC_STAGE", stage)

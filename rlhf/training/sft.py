@@ -36,6 +36,7 @@ def train_sft(
     from trl import SFTConfig
 
     from rlhf.data.contracts import read_prepared
+    from rlhf.models.compute import is_main
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
     from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenize_prompt_completion
     from rlhf.training.trainer_setup import (
@@ -91,12 +92,14 @@ def train_sft(
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
-    save_model(merged_model(trainer.model), tokenizer, out_dir)
-    discard_checkpoints(checkpoints, stage)
+    if is_main():  # the other processes of a multi-process launch trained the same weights
+        save_model(merged_model(trainer.model), tokenizer, out_dir)
+        discard_checkpoints(checkpoints, stage)
     metrics = {
         "train_loss": last_logged(history, "loss"),
         "mean_token_accuracy": last_logged(history, "mean_token_accuracy"),
         "steps": trainer.state.global_step,
+        "processes": trainer.args.world_size,
         "train_seconds": time.perf_counter() - start,
         "resumed": bool(resumed),
     }

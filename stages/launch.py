@@ -1,0 +1,64 @@
+"""Start a training stage in one process or in several: `python -m stages.launch MODULE [ARGS]`.
+
+dvc.yaml runs the training stages through this, so that params.yaml `compute` decides
+how they start without a change to dvc.yaml:
+
+* `launcher: python` (the default): `python -m MODULE ARGS`, one process;
+* `launcher: torchrun, processes: N`: `torchrun --standalone --nproc_per_node N -m MODULE
+  ARGS`, N data-parallel processes on this machine (gloo on CPUs, NCCL on GPUs);
+* `launcher: accelerate, processes: N`: `accelerate launch --num_processes N
+  [--config_file compute.accelerate_config] -m MODULE ARGS`, e.g. with one of the DeepSpeed
+  ZeRO or FSDP configs in configs/accelerate/ (GPU only).
+
+Data-parallel training keeps the global batch at `per_device_train_batch_size x processes
+x gradient_accumulation_steps`: halve the per-device batch when you double the processes
+to train on the same batches. The stages are rank-aware (rlhf.models.compute.is_main):
+every process trains; rank 0 alone writes the outputs, metrics and curves and holds the
+MLflow run. Stages whose training loop is not data-parallel yet (MULTI_PROCESS lists those
+that are; PPO is not) start as one process, with a line that says so.
+
+The launch replaces this process (exec), so DVC sees the launcher's exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MULTI_PROCESS = {"stages.sft", "stages.verifier", "stages.policy"}
+ONE_PROCESS_ARGS = {("stages.policy", "ppo")}  # our own PPO loop is not data-parallel yet
+
+
+def command(module: str, args: list[str], config) -> list[str]:
+    """The command that starts `module` with `args` as `config` (a ComputeConfig) says."""
+    single = [sys.executable, "-m", module, *args]
+    if config.launcher == "python" or config.processes == 1:
+        return single
+    if module not in MULTI_PROCESS or (module, *args[:1]) in ONE_PROCESS_ARGS:
+        print(f"stages.launch: {module} trains in one process (compute.processes={config.processes} is not used by it)")
+        return single
+    if config.launcher == "torchrun":
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.processes}",
+            "-m", module, *args,
+        ]  # fmt: skip
+    extra = ["--config_file", config.accelerate_config] if config.accelerate_config else []
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", *extra, "--num_processes", str(config.processes),
+        "-m", module, *args,
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    from stages import load_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        raise SystemExit("usage: python -m stages.launch MODULE [ARGS], e.g. python -m stages.launch stages.sft")
+    cmd = command(argv[0], argv[1:], load_config("compute"))
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
