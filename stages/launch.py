@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
-MULTI_PROCESS = {"stages.sft", "stages.verifier", "stages.policy"}
+MULTI_PROCESS = {"stages.sft", "stages.verifier", "stages.policy", "stages.reward_model", "stages.process_reward_model"}
 ONE_PROCESS_ARGS = {("stages.policy", "ppo")}  # our own PPO loop is not data-parallel yet
 
 

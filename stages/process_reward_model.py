@@ -146,6 +146,7 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     `separator` joins the steps (the task's)."""
     import transformers
 
+    from rlhf.models.compute import is_main
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.prm import load_prm
     from rlhf.rewards.prm_classifier import build_dataset, load_prm_model, prm_trainer, save_prm
@@ -163,8 +164,8 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     stage = "prm"
     check_model_dir(resolve_model_dir(init), f"prm.init {config.init!r} (models/{config.init})")
     tokenizer = load_tokenizer(init, config.trust_remote_code)
-    if config.kind == "likelihood":
-        return run_likelihood(config, separator, init, tokenizer, rows, held_out, out_dir)
+    if config.kind == "likelihood":  # no training to share: rank 0 fits alone
+        return run_likelihood(config, separator, init, tokenizer, rows, held_out, out_dir) if is_main() else ({}, [])
     train = build_dataset(tokenizer, rows, separator, config.max_length)
     transformers.set_seed(config.seed)  # the new head's initialisation
     model = load_prm_model(init, config.trust_remote_code, what=f"models/{config.init}")
@@ -174,6 +175,8 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     resumed = train_resumable(trainer, stage, key)
     train_seconds = time.perf_counter() - start
     history = trainer.state.log_history
+    if not is_main():  # another process of a multi-process launch: rank 0 scores and publishes
+        return {}, []
     save_prm(merged_model(trainer.model), tokenizer, out_dir, separator)
 
     prm = load_prm(out_dir, config.trust_remote_code)
@@ -185,6 +188,7 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
         "steps_trained": trainer.state.global_step,
         "train_seconds": train_seconds,
         "resumed": bool(resumed),
+        "processes": trainer.args.world_size,
     }
     discard_checkpoints(CHECKPOINTS_DIR, stage)
     return metrics, log_history_rows(history, CURVE_KEYS)
@@ -226,7 +230,7 @@ def main() -> None:
 
     params = load_model_stage()
     config, task = params["prm"], get_task(params["task"])
-    with stage_run("prm", config):
+    with stage_run("prm", config) as active:
         with atomic_dir(OUT_DIR) as tmp:
             rows, held_out, derived = load_labels(config, task, DATA, EVAL_DATA, tmp)
             if rows is None:
@@ -234,6 +238,8 @@ def main() -> None:
                 return
             metrics, curve = run(config, task.step_separator, init_dir(config), rows, held_out, tmp)
             metrics.update(derived or {})
+        if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
+            return
         write_json(METRICS, metrics)
         write_csv(PLOT, curve)
         mlflow.log_metrics(numeric_metrics(metrics))

@@ -137,7 +137,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
     with nested_run(f"rm-member-{index}"):
         train_resumable(trainer, f"rm member {index}", str(member_root))
     # Atomically: `final` existing is what marks the member done for a resumed run.
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final) as tmp:  # rank 0's is renamed into place, another rank's discarded
         if config.kind == "classifier":
             save_model(merged_model(trainer.model), tokenizer, tmp)
         else:
@@ -191,6 +191,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
+    from rlhf.models.compute import is_main, world_size
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
     from rlhf.training.trainer_setup import checkpoint_dir, discard_checkpoints, fingerprint, last_logged
@@ -209,6 +210,8 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     curve: list[dict] = []
     for index in range(config.num_members):
         curve += train_member(config, index, init, train, tokenizer, root)
+    if not is_main():  # another process of a multi-process launch: rank 0 evaluates and publishes
+        return {}, curve
     for index in range(config.num_members):
         shutil.copytree(root / f"{MEMBER_PREFIX}{index}" / "final", out_dir / f"{MEMBER_PREFIX}{index}")
     train_seconds = time.perf_counter() - start
@@ -230,6 +233,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
         "mean_margin": float((chosen.mean - rejected.mean).mean()),
         "mean_std": float(((chosen.std + rejected.std) / 2).mean()),
         "eval_pairs": len(held_out),
+        "processes": world_size(),
         **fit,
         "train_seconds": train_seconds,
     }
@@ -244,7 +248,7 @@ def main() -> None:
 
     params = load_model_stage()
     config, task = params["rm"], get_task(params["task"])
-    with stage_run("rm", config):
+    with stage_run("rm", config) as active:
         with atomic_dir(OUT_DIR) as tmp:
             if not has_rows(DATA):
                 # No preference data: the RM drops out (check_params refuses params that need it).
@@ -252,6 +256,8 @@ def main() -> None:
                 drop_out("rm", tmp, reason, METRICS, PLOTS / f"{MEMBER_PREFIX}0.csv")
                 return
             metrics, curve = run(config, task, init_dir(config), DATA, EVAL_DATA, tmp)
+        if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
+            return
         write_json(METRICS, metrics)
         with atomic_dir(PLOTS) as plots:
             for index in range(config.num_members):

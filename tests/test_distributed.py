@@ -76,12 +76,18 @@ def read_curve(path: Path) -> list[float]:
 def weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    return {
+        f"{f.relative_to(folder)}:{k}": v
+        for f in sorted(folder.rglob("*.safetensors"))
+        for k, v in load_file(str(f)).items()
+    }
 
 
 CASES = {
     # stage: (launch args, params section, its curve, its metrics, its output)
     "sft": (["stages.sft"], "sft", "plots/sft/loss.csv", "metrics/sft.json", "models/sft"),
+    "rm": (["stages.reward_model"], "rm", "plots/rm/member_0.csv", "metrics/rm.json", "models/rm"),
+    "prm": (["stages.process_reward_model"], "prm", "plots/prm/loss.csv", "metrics/prm.json", "models/prm"),
     "policy@dpo": (
         ["stages.policy", "dpo"], "policy", "plots/policy/dpo/loss.csv", "metrics/policy/dpo.json", "models/policy/dpo",
     ),
@@ -92,6 +98,10 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
     steps = {"max_steps": 8, "save_steps": 100, "logging_steps": 1, "per_device_train_batch_size": per_device}
     if name == "sft":
         params = tiny_params(sft={**steps, "learning_rate": 1e-3})
+    elif name == "prm":  # the classifier kind trains (the likelihood kind fits a calibration)
+        params = tiny_params(prm={**steps, "kind": "classifier", "learning_rate": 1e-3})
+    elif name == "rm":
+        params = tiny_params(rm={**steps, "learning_rate": 1e-3})
     else:
         # sft_weight 0: the RPO term is a token mean per process, which DDP averages over
         # processes, not over all tokens (a difference of about 1e-4 of the loss: README).
@@ -104,7 +114,10 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "launcher"), [("sft", "torchrun"), ("sft", "accelerate"), ("policy@dpo", "torchrun")])
+@pytest.mark.parametrize(
+    ("name", "launcher"),
+    [("sft", "torchrun"), ("sft", "accelerate"), ("rm", "torchrun"), ("prm", "torchrun"), ("policy@dpo", "torchrun")],
+)
 def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_project, name, launcher):
     """`python -m stages.launch ...`: one process with 8 rows per step, then `torchrun` (or
     `accelerate launch` with configs/accelerate/ddp.yaml) with 2 processes of 4 rows
@@ -113,6 +126,7 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
     import stages.base
     import stages.prepare
     import stages.sft
+    import stages.verifier
 
     root = in_project
     args, _, curve, metrics, output = CASES[name]
@@ -121,6 +135,12 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
     stages.base.main()
     if name != "sft":
         stages.sft.main()
+    if name == "prm":
+        stages.verifier.main()
+        # The classifier head's dropout (0.1 by default) draws other masks when the batch is
+        # split across processes: off here, so the comparison is of the data-parallel maths.
+        config = root / "models/verifier/config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "classifier_dropout": 0.0}))
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     env.pop("RLHF_PARENT_RUN_ID", None)
 
@@ -150,3 +170,20 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
     )
     assert len(runs) == 2, "one MLflow run per launch, from rank 0"
     assert not list((root / output).parent.glob(".*.tmp-*")), "the other rank left no temporary output"
+
+
+def test_the_prm_loss_divides_by_the_labelled_positions_of_the_whole_step():
+    """Alone it is the mean over labelled positions; given the step's count of them (every
+    process and accumulation step), each process's share sums to that mean."""
+    from rlhf.rewards.prm_classifier import IGNORE, labelled_token_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 2)
+    labels = torch.tensor([[IGNORE, 1, IGNORE, 0, 1], [IGNORE, IGNORE, 0, IGNORE, IGNORE]])
+    mask = labels != IGNORE
+    mean = torch.nn.functional.cross_entropy(logits[mask], labels[mask])
+    torch.testing.assert_close(labelled_token_loss({"logits": logits}, labels), mean)
+    halves = [
+        labelled_token_loss({"logits": logits[i : i + 1]}, labels[i : i + 1], num_items_in_batch=4) for i in (0, 1)
+    ]
+    torch.testing.assert_close(sum(halves), mean)

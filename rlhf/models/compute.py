@@ -147,6 +147,11 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def world_size() -> int:
+    """How many training processes this launch has (WORLD_SIZE); 1 without a launcher."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def is_main() -> bool:
     """The process that publishes: writes outputs, metrics and the MLflow run."""
     return rank() == 0

@@ -174,7 +174,25 @@ def prm_trainer(
         data_collator=DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE),
         processing_class=tokenizer,
         callbacks=tracking_callbacks(),
+        compute_loss_func=labelled_token_loss,
     )
+
+
+def labelled_token_loss(outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Cross-entropy summed over the labelled positions, divided by the labelled positions
+    of the whole optimizer step (every process, every accumulation step: the Trainer's
+    `num_items_in_batch`), so that data-parallel processes train what one process trains.
+
+    transformers' token-classification models take `**kwargs` but do not pass
+    `num_items_in_batch` on to their loss; the Trainer, seeing the kwargs, scales the loss by
+    the number of processes all the same, and 2 processes trained at twice the step."""
+    logits = outputs["logits"].float()
+    labels = labels.to(logits.device).view(-1)
+    total = torch.nn.functional.cross_entropy(
+        logits.view(-1, logits.size(-1)), labels, ignore_index=IGNORE, reduction="sum"
+    )
+    count = num_items_in_batch if num_items_in_batch is not None else (labels != IGNORE).sum().clamp(min=1)
+    return total / count
 
 
 def save_prm(model, tokenizer, path: str | Path, separator: str = DEFAULT_SEPARATOR) -> None:

@@ -274,6 +274,10 @@ def tag_stage_runs_with_lock(parent_run_id: str, lock_path: str | Path = "dvc.lo
 def nested_run(name: str) -> Iterator[mlflow.ActiveRun]:
     """A run nested in the active one; a trainer inside logs its curves there.
 
-    The run's end is timed like a stage run's (`record_wait`)."""
+    The run's end is timed like a stage run's (`record_wait`). Under a multi-process launch
+    only rank 0 opens it; the other ranks get None."""
+    if os.environ.get("RANK", "0") != "0":
+        yield None
+        return
     with ending(mlflow.start_run(run_name=name, nested=True)) as run:
         yield run
