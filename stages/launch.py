@@ -14,8 +14,9 @@ Data-parallel training keeps the global batch at `per_device_train_batch_size x 
 x gradient_accumulation_steps`: halve the per-device batch when you double the processes
 to train on the same batches. The stages are rank-aware (rlhf.models.compute.is_main):
 every process trains; rank 0 alone writes the outputs, metrics and curves and holds the
-MLflow run. Stages whose training loop is not data-parallel yet (MULTI_PROCESS lists those
-that are; PPO is not) start as one process, with a line that says so.
+MLflow run. PPO, our own loop, shares its batch across the processes the same way
+(rlhf/training/ppo.py). A stage not in MULTI_PROCESS starts as one process, with a line
+that says so.
 
 The launch replaces this process (exec), so DVC sees the launcher's exit status.
 """
@@ -26,7 +27,7 @@ import os
 import sys
 
 MULTI_PROCESS = {"stages.sft", "stages.verifier", "stages.policy", "stages.reward_model", "stages.process_reward_model"}
-ONE_PROCESS_ARGS = {("stages.policy", "ppo")}  # our own PPO loop is not data-parallel yet
+ONE_PROCESS_ARGS: set[tuple[str, ...]] = set()  # (module, first arg) of a loop that is not data-parallel
 
 
 def command(module: str, args: list[str], config) -> list[str]:

@@ -46,7 +46,7 @@ from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.params import StageConfig
 from rlhf.rewards.functions import DEFAULT_REWARDS, RewardSpec, model_paths
 from rlhf.tasks import Task, get_task
-from rlhf.training.params import EwcParams, LoraParams, PPOParams, TrainingParams
+from rlhf.training.params import KEYED_SAMPLING, EwcParams, LoraParams, PPOParams, TrainingParams
 from stages import (
     CHECKPOINTS_DIR,
     DATA_DIR,
@@ -168,6 +168,7 @@ class OnlineParams(TrainingParams):
     num_generations: int = Field(8, ge=2, description="completions sampled per prompt (the group)")
     max_completion_length: int = Field(64, gt=0, description="new tokens per completion")
     temperature: float = Field(0.7, gt=0, description="sampling temperature (below 1: rollouts closer to greedy)")
+    keyed_sampling: bool = Field(False, description=KEYED_SAMPLING)
     beta: float = Field(0.0, ge=0, description="KL coefficient to the SFT reference (0 = no reference model)")
     epsilon: float = Field(0.2, gt=0, lt=1, description="PPO-style clipping of the importance ratio")
     num_iterations: int = Field(1, gt=0, description="optimisation passes per generated batch (mu)")
@@ -304,12 +305,14 @@ def train_trl(
     stage: str,
     logged: tuple[str, ...] = OFFLINE_LOGGED,
     inputs: tuple[Path, ...] = (),
+    on_trainer: Callable | None = None,
     **trainer_kwargs,
 ) -> tuple[dict, list[dict]]:
     """Train the SFT model with one of TRL's trainers, `trl_classes` = (its config class,
     its trainer class), on `data`; save the (merged) result into `out_dir`. Returns metrics
     (the last logged value of each of `logged`) and the curve of those values. `inputs` are
-    further files the result depends on (reward models), for the checkpoint fingerprint."""
+    further files the result depends on (reward models), for the checkpoint fingerprint;
+    `on_trainer(trainer)` runs once the trainer is built."""
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
@@ -341,6 +344,8 @@ def train_trl(
         callbacks=tracking_callbacks(),
         **trainer_kwargs,
     )
+    if on_trainer is not None:
+        on_trainer(trainer)
     ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
@@ -443,6 +448,17 @@ def train_online(
 
     functions, weights = build_rewards(params.rewards, task, REWARD_MODEL_DIRS, config.trust_remote_code)
     logged = ("loss", "reward", "reward_std", "kl", "completions/mean_length")
+
+    def keyed(trainer) -> None:
+        from rlhf.models.compute import rank
+        from rlhf.models.generation import keyed_generate
+
+        # TRL hands each process a contiguous slice of the step's rows, in rank order.
+        keyed_generate(
+            trainer.model, params.seed, lambda: trainer.state.global_step, lambda rows: rank() * rows,
+            params.temperature,
+        )  # fmt: skip
+
     return train_trl(
         config,
         task,
@@ -454,6 +470,7 @@ def train_online(
         stage,
         logged=logged + tuple(f"rewards/{f.__name__}/mean" for f in functions),
         inputs=tuple(model_paths(params.rewards, REWARD_MODEL_DIRS)),
+        on_trainer=keyed if params.keyed_sampling else None,
         reward_funcs=functions,
     )
 
@@ -481,6 +498,7 @@ def train_ppo_method(
     import mlflow
 
     from rlhf.data.contracts import read_prepared
+    from rlhf.models.compute import world_size
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
     from rlhf.rewards.ensemble import member_dirs
     from rlhf.rewards.functions import build_rewards, weighted_sum
@@ -527,6 +545,7 @@ def train_ppo_method(
         "score_last_10pct": sum(row["score"] for row in window) / len(window),
         "kl": last["kl"],
         "steps": len(history),
+        "processes": world_size(),
         "resumed": resumed,
     }
     if ewc is not None:

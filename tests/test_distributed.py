@@ -40,9 +40,10 @@ def test_the_launch_command_follows_compute_params(tmp_path):
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
         "-m", "stages.sft",
     ]  # fmt: skip
-    # A stage whose loop is not data-parallel yet starts as one process.
-    assert command("stages.policy", ["ppo"], compute(launcher="torchrun", processes=2)) == [
-        sys.executable, "-m", "stages.policy", "ppo",
+    # PPO (our own loop) is data-parallel too; a stage that does not train starts as one process.
+    assert command("stages.policy", ["ppo"], compute(launcher="torchrun", processes=2))[2] == "torch.distributed.run"
+    assert command("stages.evaluate", [], compute(launcher="torchrun", processes=2)) == [
+        sys.executable, "-m", "stages.evaluate",
     ]  # fmt: skip
 
 
@@ -68,9 +69,9 @@ def test_bad_launch_params_fail_naming_the_key(values, message):
         compute(**values)
 
 
-def read_curve(path: Path) -> list[float]:
+def read_curve(path: Path, column: str = "loss") -> list[float]:
     with open(path) as handle:
-        return [float(row["loss"]) for row in csv.DictReader(handle)]
+        return [float(row[column]) for row in csv.DictReader(handle)]
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -88,10 +89,17 @@ CASES = {
     "sft": (["stages.sft"], "sft", "plots/sft/loss.csv", "metrics/sft.json", "models/sft"),
     "rm": (["stages.reward_model"], "rm", "plots/rm/member_0.csv", "metrics/rm.json", "models/rm"),
     "prm": (["stages.process_reward_model"], "prm", "plots/prm/loss.csv", "metrics/prm.json", "models/prm"),
-    "policy@dpo": (
-        ["stages.policy", "dpo"], "policy", "plots/policy/dpo/loss.csv", "metrics/policy/dpo.json", "models/policy/dpo",
-    ),
+    **{
+        f"policy@{m}": (
+            ["stages.policy", m], "policy", f"plots/policy/{m}/loss.csv", f"metrics/policy/{m}.json",
+            f"models/policy/{m}",
+        )
+        for m in ("dpo", "grpo", "ppo")
+    },
 }  # fmt: skip
+# Online methods sample with keyed_sampling, so that 1 and 2 processes draw the same
+# completions, and a reward that varies on the micro model's text (its answers never match).
+ONLINE_REWARDS = [{"name": "format", "pattern": ".*[0-9].*"}, {"name": "length", "max_chars": 10, "weight": 0.5}]
 
 
 def case_params(name: str, per_device: int, processes: int, launcher: str = "torchrun") -> dict:
@@ -102,6 +110,21 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
         params = tiny_params(prm={**steps, "kind": "classifier", "learning_rate": 1e-3})
     elif name == "rm":
         params = tiny_params(rm={**steps, "learning_rate": 1e-3})
+    elif name == "policy@grpo":
+        grpo = {
+            **steps, "learning_rate": 1e-3, "num_generations": 4, "max_completion_length": 12, "temperature": 1.0,
+            "keyed_sampling": True, "rewards": ONLINE_REWARDS,
+        }  # fmt: skip
+        params = tiny_params(policy={"offline": [], "online": ["grpo"], "grpo": grpo})
+    elif name == "policy@ppo":
+        # 8 prompts per iteration (4 per process) in mini-batches of 2: in most iterations
+        # both rows of some mini-batch are on one process and the other holds none.
+        ppo = {
+            "max_steps": 8, "save_steps": 100, "logging_steps": 1, "rollout_batch_size": 8, "mini_batch_size": 2,
+            "max_new_tokens": 12, "temperature": 1.0, "learning_rate": 1e-3, "keyed_sampling": True,
+            "rewards": ONLINE_REWARDS,
+        }  # fmt: skip
+        params = tiny_params(policy={"offline": [], "online": ["ppo"], "ppo": ppo})
     else:
         # sft_weight 0: the RPO term is a token mean per process, which DDP averages over
         # processes, not over all tokens (a difference of about 1e-4 of the loss: README).
@@ -116,7 +139,15 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "launcher"),
-    [("sft", "torchrun"), ("sft", "accelerate"), ("rm", "torchrun"), ("prm", "torchrun"), ("policy@dpo", "torchrun")],
+    [
+        ("sft", "torchrun"),
+        ("sft", "accelerate"),
+        ("rm", "torchrun"),
+        ("prm", "torchrun"),
+        ("policy@dpo", "torchrun"),
+        ("policy@grpo", "torchrun"),
+        ("policy@ppo", "torchrun"),
+    ],  # fmt: skip
 )
 def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_project, name, launcher):
     """`python -m stages.launch ...`: one process with 8 rows per step, then `torchrun` (or
@@ -130,6 +161,7 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
 
     root = in_project
     args, _, curve, metrics, output = CASES[name]
+    online = name in ("policy@grpo", "policy@ppo")
     write_params(root, case_params(name, 8, 1))
     stages.prepare.main()
     stages.base.main()
@@ -150,23 +182,38 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
+    # An online method's loss is 0 whenever a group's completions have one length (its
+    # advantages sum to 0): its reward curve (GRPO's reward, PPO's score) is compared too.
+    reward = {"policy@grpo": "reward", "policy@ppo": "score"}.get(name)
+    curves = [(curve, "loss")] + ([(curve.replace("loss.csv", "reward.csv"), reward)] if reward else [])
+
+    def read() -> tuple[list[list[float]], dict]:
+        return [read_curve(root / file, column) for file, column in curves], weights(root / output)
+
     launch()
-    one, one_weights = read_curve(root / curve), weights(root / output)
+    one, one_weights = read()
     assert json.loads((root / metrics).read_text())["processes"] == 1
     write_params(root, case_params(name, 4, 2, launcher))
     launch()
-    two, two_weights = read_curve(root / curve), weights(root / output)
+    two, two_weights = read()
     assert json.loads((root / metrics).read_text())["processes"] == 2
-    assert len(one) == len(two) == 8
-    differences = [abs(a - b) for a, b in zip(one, two)]
-    print(f"{name}: loss 1 process {one}\nloss 2 processes {two}\nmax |difference| {max(differences):.2e}")
-    assert one[0] != one[-1], "the loss moved: the runs trained"
-    assert max(differences) < TOLERANCE, (one, two)
+    for (file, column), a, b in zip(curves, one, two):
+        assert len(a) == len(b) == 8, file
+        differences = [abs(x - y) for x, y in zip(a, b)]
+        print(f"{name} {column}: 1 process {a}\n2 processes {b}\nmax |difference| {max(differences):.2e}")
+        assert max(differences) < TOLERANCE, (column, a, b)
+        assert len(set(a)) > 1, f"the {column} moved: the runs trained"
+    if online:  # the weights moved away from SFT's
+        start = weights(root / "models/sft")
+        assert any(not torch.allclose(start[k], v) for k, v in one_weights.items() if k in start)
     for key, tensor in one_weights.items():
         torch.testing.assert_close(two_weights[key], tensor, atol=1e-4, rtol=1e-3, msg=key)
+    from stages.policy import stage_name
+
+    tag = stage_name(args[1]) if args[0] == "stages.policy" else name
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     runs = client.search_runs(
-        [e.experiment_id for e in client.search_experiments()], filter_string=f"tags.`rlhf.stage` = '{name}'"
+        [e.experiment_id for e in client.search_experiments()], filter_string=f"tags.`rlhf.stage` = '{tag}'"
     )
     assert len(runs) == 2, "one MLflow run per launch, from rank 0"
     assert not list((root / output).parent.glob(".*.tmp-*")), "the other rank left no temporary output"
@@ -187,3 +234,45 @@ def test_the_prm_loss_divides_by_the_labelled_positions_of_the_whole_step():
         labelled_token_loss({"logits": logits[i : i + 1]}, labels[i : i + 1], num_items_in_batch=4) for i in (0, 1)
     ]
     torch.testing.assert_close(sum(halves), mean)
+
+
+def test_keyed_sampling_draws_from_the_tempered_softmax():
+    """Over 8,000 rows the keyed draws of one logits vector have the frequencies of
+    softmax(z / T), within 4 standard errors."""
+    from rlhf.models.generation import KeyedSampling
+
+    logits, temperature, rows = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]), 0.7, 8000
+    counts = torch.zeros(5)
+    for row in range(rows):
+        out = KeyedSampling(seed=3, step=0, first_row=row, temperature=temperature)(torch.zeros(1, 4), logits)
+        assert int((out == 0).sum()) == 1 and torch.isinf(out).sum() == 4, "one token kept, the rest -inf"
+        counts += (out[0] == 0).float()
+    expected = (logits[0] / temperature).softmax(-1)
+    error = 4 * (expected * (1 - expected) / rows).sqrt()
+    assert ((counts / rows - expected).abs() <= error).all(), (counts / rows, expected)
+
+
+def test_keyed_generation_is_the_same_however_the_batch_is_split(micro_dir):
+    """The micro model samples 8 completions (4 prompts of different lengths, twice each) as
+    one batch of 8 and as two processes' batches of 4 (rows 0-3 and 4-7, other left
+    padding): the completions are the same. Repeated prompts get different completions
+    (it samples), and another step draws others."""
+    from rlhf.models.generation import keyed_generate
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+
+    tokenizer, model = load_tokenizer(micro_dir), load_causal_lm(micro_dir)
+    tokenizer.padding_side = "left"
+    prompts = ["1+2=", "12+34+5=", "7=", "100+200+300+4="] * 2
+    step = {"value": 0}
+
+    def sample(texts: list[str], first: int) -> list[str]:
+        keyed_generate(model, seed=0, step=lambda: step["value"], first_row=lambda rows: first, temperature=1.0)
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**batch, do_sample=True, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+        return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    whole = sample(prompts, 0)
+    assert sample(prompts[:4], 0) + sample(prompts[4:], 4) == whole
+    assert whole[:4] != whole[4:], "the same prompt in another row draws another completion"
+    step["value"] = 1
+    assert sample(prompts, 0) != whole, "another step draws other completions"

@@ -75,3 +75,76 @@ def sample(model, tokenizer, prompts: Sequence, n: int, max_new_tokens: int, tem
     sequences, not prompts."""
     flat = generate(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // n), True, temperature, n, seed=seed)
     return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+# A prime below 2**61 for mixing the key's parts into one generator seed.
+_KEY_PRIME = 2_305_843_009_213_693_951
+
+
+class KeyedSampling:
+    """A logits processor that samples each row's next token itself, from softmax(logits / T),
+    with noise drawn from a generator keyed by (seed, step, row, token position): a row gets
+    the same completion whatever rows share its batch, how the batch is split across
+    processes or how wide the left padding is. It returns 0 at the chosen token and -inf
+    elsewhere, so the generation after it (greedy, or sampling) takes that token.
+
+    Row `r` of a batch is global row `first_row + r`: a process of a data-parallel launch
+    holding the rows from `first_row` on draws what one process with all the rows draws.
+    Sampling is by the Gumbel-max trick: argmax_v(z_v / T + g_v) with g_v = -log(-log u_v)
+    and u_v uniform is a draw from softmax(z / T) (Gumbel 1954; Maddison et al. 2014). Give
+    it the untempered logits: no temperature, top-k or top-p processor may run before it
+    (transformers runs a caller's processors before its own warpers, whose work on the
+    one-hot result is then a no-op).
+
+    Why our own: transformers draws the tokens of a batch with one `torch.multinomial` on
+    the process's generator, so a row's draws depend on its batch and its process (TRL
+    seeds each process differently on purpose); neither has a per-row generator. The cost
+    is one small generator per row and token, fine for the pipeline's sampling batches;
+    leave it off (the default) where throughput matters more than layout-free sampling."""
+
+    def __init__(self, seed: int, step: int, first_row: int = 0, temperature: float = 1.0):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.seed, self.step, self.first_row, self.temperature = seed, step, first_row, temperature
+        self.prompt_width: int | None = None
+
+    def key(self, row: int, position: int) -> int:
+        value = 0
+        for part in (self.seed, self.step, row, position):
+            value = (value * 1_000_003 + part + 1) % _KEY_PRIME
+        return value
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prompt_width is None:  # the first call sees the (padded) prompts alone
+            self.prompt_width = input_ids.shape[1]
+        position = input_ids.shape[1] - self.prompt_width  # index of the token being drawn
+        logits = scores.float() / self.temperature
+        tiny = torch.finfo(torch.float32).tiny
+        picks = []
+        for row in range(scores.shape[0]):
+            generator = torch.Generator(device=scores.device).manual_seed(self.key(self.first_row + row, position))
+            uniform = torch.rand(scores.shape[1], generator=generator, device=scores.device).clamp_(tiny, 1 - 1e-7)
+            picks.append(int(torch.argmax(logits[row] - torch.log(-torch.log(uniform)))))
+        chosen = torch.full_like(scores, float("-inf"))
+        chosen[torch.arange(scores.shape[0], device=scores.device), torch.tensor(picks, device=scores.device)] = 0.0
+        return chosen
+
+
+def keyed_generate(model, seed: int, step, first_row, temperature: float) -> None:
+    """Make `model.generate` sample with `KeyedSampling` (used where a library calls
+    `generate` for us, as TRL's GRPO and RLOO trainers do): `step()` gives the current
+    training step, `first_row(rows)` the global index of this process's first row when it
+    generates `rows` rows. The model's saved weights and config are untouched; a second
+    call replaces the first's settings."""
+    from transformers import LogitsProcessorList
+
+    original = model.__dict__.get("_unkeyed_generate", model.generate)
+    model._unkeyed_generate = original
+
+    def generate(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        processor = KeyedSampling(seed, int(step()), first_row(ids.shape[0]), temperature)
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), processor])
+        return original(*args, **kwargs)
+
+    model.generate = generate

@@ -13,6 +13,11 @@ from pydantic import Field, model_validator
 
 from rlhf.params import StageConfig, reject_unused
 
+KEYED_SAMPLING = (
+    "draw each completion from a generator keyed by (seed, step, row): the same completions with 1 or N "
+    "processes and any batch split, at the cost of a generator per row and token (rlhf.models.generation)"
+)
+
 
 class TrainingParams(StageConfig):
     """Optimisation settings shared by the training stages (a TRL config subset)."""
@@ -94,6 +99,7 @@ class PPOParams(TrainingParams):
     ppo_epochs: int = Field(2, gt=0, description="passes over each rollout batch")
     max_new_tokens: int = Field(64, gt=0, description="longest sampled response")
     temperature: float = Field(0.7, gt=0, description="sampling temperature (log-probs use the same)")
+    keyed_sampling: bool = Field(False, description=KEYED_SAMPLING)
     kl_coef: float = Field(0.05, ge=0, description="beta: KL penalty per token (initial value if adaptive)")
     adaptive_kl: bool = Field(False, description="adapt beta towards target_kl (Ziegler et al. 2019)")
     target_kl: float = Field(6.0, gt=0, description="adaptive: target KL per response, in nats")

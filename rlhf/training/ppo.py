@@ -19,6 +19,15 @@ response starts at column Q. The logits at position p predict token p+1, so resp
 output at that same position Q+t-1: the state *before* the token is emitted. The reward and
 advantage of token t belong to the action "emit token t" from the state valued V_t.
 
+Several processes (`torchrun`/`accelerate launch`, stages/launch.py): each process takes a
+contiguous slice of the iteration's prompts and samples, scores and values its own rows;
+what spans the batch is summed across processes (`Ranks`): the whitening statistics, each
+mini-batch's token count (a mini-batch is a set of rows of the whole batch, in an order
+rank 0 draws), the gradients (averaged by hand after each backward, not by DDP, because a
+process may hold no row of a mini-batch) and the logged metrics. So N processes take the
+steps one process takes on the same batch, and with `keyed_sampling` they also sample the
+same responses (tests/test_distributed.py). Rank 0 alone writes checkpoints.
+
 Departures from the paper: the value model is a separate network (no shared trunk, no value
 coefficient), dropout is off throughout (models stay in eval mode, so old and new log-probs
 agree before the first update), and losses are means over all response tokens of a
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 from collections.abc import Callable, Sequence
@@ -40,14 +50,53 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForTokenClassification, GenerationConfig, get_scheduler
 
 from rlhf.artifacts import atomic_dir
-from rlhf.models.compute import current
+from rlhf.models.compute import current, is_main, rank, world_size
 from rlhf.models.folders import check_model_dir, resolve_model_dir
-from rlhf.models.generation import format_prompt
+from rlhf.models.generation import KeyedSampling, format_prompt
 from rlhf.training.checkpoints import usable_checkpoint
 from rlhf.training.params import PPOParams
 from rlhf.training.trainer_setup import merged_model
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+class Ranks:
+    """This process's place among the training processes of a launch, and the sums across
+    them (identity with one process). Starts torch.distributed (gloo on CPUs, NCCL on GPUs)
+    when the launcher has not."""
+
+    def __init__(self, device: torch.device):
+        self.rank, self.world = rank(), world_size()
+        if self.world > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return tensor
+        total = tensor.detach().clone()
+        torch.distributed.all_reduce(total)
+        return total
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            torch.distributed.broadcast(tensor, src=0)
+        return tensor
+
+    def average_gradients(self, parameters: list[torch.Tensor]) -> None:
+        """Every process ends with the mean of the processes' gradients (one flat all-reduce)."""
+        if self.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for p, g in zip(parameters, grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -124,9 +173,12 @@ def generate_rollouts(
     temperature: float = 1.0,
     max_prompt_length: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    keyed: KeyedSampling | None = None,
 ) -> Rollout:
     """Sample y ~ pi(. | x)^(1/T) for each prompt x (pure softmax sampling: no top-k/top-p,
-    so the log-probs are those of the distribution sampled from), and record log pi_old(y_t)."""
+    so the log-probs are those of the distribution sampled from), and record log pi_old(y_t).
+    With `keyed` (a `KeyedSampling` of this `temperature`) each row's draws come from its
+    own keyed generator instead of the process's (greedy decoding of its one-hot output)."""
     eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     tokenizer.padding_side = "left"
     tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the answer starts
@@ -140,15 +192,16 @@ def generate_rollouts(
         max_length=max_prompt_length,
     ).to(policy.device)
     config = GenerationConfig(
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
+        do_sample=keyed is None,
+        temperature=temperature if keyed is None else None,
+        top_k=0 if keyed is None else None,
+        top_p=1.0 if keyed is None else None,
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos_token_id,
     )
-    output = policy.generate(**batch, generation_config=config)
+    processors = {} if keyed is None else {"logits_processor": [keyed]}
+    output = policy.generate(**batch, generation_config=config, **processors)
     query_ids = batch["input_ids"]
     response_ids = output[:, query_ids.shape[1] :]
     mask = response_mask(response_ids, eos_token_id)
@@ -177,9 +230,11 @@ def score_completions(reward_fn: Callable, prompts: Sequence, completions: list[
 # ----------------------------------------------------------------------------- rewards and KL
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | float | None = None) -> torch.Tensor:
+    """sum(x * mask) / count, `count` the number of masked positions by default (a caller
+    whose positions are spread over processes gives the count of all of them)."""
     mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum() / (mask.sum() if count is None else torch.as_tensor(count, dtype=x.dtype)).clamp(min=1)
 
 
 def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -252,11 +307,13 @@ def value_returns(advantages, values, mask) -> torch.Tensor:
     return (advantages + values) * mask.to(values.dtype)
 
 
-def whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8, total=lambda t: t) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked positions (population variance); with
-    `shift_mean=False` the mean is added back (only the scale changes). 0 where masked."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    `shift_mean=False` the mean is added back (only the scale changes). 0 where masked.
+    `total` sums a tensor over the processes that hold the rest of the batch (`Ranks.sum`)."""
+    count = total(mask.to(x.dtype).sum())
+    mean = total((x * mask.to(x.dtype)).sum()) / count.clamp(min=1)
+    var = total(((x - mean) ** 2 * mask.to(x.dtype)).sum()) / count.clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + eps)
     return (out if shift_mean else out + mean) * mask.to(x.dtype)
 
@@ -264,29 +321,30 @@ def whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
 # ----------------------------------------------------------------------------- losses
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float):
+def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float, count=None):
     """PPO-clip (Schulman et al. 2017, eq. 7), rho_t = exp(log pi(y_t) - log pi_old(y_t)):
     L = -E_t[min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)], a mean over response tokens.
     Returns (loss, clipfrac = share of tokens where the clipped term is the min, approx_kl =
-    E_t[(log pi - log pi_old)^2 / 2], the k2 estimator of KL(pi_old || pi))."""
+    E_t[(log pi - log pi_old)^2 / 2], the k2 estimator of KL(pi_old || pi)). Means divide by
+    `count` when given (`masked_mean`)."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    approx_kl = masked_mean(0.5 * log_ratio.detach() ** 2, mask)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, count)
+    clipfrac = masked_mean((clipped > unclipped).float(), mask, count)
+    approx_kl = masked_mean(0.5 * log_ratio.detach() ** 2, mask, count)
     return loss, clipfrac.detach(), approx_kl
 
 
-def clipped_value_loss(values, old_values, returns, mask, cliprange_value: float):
+def clipped_value_loss(values, old_values, returns, mask, cliprange_value: float, count=None):
     """L_V = 1/2 E_t[max((V_t - R_t)^2, (clip(V_t, V_old - eps, V_old + eps) - R_t)^2)]: the value
     may not profit from moving further than eps from the rollout's estimate. Returns (loss,
     clipfrac = share of tokens where the clipped term is the larger)."""
     clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped_error, clipped_error = (values - returns) ** 2, (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask)
-    return loss, masked_mean((clipped_error > unclipped_error).float(), mask).detach()
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask, count)
+    return loss, masked_mean((clipped_error > unclipped_error).float(), mask, count).detach()
 
 
 # ----------------------------------------------------------------------------- value model
@@ -332,11 +390,20 @@ def prompt_batch(n_prompts: int, batch_size: int, seed: int, iteration: int) -> 
     return indices
 
 
-def ppo_iteration(policy, ref_policy, value_model, tokenizer, prompts, row_fields, reward_fn, params, kl_coef, opts):
-    """One rollout batch and its `ppo_epochs` of mini-batch updates. Returns its metrics."""
+def ppo_iteration(
+    policy, ref_policy, value_model, tokenizer, prompts, row_fields, reward_fn, params, kl_coef, opts,
+    ranks: Ranks | None = None, iteration: int = 0,
+):  # fmt: skip
+    """One rollout batch and its `ppo_epochs` of mini-batch updates. Returns its metrics.
+    `prompts` are this process's rows of the batch (`ranks`: all processes hold equal shares)."""
+    ranks = ranks or Ranks(policy.device)
+    rows = len(prompts)
+    first_row, batch_rows = ranks.rank * rows, ranks.world * rows
+    keyed = KeyedSampling(params.seed, iteration, first_row, params.temperature) if params.keyed_sampling else None
     rollout = generate_rollouts(
-        policy, tokenizer, prompts, params.max_new_tokens, params.temperature, params.max_length - params.max_new_tokens
-    )
+        policy, tokenizer, prompts, params.max_new_tokens, params.temperature,
+        params.max_length - params.max_new_tokens, keyed=keyed,
+    )  # fmt: skip
     ids, attention, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
     mask = rollout.response_mask
     with torch.no_grad():
@@ -348,42 +415,62 @@ def ppo_iteration(policy, ref_policy, value_model, tokenizer, prompts, row_field
     advantages = gae_advantages(rewards, values, mask, params.gamma, params.lam)
     returns = value_returns(advantages, values, mask)
     if params.whiten_advantages:
-        advantages = whiten(advantages, mask)
+        advantages = whiten(advantages, mask, total=ranks.sum)
 
     (policy_opt, policy_sched), (value_opt, value_sched) = opts
+    trainable = {id(m): [p for p in m.parameters() if p.requires_grad] for m in (policy, value_model)}
     stats: dict[str, list[float]] = {}
     for _ in range(params.ppo_epochs):
-        order = torch.randperm(len(prompts)).to(ids.device)
+        # Rows of the whole batch, in rank 0's order (the processes' generators differ
+        # after sampling unless it was keyed); each process takes the rows it holds.
+        order = ranks.broadcast(torch.randperm(batch_rows).to(ids.device))
         for mb in order.split(params.mini_batch_size):
-            logprobs, entropy = token_logprobs(policy, ids[mb], attention[mb], start, params.temperature, entropy=True)
-            policy_loss, clipfrac, approx_kl = clipped_policy_loss(
-                logprobs, rollout.logprobs[mb], advantages[mb], mask[mb], params.cliprange
-            )
-            new_values = token_values(value_model, ids[mb], attention[mb], start)
-            value_loss, value_clipfrac = clipped_value_loss(
-                new_values, values[mb], returns[mb], mask[mb], params.cliprange_value
-            )
+            mine = mb[(mb >= first_row) & (mb < first_row + rows)] - first_row
+            count = ranks.sum(mask[mine].sum().to(torch.float32))
+            if len(mine):
+                logprobs, entropy = token_logprobs(
+                    policy, ids[mine], attention[mine], start, params.temperature, entropy=True
+                )
+                policy_loss, clipfrac, approx_kl = clipped_policy_loss(
+                    logprobs, rollout.logprobs[mine], advantages[mine], mask[mine], params.cliprange, count
+                )
+                new_values = token_values(value_model, ids[mine], attention[mine], start)
+                value_loss, value_clipfrac = clipped_value_loss(
+                    new_values, values[mine], returns[mine], mask[mine], params.cliprange_value, count
+                )
+                entropy = masked_mean(entropy.detach(), mask[mine], count)
+            else:  # this process holds no row of the mini-batch: its share of every sum is 0
+                policy_loss, value_loss = (sum(p.sum() for p in trainable[id(m)]) * 0.0 for m in (policy, value_model))
+                clipfrac = value_clipfrac = approx_kl = entropy = torch.zeros((), device=ids.device)
             for loss, model, opt, sched in (
                 (policy_loss, policy, policy_opt, policy_sched),
                 (value_loss, value_model, value_opt, value_sched),
             ):
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], params.max_grad_norm)
+                # Scaled by the process count: the mean of the processes' gradients is then
+                # the gradient of the whole mini-batch's loss (a hook's own term, EWC's,
+                # is added by every process and survives the mean unchanged).
+                (loss * ranks.world).backward()
+                ranks.average_gradients(trainable[id(model)])
+                torch.nn.utils.clip_grad_norm_(trainable[id(model)], params.max_grad_norm)
                 opt.step()
                 sched.step()
             batch_stats = {
                 "policy_loss": policy_loss, "value_loss": value_loss, "clipfrac": clipfrac,
-                "value_clipfrac": value_clipfrac, "approx_kl": approx_kl, "entropy": masked_mean(entropy, mask[mb]),
+                "value_clipfrac": value_clipfrac, "approx_kl": approx_kl, "entropy": entropy,
             }  # fmt: skip
             for key, value in batch_stats.items():
-                stats.setdefault(key, []).append(float(value.detach()))
+                stats.setdefault(key, []).append(float(ranks.sum(value.detach())))
+
+    def batch_mean(per_row: torch.Tensor) -> float:
+        return float(ranks.sum(per_row.float().sum()) / batch_rows)
+
     return {
-        "score": float(scores.mean()),
-        "kl": float(kl.sum(1).mean()),
+        "score": batch_mean(scores),
+        "kl": batch_mean(kl.sum(1)),
         "kl_coef": kl_coef,
         **{key: sum(values) / len(values) for key, values in stats.items()},
-        "response_length": float(mask.sum(1).float().mean()),
+        "response_length": batch_mean(mask.sum(1)),
     }
 
 
@@ -399,6 +486,8 @@ def latest_checkpoint(directory: Path) -> Path | None:
 def save_checkpoint(directory: Path, iteration: int, models, opts, kl_coef: float, history: list[dict]) -> None:
     """Everything a resumed run needs, written to a temporary folder and renamed into place;
     older checkpoints are removed after the new one is complete."""
+    if not is_main():  # every process holds the same weights and optimizer states
+        return
     target = directory / f"step-{iteration}"
     with atomic_dir(target) as tmp:
         for name, model in zip(("policy", "value"), models):
@@ -452,12 +541,23 @@ def train_ppo(
     `load_value_model` model, trained in full (LoRA applies to the policy only). With LoRA the
     adapters are merged into `policy` before returning, so it is a plain model afterwards.
     A checkpoint is kept in `checkpoint_dir` every `save_steps` iterations and at the end; a
-    call that finds one resumes from it (choose the folder per run, e.g. by fingerprint)."""
+    call that finds one resumes from it (choose the folder per run, e.g. by fingerprint).
+
+    Under a launcher with N processes each samples rollout_batch_size / N prompts of an
+    iteration (module docstring); every process returns the same history."""
     device = torch.device(current().device)
+    if device.type == "cuda" and world_size() > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     n = len(prompts)
     bad_fields = [k for k, v in row_fields.items() if len(v) != n]
     if not n or bad_fields:
         raise ValueError(f"need prompts, and row fields of the same length ({n}); wrong length: {bad_fields}")
+    if params.rollout_batch_size % world_size():
+        raise ValueError(
+            f"rollout_batch_size ({params.rollout_batch_size}) must be a multiple of the number of training "
+            f"processes ({world_size()}, compute.processes): each process samples an equal share"
+        )
+    ranks = Ranks(device)
     model = policy
     if params.lora.enabled:
         from peft import get_peft_model
@@ -489,15 +589,17 @@ def train_ppo(
 
     for iteration in range(start, params.max_steps):
         step = iteration + 1
+        share = params.rollout_batch_size // ranks.world
         indices = prompt_batch(n, params.rollout_batch_size, params.seed, iteration)
+        indices = indices[ranks.rank * share : (ranks.rank + 1) * share]
         fields = {key: [values[i] for i in indices] for key, values in row_fields.items()}
         metrics = ppo_iteration(
             model, ref_policy, value_model, tokenizer, [prompts[i] for i in indices], fields, reward_fn, params,
-            kl_ctl.value, opts,
+            kl_ctl.value, opts, ranks, iteration,
         )  # fmt: skip
         kl_ctl.update(metrics["kl"], params.rollout_batch_size)
         history.append({"step": step, **metrics})
-        if step % params.logging_steps == 0 or step == params.max_steps:
+        if (step % params.logging_steps == 0 or step == params.max_steps) and is_main():
             print(
                 f"ppo {step}/{params.max_steps}: score {metrics['score']:.3f} kl {metrics['kl']:.3f} "
                 f"beta {metrics['kl_coef']:.4f} policy_loss {metrics['policy_loss']:.4f} "
