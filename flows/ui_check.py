@@ -12,6 +12,10 @@ project against both, and checks through their APIs what their pages show:
 * Prefect: the flow run's graph (`/api/flow_runs/<id>/graph-v2`, what the run page draws)
   has exactly the edges of `dvc dag`;
 * MLflow: the flow's parent run carries the headline metrics and the params;
+* the registry: the champion's model version has its files in the server's artifact store
+  (not in the project), and `mlflow.transformers.load_model("models:/<name>@champion")`,
+  run in a second clone of the project (under `<out>/second-checkout`) pointed at the
+  server, loads the champion's weights; skipped, saying so, when the gate promoted nothing;
 * with `--vary KEY=VALUE`: a second flow runs with that one param changed, and the two
   parent runs are compared as MLflow's Compare view compares them: the params that differ
   (exactly KEY) and the metrics that moved. params.yaml is then restored and `dvc repro`
@@ -250,6 +254,64 @@ def take_screenshots(out: Path, urls: dict, flow_run: dict, runs: list) -> dict:
     return shots
 
 
+LOAD_CHAMPION = """
+import json, sys
+import mlflow
+from safetensors.torch import load_file
+from pathlib import Path
+name, champion = sys.argv[1], Path(sys.argv[2])
+pipe = mlflow.transformers.load_model(f"models:/{name}@champion")
+loaded = pipe.model.state_dict()
+saved = {k: v for f in champion.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+common = [k for k in saved if k in loaded]
+print(json.dumps({
+    "tensors": len(common),
+    "max_difference": max(float((loaded[k] - saved[k]).abs().max()) for k in common) if common else None,
+}))
+"""
+
+
+def registry_elsewhere(project: Path, urls: dict, out: Path) -> dict:
+    """Load the champion from the server's registry in a second clone of `project`, and
+    check that its files are in the server's artifact store. {"skipped": why} when the
+    gate promoted nothing or the project is not a git clone."""
+    from mlflow.tracking import MlflowClient
+
+    from stages import load_config
+
+    name = load_config("gate", project / "params.yaml").registered_model
+    client = MlflowClient(urls["mlflow"])
+    try:
+        version = client.get_model_version_by_alias(name, "champion")
+    except Exception as error:  # noqa: BLE001 - the registry answers "not found" in several ways
+        return {"skipped": f"no {name}@champion in the registry ({type(error).__name__}): the gate promoted nothing"}
+    if not (project / ".git").exists():
+        return {"skipped": f"{project} is not a git repository to clone"}
+    second = out / "second-checkout"
+    shutil.rmtree(second, ignore_errors=True)
+    subprocess.run(["git", "clone", "-q", str(project), str(second)], check=True, capture_output=True)
+    env = {**stage_environment(None), "MLFLOW_TRACKING_URI": urls["mlflow"]}
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_CHAMPION, name, str(project / "models/champion")],
+        cwd=second, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    report = {"model": f"{name}/{version.version}", "source": version.source, "checkout": str(second)}
+    if done.returncode:
+        return {**report, "error": (done.stdout + done.stderr)[-2000:]}
+    report.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    # Where the version's files are: an mlflow-artifacts: address is the server's store.
+    model_id = version.model_id or (
+        version.source.removeprefix("models:/") if version.source.startswith("models:/m-") else None
+    )
+    location = client.get_logged_model(model_id).artifact_location if model_id else version.source
+    store = out / "servers" / "mlartifacts"
+    report["artifact_location"] = location
+    report["weights_in_server_store"] = location.startswith("mlflow-artifacts:") and any(
+        (model_id or version.run_id) in str(f) for f in store.rglob("*.safetensors")
+    )
+    return report
+
+
 def check(project: Path, out: Path, vary: str | None = None, ports: tuple = (None, None), shots: bool = True) -> dict:
     """Run the flow (twice with `vary`) against fresh servers and check both UIs' APIs;
     write `<out>/check.json` and the screenshots. Returns the report."""
@@ -310,6 +372,12 @@ def check(project: Path, out: Path, vary: str | None = None, ports: tuple = (Non
             "mlflow parent run has headline metrics and params": bool(report["mlflow"]["headline"])
             and bool(newest.data.params),
         }
+        report["registry"] = registry = registry_elsewhere(project, urls, out)
+        if "skipped" not in registry:
+            checks["champion loads from the registry in a second checkout"] = (
+                registry.get("tensors", 0) > 0 and registry["max_difference"] == 0.0
+            )
+            checks["champion's weights are in the server's artifact store"] = registry["weights_in_server_store"]
         if vary:
             report["compare"] = compare(runs[1], runs[0])
             changed = set(report["compare"]["params_changed"])

@@ -61,6 +61,11 @@ def test_two_runs_in_real_prefect_and_mlflow_servers(tmp_path, monkeypatch):
     assert any(name.startswith(("dev.dpo.", "test.dpo.")) for name in moved), moved
     assert not any(name.startswith(("dev.sft.", "test.sft.")) for name in moved), "SFT did not rerun"
     assert report["restored_first_run"]
+    # The gate promoted the first run's DPO: a second clone pointed at the server loads it
+    # from the registry, and its weights were uploaded to the server's store.
+    registry = report["registry"]
+    assert registry["tensors"] > 0 and registry["max_difference"] == 0.0, registry
+    assert registry["artifact_location"].startswith("mlflow-artifacts:") and registry["weights_in_server_store"]
     if missing_browser():
         assert "skipped" in report["screenshots"]
     else:
