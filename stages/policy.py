@@ -320,10 +320,10 @@ def train_trl(
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
+        final_weights,
         fingerprint,
         last_logged,
         log_history_rows,
-        merged_model,
         tracking_callbacks,
         train_resumable,
         trl_config,
@@ -349,8 +349,9 @@ def train_trl(
     ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
+    model, state_dict = final_weights(trainer)
     if is_main():  # the other processes of a multi-process launch trained the same weights
-        save_model(merged_model(trainer.model), tokenizer, out_dir)
+        save_model(model, tokenizer, out_dir, state_dict)
     metrics = {
         "train_loss": last_logged(history, "loss"),
         **{name.replace("/", "_"): last_logged(history, name) for name in logged if name != "loss"},

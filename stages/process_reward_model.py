@@ -154,10 +154,10 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
         discard_checkpoints,
+        final_weights,
         fingerprint,
         last_logged,
         log_history_rows,
-        merged_model,
         train_resumable,
     )
 
@@ -175,9 +175,10 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     resumed = train_resumable(trainer, stage, key)
     train_seconds = time.perf_counter() - start
     history = trainer.state.log_history
+    model, state_dict = final_weights(trainer)
     if not is_main():  # another process of a multi-process launch: rank 0 scores and publishes
         return {}, []
-    save_prm(merged_model(trainer.model), tokenizer, out_dir, separator)
+    save_prm(model, tokenizer, out_dir, separator, state_dict)
 
     prm = load_prm(out_dir, config.trust_remote_code)
     scores = prm.score_steps(held_out["prompt"].tolist(), held_out["completions"].tolist(), config.score_batch_size)

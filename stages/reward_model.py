@@ -88,6 +88,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
     from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, LikelihoodRewardTrainer, ResponseMaskCollator
     from rlhf.tracking.runs import nested_run
     from rlhf.training.trainer_setup import (
+        final_weights,
         log_history_rows,
         merged_model,
         tracking_callbacks,
@@ -139,7 +140,8 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
     # Atomically: `final` existing is what marks the member done for a resumed run.
     with atomic_dir(final) as tmp:  # rank 0's is renamed into place, another rank's discarded
         if config.kind == "classifier":
-            save_model(merged_model(trainer.model), tokenizer, tmp)
+            model, state_dict = final_weights(trainer)  # every process takes part in a sharded gather
+            save_model(model, tokenizer, tmp, state_dict)
         else:
             trainer.model.save(tokenizer, tmp, lm=merged_model(trainer.model.lm))
     return [{**row, "member": index} for row in log_history_rows(trainer.state.log_history, ("loss", "accuracy"))]

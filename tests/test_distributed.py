@@ -276,3 +276,21 @@ def test_keyed_generation_is_the_same_however_the_batch_is_split(micro_dir):
     assert whole[:4] != whole[4:], "the same prompt in another row draws another completion"
     step["value"] = 1
     assert sample(prompts, 0) != whole, "another step draws other completions"
+
+
+def test_the_shipped_accelerate_configs_load_and_the_sharded_ones_gather_for_the_save(tmp_path):
+    """Every file in configs/accelerate/ loads as accelerate's own config (an unknown or
+    misspelt key fails), and the sharding ones (GPU only, not run here) keep what the
+    end-of-stage gather needs: FSDP's full state dict, ZeRO-3's 16-bit consolidation."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from tests.conftest import REPO
+
+    loaded = {f.name: load_config_from_file(str(f)) for f in sorted((REPO / "configs/accelerate").glob("*.yaml"))}
+    assert {"ddp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "fsdp.yaml"} <= set(loaded)
+    assert loaded["fsdp.yaml"].fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    assert loaded["deepspeed_zero3.yaml"].deepspeed_config["zero3_save_16bit_model"] is True
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "configs/accelerate/ddp.yaml").read_text() + "num_procesess: 2\n")
+    with pytest.raises(ValueError, match="num_procesess"):
+        load_config_from_file(str(bad))

@@ -132,10 +132,12 @@ def load_reward_model(path: str | Path, trust_remote_code: bool = False, what: s
     return model.to(placement.device)
 
 
-def save_model(model, tokenizer, path: str | Path) -> None:
+def save_model(model, tokenizer, path: str | Path, state_dict: dict | None = None) -> None:
+    """`model` (its weights, or `state_dict` when given: gathered weights of a sharded
+    model) as safetensors, and `tokenizer`, into `path`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
+    model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(str(path))
 
 

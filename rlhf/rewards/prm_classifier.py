@@ -195,9 +195,11 @@ def labelled_token_loss(outputs, labels: torch.Tensor, num_items_in_batch=None) 
     return total / count
 
 
-def save_prm(model, tokenizer, path: str | Path, separator: str = DEFAULT_SEPARATOR) -> None:
-    """The model, its tokenizer and the step separator it was trained with."""
-    save_model(model, tokenizer, path)
+def save_prm(
+    model, tokenizer, path: str | Path, separator: str = DEFAULT_SEPARATOR, state_dict: dict | None = None
+) -> None:
+    """The model (or `state_dict`: `save_model`), its tokenizer and the step separator it was trained with."""
+    save_model(model, tokenizer, path, state_dict)
     (Path(path) / PRM_FILE).write_text(json.dumps({"kind": "classifier", "step_separator": separator}) + "\n")
 
 

@@ -42,10 +42,10 @@ def train_sft(
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
         discard_checkpoints,
+        final_weights,
         fingerprint,
         last_logged,
         log_history_rows,
-        merged_model,
         tracking_callbacks,
         train_resumable,
         trl_config,
@@ -92,8 +92,9 @@ def train_sft(
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
+    model, state_dict = final_weights(trainer)
     if is_main():  # the other processes of a multi-process launch trained the same weights
-        save_model(merged_model(trainer.model), tokenizer, out_dir)
+        save_model(model, tokenizer, out_dir, state_dict)
         discard_checkpoints(checkpoints, stage)
     metrics = {
         "train_loss": last_logged(history, "loss"),

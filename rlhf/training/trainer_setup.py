@@ -149,9 +149,40 @@ def merged_model(model):
     return model
 
 
+def sharded_weights(trainer) -> bool:
+    """Whether the launch's accelerate strategy gives each process a slice of the weights
+    (FSDP, DeepSpeed ZeRO-3) instead of a whole copy (DDP, ZeRO-1/2)."""
+    from accelerate.utils import DistributedType
+
+    accelerator = trainer.accelerator
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.deepspeed_config["zero_optimization"]["stage"] == 3
+    return False
+
+
+def final_weights(trainer) -> tuple[Any, dict | None]:
+    """What to save after training: (the plain model, LoRA merged; None), or under a
+    sharding strategy (the unwrapped model; its full state dict, gathered from every
+    process by accelerate's `get_state_dict`). Every process of a launch calls it; rank 0
+    saves (`save_model(model, tokenizer, path, state_dict)`)."""
+    if not sharded_weights(trainer):
+        return merged_model(trainer.model), None
+    return trainer.accelerator.unwrap_model(trainer.model), trainer.accelerator.get_state_dict(trainer.model)
+
+
 def train_resumable(trainer, stage: str, key: str) -> str | None:
     """Train, resuming from the stage's last checkpoint for this fingerprint if one exists.
     Returns the checkpoint resumed from (None for a fresh start)."""
+    from transformers import PreTrainedModel
+
+    if sharded_weights(trainer) and not isinstance(trainer.model, PreTrainedModel):
+        raise ValueError(
+            f"{stage}: compute.accelerate_config shards the weights (FSDP or DeepSpeed ZeRO-3), which the pipeline "
+            f"saves for plain Hugging Face models only, not for a {type(trainer.model).__name__} (a LoRA adapter, "
+            "or the likelihood reward model): use configs/accelerate/ddp.yaml or deepspeed_zero2.yaml for it"
+        )
     resume = last_checkpoint(Path(trainer.args.output_dir), stage)
     if resume:
         print(f"{stage}: resuming from {resume}")
