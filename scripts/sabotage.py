@@ -13,7 +13,10 @@ candidates, all trained with rlhf.training.sft from models/sft for --steps steps
 * repetition: the SFT demonstrations with the final answer repeated four times;
 * rm_fooled: wrong solutions the reward model ranks highest: the SFT model samples
   --samples completions for each of --prompts problems of prompts.parquet, the RM ensemble
-  scores them, and the candidate learns each problem's best-scored wrong sample.
+  scores them, and the candidate learns each problem's best-scored wrong sample;
+* rm_rl (with --rl-steps N > 0): the real `stages.policy grpo` for N steps with the reward
+  "RM ensemble score minus answer match" (weights 1 and -1): reinforcement learning that
+  pays for what the RM likes and charges for right answers.
 
 Then, in the scratch project: `python -m stages.evaluate`-equivalent on the decision suite
 (stages.evaluate.run with the three candidates), `python -m stages.validate` and
@@ -41,7 +44,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 FILLER = " (each step carries the running total on to the next number, and the total was checked once more)"
-TARGET = {"length": "validator:length", "repetition": "validator:repetition", "rm_fooled": "validator:reward_hacking"}
+TARGET = {
+    "length": "validator:length",
+    "repetition": "validator:repetition",
+    "rm_fooled": "validator:reward_hacking",
+    "rm_rl": "validator:reward_hacking",
+}
+RL_REWARDS = [{"name": "reward_model", "weight": 1.0}, {"name": "answer_match", "weight": -1.0}]
 
 
 def scratch(project: Path, work: Path) -> None:
@@ -85,11 +94,25 @@ def training_tables(task, args) -> dict[str, pd.DataFrame]:
     }
 
 
-def stage(name: str, env: dict) -> str:
-    result = subprocess.run([sys.executable, "-m", f"stages.{name}"], env=env, capture_output=True, text=True)
+def stage(name: str, env: dict, *args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", f"stages.{name}", *args], env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"stages.{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     return result.stdout
+
+
+def train_rm_rl(work: Path, env: dict, steps: int) -> dict:
+    """GRPO against "RM minus answer match" with the real policy stage; its model becomes
+    models/policy/rm_rl. Returns its training metrics."""
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    policy = params.setdefault("policy", {})
+    policy["online"] = ["grpo"]
+    policy["grpo"] = {**(policy.get("grpo") or {}), "max_steps": steps, "rewards": RL_REWARDS}
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    print(stage("policy", env, "grpo")[-2000:], end="")
+    shutil.move(work / "models/policy/grpo", work / "models/policy/rm_rl")
+    metrics = json.loads((work / "metrics/policy/grpo.json").read_text())
+    return {"train_steps": steps, "train_reward_last": metrics.get("reward")}
 
 
 def main() -> None:
@@ -101,6 +124,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=1000)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rl-steps", type=int, default=0, help="train the rm_rl candidate for this many GRPO steps")
     args = parser.parse_args()
     project, out = args.project.resolve(), args.out.resolve()
     work = (args.work or Path(tempfile.mkdtemp(prefix="sabotage-"))).resolve()
@@ -136,9 +160,14 @@ def main() -> None:
         rows[kind] = {"training_rows": len(table), "train_loss": metrics["train_loss"]}
         print(f"{kind}: trained on {len(table)} rows, loss {metrics['train_loss']:.4f}", flush=True)
 
+    candidates = list(tables)
+    if args.rl_steps:
+        rows["rm_rl"] = train_rm_rl(work, env, args.rl_steps)
+        candidates.append("rm_rl")
+
     suite = decision_suite(params)
     config = params["evaluate"]
-    report, outcomes, samples, completions = evaluate_stage.run(config, task, list(tables), [suite], params["task"])
+    report, outcomes, samples, completions = evaluate_stage.run(config, task, candidates, [suite], params["task"])
     report["roles"] = {"decision": suite, "report": suite}
     write_json(evaluate_stage.REPORT, report)
     write_json(evaluate_stage.OUTCOMES, outcomes)
@@ -156,7 +185,7 @@ def main() -> None:
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     versions = mlflow.tracking.MlflowClient().search_model_versions()
     results = {"suite": suite, "promoted": verdict["promote"], "registry_versions": len(versions), "candidates": {}}
-    for kind in tables:
+    for kind in candidates:
         failures = verdict["candidates"][kind]["failures"]
         metrics = report["suites"][suite][kind]
         results["candidates"][kind] = {
