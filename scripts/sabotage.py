@@ -18,6 +18,10 @@ candidates, all trained with rlhf.training.sft from models/sft for --steps steps
   "RM ensemble score minus P x answer match" (P = --rl-penalty): reinforcement learning
   that pays for what the RM likes and charges for right answers.
 
+With --weak-rm-steps N > 0 the scratch project first replaces its RM with a weak one (one
+classifier member trained N steps: the kind that stays near chance on this task), which
+every candidate is then trained against and scored by: an RM that can be fooled.
+
 Then, in the scratch project: `python -m stages.evaluate`-equivalent on the decision suite
 (stages.evaluate.run with the three candidates), `python -m stages.validate` and
 `python -m stages.capability_gate` (real stage processes, their own MLflow store). Results
@@ -100,6 +104,17 @@ def stage(name: str, env: dict, *args: str) -> str:
     return result.stdout
 
 
+def train_weak_rm(work: Path, env: dict, steps: int) -> dict:
+    """Replace the scratch project's models/rm by one classifier member trained `steps` steps."""
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params["rm"] = {**(params.get("rm") or {}), "kind": "classifier", "num_members": 1, "max_steps": steps}
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.rmtree(work / "models/rm")
+    stage("reward_model", env)
+    metrics = json.loads((work / "metrics/rm.json").read_text())
+    return {"kind": "classifier", "members": 1, "steps": steps, "pair_accuracy": metrics.get("ensemble_accuracy")}
+
+
 def train_rm_rl(work: Path, env: dict, steps: int, penalty: float) -> dict:
     """GRPO against "RM minus answer match" with the real policy stage; its model becomes
     models/policy/rm_rl. Returns its training metrics."""
@@ -126,6 +141,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rl-steps", type=int, default=0, help="train the rm_rl candidate for this many GRPO steps")
     parser.add_argument("--rl-penalty", type=float, default=20.0, help="rm_rl's charge for a right answer")
+    parser.add_argument("--weak-rm-steps", type=int, default=0, help="first replace the RM by a weak classifier")
     args = parser.parse_args()
     project, out = args.project.resolve(), args.out.resolve()
     work = (args.work or Path(tempfile.mkdtemp(prefix="sabotage-"))).resolve()
@@ -146,6 +162,7 @@ def main() -> None:
     from stages import decision_suite, load_model_stage
     from stages import evaluate as evaluate_stage
 
+    weak_rm = train_weak_rm(work, env, args.weak_rm_steps) if args.weak_rm_steps else None
     params = load_model_stage()
     task = get_task(params["task"])
     tables = training_tables(task, args)
@@ -185,7 +202,10 @@ def main() -> None:
 
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     versions = mlflow.tracking.MlflowClient().search_model_versions()
-    results = {"suite": suite, "promoted": verdict["promote"], "registry_versions": len(versions), "candidates": {}}
+    results = {
+        "suite": suite, "promoted": verdict["promote"], "registry_versions": len(versions), "weak_rm": weak_rm,
+        "candidates": {},
+    }  # fmt: skip
     for kind in candidates:
         failures = verdict["candidates"][kind]["failures"]
         metrics = report["suites"][suite][kind]
