@@ -127,9 +127,16 @@ _current: Placement | None = None
 
 
 def configure(config: ComputeConfig | None) -> Placement:
-    """Set this process's placement (a stage calls it once, from params)."""
+    """Set this process's placement (a stage calls it once, from params). In a
+    multi-process launch on GPUs, "cuda" then means this process's own GPU (LOCAL_RANK), so
+    what a stage puts on "cuda" itself (reward models, PPO's models) lands beside what the
+    trainer places there."""
     global _current
     _current = resolve(config)
+    if _current.device == "cuda" and world_size() > 1:
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return _current
 
 
