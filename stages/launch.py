@@ -27,7 +27,6 @@ import os
 import sys
 
 MULTI_PROCESS = {"stages.sft", "stages.verifier", "stages.policy", "stages.reward_model", "stages.process_reward_model"}
-ONE_PROCESS_ARGS: set[tuple[str, ...]] = set()  # (module, first arg) of a loop that is not data-parallel
 
 
 def command(module: str, args: list[str], config) -> list[str]:
@@ -35,7 +34,7 @@ def command(module: str, args: list[str], config) -> list[str]:
     single = [sys.executable, "-m", module, *args]
     if config.launcher == "python" or config.processes == 1:
         return single
-    if module not in MULTI_PROCESS or (module, *args[:1]) in ONE_PROCESS_ARGS:
+    if module not in MULTI_PROCESS:
         print(f"stages.launch: {module} trains in one process (compute.processes={config.processes} is not used by it)")
         return single
     if config.launcher == "torchrun":
