@@ -104,11 +104,20 @@ def stage(name: str, env: dict, *args: str) -> str:
     return result.stdout
 
 
+def edit_params(work: Path, update) -> None:
+    """`update(params)` edits the scratch project's params.yaml in place."""
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    update(params)
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
 def train_weak_rm(work: Path, env: dict, steps: int) -> dict:
     """Replace the scratch project's models/rm by one classifier member trained `steps` steps."""
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    params["rm"] = {**(params.get("rm") or {}), "kind": "classifier", "num_members": 1, "max_steps": steps}
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    def weak(params: dict) -> None:
+        params["rm"] = {**(params.get("rm") or {}), "kind": "classifier", "num_members": 1, "max_steps": steps}
+
+    edit_params(work, weak)
     shutil.rmtree(work / "models/rm")
     stage("reward_model", env)
     metrics = json.loads((work / "metrics/rm.json").read_text())
@@ -118,12 +127,14 @@ def train_weak_rm(work: Path, env: dict, steps: int) -> dict:
 def train_rm_rl(work: Path, env: dict, steps: int, penalty: float) -> dict:
     """GRPO against "RM minus answer match" with the real policy stage; its model becomes
     models/policy/rm_rl. Returns its training metrics."""
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    policy = params.setdefault("policy", {})
-    policy["online"] = ["grpo"]
     rewards = [{"name": "reward_model", "weight": 1.0}, {"name": "answer_match", "weight": -penalty}]
-    policy["grpo"] = {**(policy.get("grpo") or {}), "max_steps": steps, "rewards": rewards}
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    def against_rm(params: dict) -> None:
+        policy = params.setdefault("policy", {})
+        policy["online"] = ["grpo"]
+        policy["grpo"] = {**(policy.get("grpo") or {}), "max_steps": steps, "rewards": rewards}
+
+    edit_params(work, against_rm)
     print(stage("policy", env, "grpo")[-2000:], end="")
     shutil.move(work / "models/policy/grpo", work / "models/policy/rm_rl")
     metrics = json.loads((work / "metrics/policy/grpo.json").read_text())

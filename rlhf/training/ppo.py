@@ -311,11 +311,12 @@ def whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8, total=lambda t: 
     """(x - mean) / sqrt(var + eps) over the masked positions (population variance); with
     `shift_mean=False` the mean is added back (only the scale changes). 0 where masked.
     `total` sums a tensor over the processes that hold the rest of the batch (`Ranks.sum`)."""
-    count = total(mask.to(x.dtype).sum())
-    mean = total((x * mask.to(x.dtype)).sum()) / count.clamp(min=1)
-    var = total(((x - mean) ** 2 * mask.to(x.dtype)).sum()) / count.clamp(min=1)
+    mask = mask.to(x.dtype)
+    count = total(mask.sum()).clamp(min=1)
+    mean = total((x * mask).sum()) / count
+    var = total(((x - mean) ** 2 * mask).sum()) / count
     out = (x - mean) * torch.rsqrt(var + eps)
-    return (out if shift_mean else out + mean) * mask.to(x.dtype)
+    return (out if shift_mean else out + mean) * mask
 
 
 # ----------------------------------------------------------------------------- losses
@@ -460,7 +461,7 @@ def ppo_iteration(
                 "value_clipfrac": value_clipfrac, "approx_kl": approx_kl, "entropy": entropy,
             }  # fmt: skip
             for key, value in batch_stats.items():
-                stats.setdefault(key, []).append(float(ranks.sum(value.detach())))
+                stats.setdefault(key, []).append(float(ranks.sum(value)))
 
     def batch_mean(per_row: torch.Tensor) -> float:
         return float(ranks.sum(per_row.float().sum()) / batch_rows)
