@@ -25,8 +25,8 @@ import pandas as pd
 from scratch import ROOT, ensure_outputs, scratch_project, timed
 
 import rlhf  # noqa: F401  (offline environment)
-from rlhf.models.generation import generate
 from rlhf.inference.strategies import speculative
+from rlhf.models.generation import generate
 from rlhf.models.loading import count_parameters, load_causal_lm, load_tokenizer
 
 INPUTS = ("models/sft", "data/prepared")

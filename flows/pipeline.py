@@ -3,6 +3,7 @@
     python -m flows.pipeline                  # run once (ephemeral Prefect, no server needed)
     python -m flows.pipeline --force sft      # rerun sft (and what is stale after it)
     python -m flows.pipeline --retries 2      # retry a failed stage (e.g. a preempted worker)
+    python -m flows.pipeline --jobs 1         # one stage at a time (default: 2 without a GPU)
     python -m flows.pipeline --pull --push    # fetch results from the DVC remote first, share them after
     python -m flows.pipeline --deploy --pool rlhf --cron "0 3 * * *"   # a scheduled deployment
     prefect worker start --pool rlhf                      #   that a worker runs (both need a server:
@@ -15,8 +16,18 @@ decides whether the stage is stale, runs it, restores it from the run-cache, or 
 and the task reports which. Each task waits for the tasks of the stages it depends on
 (`wait_for`), so Prefect's run graph draws the DVC DAG, and a stage downstream of a failed
 one is not run (Prefect marks it NotReady) while the rest go on; the flow then fails,
-naming them. Tasks run one at a time, because DVC locks the repository for a repro (and
-two training stages on one machine would only share its cores).
+naming them.
+
+`--jobs N` runs up to N stages at once whose inputs are ready (DVC releases its repository
+lock while a stage's command runs and locks only the stage's own deps and outs; the flow
+passes `--wait-for-lock` for the moments it holds it). The machine's cores are split among
+the stages that can run: a stage that starts while another can run gets `OMP_NUM_THREADS`
+= cores / N, a stage that runs alone gets them all (unless OMP_NUM_THREADS is already set).
+The default is 2 on a machine with no GPU, at least 2 cores and 4 GiB of memory available,
+and 1 with a GPU, where two stages would share one device's memory, when `compute.processes`
+> 1, or when memory is short (two training stages hold about twice the memory of one). On
+the default pipeline's 2 cores, two one-thread stages finish sooner than the same two one
+after the other with two threads each (benchmarks/README.md).
 
 `--deploy` registers the flow as a deployment (`rlhf-pipeline/scheduled`) of this
 checkout on a process work pool (created if missing) with a cron schedule and a
@@ -42,6 +53,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,11 +119,101 @@ def stage_environment(parent_run_id: str | None) -> dict:
     return env
 
 
+def machine_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+SIDE_BY_SIDE_MEMORY = 4 * 2**30  # available memory below which the default is one stage at a time
+
+
+def default_jobs(root: Path) -> int:
+    """2 on a machine of at least 2 cores, no GPU and 4 GiB of memory available, else 1:
+    stages would share the GPU, a stage of several processes (compute.processes) already
+    takes the cores, and two training stages hold about twice the memory of one (the
+    default pipeline's: 2.2 GiB in all against 1.5 GiB, benchmarks/README.md)."""
+    import psutil
+    import yaml
+
+    params = yaml.safe_load((root / "params.yaml").read_text()) if (root / "params.yaml").is_file() else None
+    compute = (params or {}).get("compute") or {}
+    if machine_cores() < 2 or int(compute.get("processes") or 1) > 1:
+        return 1
+    if psutil.virtual_memory().available < SIDE_BY_SIDE_MEMORY:
+        return 1
+    # Asked in a child process: torch in the flow's own process would hold its memory
+    # for the whole run.
+    probe = "import torch; print(torch.cuda.is_available() or torch.backends.mps.is_available())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    return 1 if done.stdout.strip() != "False" else 2
+
+
+class Slots:
+    """At most `jobs` stages at once, and each its share of the cores. A stage's share is
+    fixed when it starts (a process cannot change its thread pool after): the cores divided
+    by the number of stages that run or could run then (at most `jobs`). A stage is ready
+    when every stage it depends on has completed."""
+
+    def __init__(self, jobs: int, upstream: dict[str, list[str]], cores: int):
+        self.jobs, self.upstream, self.cores = max(1, jobs), upstream, cores
+        self.running: set[str] = set()
+        self.done: set[str] = set()
+        self.ended: set[str] = set()
+        self.condition = threading.Condition()
+
+    def ready(self) -> set[str]:
+        return {
+            address
+            for address, needs in self.upstream.items()
+            if address not in self.ended and address not in self.running and set(needs) <= self.done
+        }
+
+    @contextmanager
+    def take(self, address: str):
+        """Wait for a free slot; yield this stage's thread count (None: it runs alone, and
+        torch's default of all cores stands)."""
+        with self.condition:
+            self.condition.wait_for(lambda: len(self.running) < self.jobs)
+            self.running.add(address)
+            sharing = min(self.jobs, len(self.running | self.ready()))
+        completed = False
+        try:
+            yield None if sharing == 1 else max(1, self.cores // sharing)
+            completed = True
+        finally:
+            with self.condition:
+                self.running.discard(address)
+                self.ended.add(address)
+                if completed:
+                    self.done.add(address)
+                self.condition.notify_all()
+
+
+SLOTS: Slots | None = None  # set by run_pipeline for its tasks
+
+
+@contextmanager
+def slot(address: str):
+    if SLOTS is None:
+        yield None
+    else:
+        with SLOTS.take(address) as threads:
+            yield threads
+
+
 @task(name="dvc-stage", retries=0, task_run_name="{address}")
 def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> dict:
+    with slot(address) as threads:
+        return repro_stage(address, parent_run_id, force, threads)
+
+
+def repro_stage(address: str, parent_run_id: str | None, force: bool, threads: int | None) -> dict:
     logger = get_run_logger()
-    command = [sys.executable, "-m", "dvc", "repro", "--single-item", address] + (["--force"] if force else [])
+    command = [sys.executable, "-m", "dvc", "--wait-for-lock", "repro", "--single-item", address]
+    command += ["--force"] if force else []
     env = stage_environment(parent_run_id)
+    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+        logger.info(f"{threads} thread(s) of {machine_cores()} cores: stages run side by side")
     start = time.perf_counter()
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
@@ -397,25 +499,28 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
     return "\n".join(lines)
 
 
-@flow(name="rlhf-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
+@flow(name="rlhf-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
 def pipeline(
     force: list[str] | None = None,
     retries: int = 0,
     root: str | None = None,
     pull: bool = False,
     push: bool = False,
+    jobs: int | None = None,
 ) -> dict:
     """Run every stage of dvc.yaml through DVC; return per-stage status and the metrics.
-    `pull`/`push`: `dvc pull --run-cache` before, `dvc push --run-cache` after success."""
+    `pull`/`push`: `dvc pull --run-cache` before, `dvc push --run-cache` after success.
+    `jobs`: stages at once (None: 2 on a CPU machine of 2+ cores, 1 with a GPU)."""
     global ROOT
     if root:
         ROOT = Path(root).resolve()
     os.chdir(ROOT)
     with workspace_lock(ROOT):
-        return run_pipeline(set(force or []), retries, pull, push)
+        return run_pipeline(set(force or []), retries, pull, push, jobs or default_jobs(ROOT))
 
 
-def run_pipeline(force: set[str], retries: int, pull: bool, push: bool) -> dict:
+def run_pipeline(force: set[str], retries: int, pull: bool, push: bool, jobs: int = 1) -> dict:
+    global SLOTS
     if pull:
         sync_remote("pull")
     setup_experiment()
@@ -433,7 +538,9 @@ def run_pipeline(force: set[str], retries: int, pull: bool, push: bool) -> dict:
         order, upstream = stage_graph(ROOT)
         # Each stage waits for the stages it depends on: the run graph draws dvc.yaml's DAG,
         # and a stage downstream of a failure is not run (Prefect marks it NotReady) while
-        # the others go on. One worker: DVC locks the repository for a repro.
+        # the others go on. Every task has a thread; Slots lets `jobs` of them run at once.
+        SLOTS = Slots(jobs, upstream, machine_cores())
+        get_run_logger().info(f"{len(order)} stages, up to {jobs} at once on {machine_cores()} cores")
         futures: dict = {}
         for address in order:
             waits = [futures[u] for u in upstream[address] if u in futures]
@@ -524,6 +631,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retries", type=int, default=0, help="retry a failed stage this many times")
     parser.add_argument("--pull", action="store_true", help="dvc pull --run-cache from the default remote first")
     parser.add_argument("--push", action="store_true", help="dvc push --run-cache to the default remote after")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="stages at once (default: 2 on a CPU machine of 2+ cores, 1 with a GPU)"
+    )
     parser.add_argument("--serve", action="store_true", help="serve the flow with a schedule (needs a Prefect server)")
     parser.add_argument(
         "--deploy", action="store_true", help="register a scheduled deployment for a worker (needs a Prefect server)"
@@ -542,7 +652,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         pipeline.serve(name="scheduled", cron=args.cron)
         return
-    pipeline(force=args.force, retries=args.retries, pull=args.pull, push=args.push)
+    pipeline(force=args.force, retries=args.retries, pull=args.pull, push=args.push, jobs=args.jobs)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,62 @@ def test_a_second_flow_in_a_held_workspace_fails_at_once_and_a_killed_holder_fre
         holder.kill()
         os.chdir(cwd)
     assert [s["status"] for s in result["stages"]] == ["ran"] and (root / "a.txt").read_text() == "a\n"
+
+
+RECORD = """\
+# start time, the thread count this stage was given, end time
+echo "$(date +%s.%N) ${OMP_NUM_THREADS:-unset}" > "$1.txt"
+sleep 2
+date +%s.%N >> "$1.txt"
+"""
+
+
+def test_jobs_run_independent_stages_side_by_side_with_a_share_of_the_cores(tmp_path, monkeypatch):
+    """`jobs=2`: two stages that depend only on `a` run at the same time, each with
+    OMP_NUM_THREADS = cores / 2, and the stage after them, alone, keeps torch's default.
+    DVC records all of them (dvc.lock, `dvc status` clean). `jobs=1` runs them in turn."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import machine_cores, pipeline
+
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "record.sh").write_text(RECORD)
+    stages = {
+        "a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]},
+        **{n: {"cmd": f"sh record.sh {n}", "deps": ["a.txt", "record.sh"], "outs": [f"{n}.txt"]} for n in "bc"},
+        "d": {"cmd": "sh record.sh d", "deps": ["b.txt", "c.txt", "record.sh"], "outs": ["d.txt"]},
+    }  # fmt: skip
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
+    run(["git", "init", "-q"], root)
+    run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    cwd = os.getcwd()
+    monkeypatch.chdir(root)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID", "RLHF_ARTIFACT_ROOT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def record(name: str) -> tuple[float, str, float]:
+        first, last = (root / f"{name}.txt").read_text().split("\n")[:2]
+        start, threads = first.split()
+        return float(start), threads, float(last)
+
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            pipeline(root=str(root), jobs=2)
+            side_by_side = {name: record(name) for name in "bcd"}
+            status = run([sys.executable, "-m", "dvc", "status"], root)
+            pipeline(root=str(root), jobs=1, force=["b", "c"])
+            in_turn = {name: record(name) for name in "bc"}
+    finally:
+        os.chdir(cwd)
+    (b0, b_threads, b1), (c0, c_threads, c1) = side_by_side["b"], side_by_side["c"]
+    assert max(b0, c0) < min(b1, c1), f"b and c overlap in time: {side_by_side}"
+    assert b_threads == c_threads == str(max(1, machine_cores() // 2))
+    assert side_by_side["d"][1] == "unset", "a stage that runs alone keeps every core"
+    assert side_by_side["d"][0] >= max(b1, c1), "d waits for both"
+    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    assert set(lock) == {"a", "b", "c", "d"} and "up to date" in status.stdout
+    (b0, b_threads, b1), (c0, c_threads, c1) = in_turn["b"], in_turn["c"]
+    assert min(b1, c1) <= max(b0, c0), f"jobs=1: one after the other: {in_turn}"
+    assert b_threads == c_threads == "unset"

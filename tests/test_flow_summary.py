@@ -58,3 +58,60 @@ def test_the_tables_are_the_eval_the_gate_verdict_and_the_strategies():
     assert tables["gate-verdict"] == [{"candidate": "dpo", "test": "kl", "passed": False, "reason": "0.2 <= 0.1 fails"}]
     assert tables["inference-table"][0]["strategy"] == "greedy" and tables["inference-table"][0]["seconds"] == 1.5
     assert table_artifacts({}) == {}
+
+
+def test_slots_run_at_most_jobs_stages_and_split_the_cores_among_those_that_can_run():
+    """a, then b and c side by side (each half the cores: both are ready when a ends), then
+    d alone (None: torch's default, every core). With jobs 1 nothing is ever shared."""
+    import threading
+
+    from flows.pipeline import Slots
+
+    upstream = {"a": [], "b": ["a"], "c": ["a"], "d": ["b", "c"]}
+    slots = Slots(2, upstream, cores=4)
+    with slots.take("a") as threads:
+        assert threads is None and slots.ready() == set(), "a alone: nothing else is ready"
+    assert slots.ready() == {"b", "c"}
+    with slots.take("b") as b_threads:
+        waiting = slots.take("x")  # a third stage (held here, so that it keeps its slot)
+        third = threading.Thread(target=waiting.__enter__)
+        with slots.take("c") as c_threads:
+            assert (b_threads, c_threads) == (2, 2)
+            third.start()
+            third.join(timeout=0.3)
+            assert third.is_alive() and "x" not in slots.running, "no third slot while b and c run"
+    third.join(timeout=5)
+    assert "x" in slots.running, "the waiting stage gets the slot once one is free"
+    waiting.__exit__(None, None, None)
+    with slots.take("d") as threads:
+        assert threads is None
+    assert slots.done == {"a", "b", "c", "d", "x"}
+
+    one = Slots(1, upstream, cores=4)
+    with one.take("a"):
+        pass
+    with one.take("b") as threads:
+        assert threads is None, "jobs 1: a stage always runs alone"
+
+
+def test_a_failed_stage_does_not_make_its_downstream_ready():
+    from flows.pipeline import Slots
+
+    slots = Slots(2, {"a": [], "b": ["a"], "c": []}, cores=2)
+    try:
+        with slots.take("a"):
+            raise RuntimeError("stage a failed")
+    except RuntimeError:
+        pass
+    assert "a" not in slots.done and slots.ready() == {"c"}
+
+
+def test_the_default_is_one_stage_at_a_time_when_a_stage_has_several_processes(tmp_path):
+    import yaml
+
+    from flows.pipeline import default_jobs, machine_cores
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"compute": {"launcher": "torchrun", "processes": 2}}))
+    assert default_jobs(tmp_path) == 1
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"compute": {"device": "cpu"}}))
+    assert default_jobs(tmp_path) in ((1,) if machine_cores() < 2 else (1, 2))
