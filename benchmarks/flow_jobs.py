@@ -79,10 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="*", default=None, help="stages to force (default: all after sft)")
     parser.add_argument("--order", default="1,2", help="the --jobs values, in the order they run")
-    parser.add_argument("--only", nargs=argparse.REMAINDER, help="measure this command instead (after --)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--only", action="store_true", help="measure the command after -- instead")
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.only:
-        command = args.only[1:] if args.only[0] == "--" else args.only
+        if not command:
+            raise SystemExit("--only: name the command after --, e.g. --only -- bash scripts/pipeline.sh")
         wall, peak, code = measure(command)
         print(f"{' '.join(command)}: {wall:.1f} s, peak memory (PSS) {peak / 2**30:.2f} GiB (exit {code})")
         raise SystemExit(code)
