@@ -130,7 +130,7 @@ def default_jobs(root: Path) -> int:
     """2 on a machine of at least 2 cores, no GPU and 4 GiB of memory available, else 1:
     stages would share the GPU, a stage of several processes (compute.processes) already
     takes the cores, and two training stages hold about twice the memory of one (the
-    default pipeline's: 2.2 GiB in all against 1.5 GiB, benchmarks/README.md)."""
+    default pipeline's: 2.56 GiB of resident sets in all against 1.57, benchmarks/README.md)."""
     import psutil
     import yaml
 
