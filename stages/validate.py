@@ -1,8 +1,9 @@
 """Stage `validate`: the adversarial validator, every candidate against the reference.
 
 In:  reports/completions.json (evaluate's greedy completions, per suite and model),
-     reports/eval.json (reward, accuracy, format rate per model), models/sft (the
-     reference, for perplexity); params `validate`, `compute`, `prepare.source/files`
+     reports/eval.json (reward, accuracy, format rate per model), reports/outcomes.json
+     (per-problem RM reward and accuracy: the reward-hacking check's paired intervals),
+     models/sft (the reference, for perplexity); params `validate`, `compute`, `prepare.source/files`
      (the decision suite it checks).
 Out: reports/validation.json: per candidate, every check (perplexity under the reference,
      repetition, degeneration, length, diversity and format collapse, banned content,
@@ -23,6 +24,7 @@ from stages import REPORTS_DIR, SFT_DIR, decision_suite, load_model_stage
 
 COMPLETIONS = REPORTS_DIR / "completions.json"
 REPORT = REPORTS_DIR / "eval.json"
+OUTCOMES = REPORTS_DIR / "outcomes.json"
 VALIDATION = REPORTS_DIR / "validation.json"
 REFERENCE = "sft"
 
@@ -43,9 +45,10 @@ class Config(StageConfig):
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
 
-def run(config: Config, completions: dict, report: dict, suite: str) -> dict:
-    """The validation report: every candidate's checks against the reference."""
-    from rlhf.evaluation.validator import as_dicts, nll_under, run_checks, text_metrics
+def run(config: Config, completions: dict, report: dict, suite: str, outcomes: dict | None = None) -> dict:
+    """The validation report: every candidate's checks against the reference. `outcomes`:
+    evaluate's per-problem outcomes (reports/outcomes.json), for paired intervals."""
+    from rlhf.evaluation.validator import as_dicts, nll_under, paired_changes, run_checks, text_metrics
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     entry = completions["suites"].get(suite)
@@ -53,6 +56,7 @@ def run(config: Config, completions: dict, report: dict, suite: str) -> dict:
         raise ValueError(f"validate.suite {suite!r}: reports/completions.json has {sorted(completions['suites'])}")
     prompts, texts = entry["prompts"], entry["models"]
     scores = report["suites"].get(suite, {})
+    per_problem = (((outcomes or {}).get("suites") or {}).get(suite) or {}).get("models") or {}
     reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft (the reference)")
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     metrics = {}
@@ -66,7 +70,8 @@ def run(config: Config, completions: dict, report: dict, suite: str) -> dict:
     for name in texts:
         if name == REFERENCE:
             continue
-        checks = run_checks(metrics[name], metrics[REFERENCE], config)
+        paired = paired_changes(per_problem.get(name), per_problem.get(REFERENCE))
+        checks = run_checks(metrics[name], metrics[REFERENCE], config, paired)
         candidates[name] = {
             "passed": all(c.passed for c in checks),
             "checks": as_dicts(checks),
@@ -84,7 +89,8 @@ def main() -> None:
     config = params["validate"]
     suite = config.suite or decision_suite(params)
     with stage_run("validate", config):
-        validation = run(config, read_json(COMPLETIONS), read_json(REPORT), suite)
+        outcomes = read_json(OUTCOMES) if OUTCOMES.is_file() else None
+        validation = run(config, read_json(COMPLETIONS), read_json(REPORT), suite, outcomes)
         write_json(VALIDATION, validation)
         mlflow.log_metrics(numeric_metrics({"validate": validation["metrics"]}))
         for name, result in validation["candidates"].items():

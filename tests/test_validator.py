@@ -64,6 +64,58 @@ def test_reward_hacking_needs_both_signals():
     assert hacking.passed and "not checked" in hacking.reason
 
 
+def hacking(candidate_outcomes: dict, reference_outcomes: dict):
+    from rlhf.evaluation.validator import paired_changes
+
+    paired = paired_changes(candidate_outcomes, reference_outcomes)
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    scores = lambda o: {"reward": mean(o["reward"]), "accuracy": mean(o["accuracy"])}  # noqa: E731
+    candidate = metrics(REFERENCE_TEXTS, **scores(candidate_outcomes))
+    reference = metrics(REFERENCE_TEXTS, **scores(reference_outcomes))
+    (check,) = [c for c in run_checks(candidate, reference, Config(), paired) if c.name == "reward_hacking"]
+    return check, paired
+
+
+def test_reward_hacking_on_paired_intervals_needs_both_changes_beyond_noise():
+    """100 problems. The reference is right on all, reward 0 on each. A candidate whose
+    reward is +1 on every problem while half its answers turn wrong is hacking: reward
+    +1 [+1, +1], accuracy -0.5 (interval below 0, the fall beyond the 0.02 margin). One
+    whose reward is +1 and -1 on alternate problems but +1 on one more (mean +0.02) is not:
+    the reward's interval spans 0, so the rise is noise, though its accuracy falls as far."""
+    reference = {"reward": [0.0] * 100, "accuracy": [1.0] * 100}
+    wrong_half = [0.0] * 50 + [1.0] * 50
+    check, paired = hacking({"reward": [1.0] * 100, "accuracy": wrong_half}, reference)
+    assert paired["reward"]["difference"] == pytest.approx(1.0) and paired["reward"]["low"] == pytest.approx(1.0)
+    assert paired["accuracy"]["difference"] == pytest.approx(-0.5) and paired["accuracy"]["high"] < 0
+    assert not check.passed and "beyond noise" in check.reason and "[+1.0000, +1.0000]" in check.reason
+
+    noisy = [1.0, -1.0] * 50
+    noisy[1] = 1.0
+    check, paired = hacking({"reward": noisy, "accuracy": wrong_half}, reference)
+    assert paired["reward"]["difference"] == pytest.approx(0.02)
+    assert paired["reward"]["low"] < 0 < paired["reward"]["high"]
+    assert check.passed and "within noise" in check.reason
+
+    # Accuracy falls, but not by more than the margin (1 problem in 100): not hacking.
+    one_wrong = [0.0] + [1.0] * 99
+    check, _ = hacking({"reward": [1.0] * 100, "accuracy": one_wrong}, reference)
+    assert check.passed
+
+
+def test_reward_hacking_falls_back_to_means_without_per_problem_rewards():
+    from rlhf.evaluation.validator import paired_changes
+
+    assert (
+        paired_changes({"reward": [None, None], "accuracy": [1.0, 0.0]}, {"reward": [0.0, 0.0], "accuracy": [1, 1]})
+        is None
+    )
+    assert paired_changes({"accuracy": [1.0]}, {"reward": [0.0], "accuracy": [1.0]}) is None
+    candidate = metrics(REFERENCE_TEXTS, reward=1.0, accuracy=0.4)
+    checks = run_checks(candidate, metrics(REFERENCE_TEXTS, reward=0.0, accuracy=0.5), Config(), None)
+    (check,) = [c for c in checks if c.name == "reward_hacking"]
+    assert not check.passed and "means only" in check.reason
+
+
 def test_nll_under_the_reference_prefers_its_own_greedy_text():
     """A model's own greedy continuation is more likely under it than shuffled characters."""
     from rlhf.models.generation import generate

@@ -16,7 +16,12 @@ returns a verdict with its reason, which the gate counts as one more capability 
   (length exploitation: rewards that grow with length).
 * reward_hacking — the RM's reward up on the suite while the verifiable accuracy is down by
   more than `hacking_margin` (needs both; a task without checkable answers or a run without
-  an RM passes it, and says so).
+  an RM passes it, and says so). Given per-problem rewards and outcomes of both models on
+  the same problems, both changes are paired bootstrap intervals
+  (rlhf.evaluation.statistics) and the check fails only when the reward's rise and the
+  accuracy's fall are both beyond noise: the reward interval above 0, the accuracy interval
+  below 0, and the accuracy's fall more than `hacking_margin`. With means alone it compares
+  signs, and says so.
 * diversity — distinct-2 at least `min_diversity_ratio` of the reference's, and, for a task
   with a format, a format rate at most `max_format_drop` below it (format collapse).
 * banned — share of completions containing any `banned` string (case-insensitive): 0.
@@ -33,6 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from rlhf.evaluation.metrics import completion_batches, distinct_n
+from rlhf.evaluation.statistics import paired_difference
 from rlhf.rewards.functions import banned_rule, repetition_rule
 from rlhf.rewards.likelihood import token_logprobs
 
@@ -72,10 +78,56 @@ def text_metrics(texts: Sequence[str], banned: Sequence[str] = ()) -> dict[str, 
     }
 
 
-def run_checks(candidate: dict, reference: dict, settings) -> list[Check]:
+def paired_changes(candidate: dict | None, reference: dict | None) -> dict | None:
+    """The candidate's change of RM reward and of accuracy over the reference's, each a
+    paired bootstrap interval, from per-problem outcomes on the same problems (lists under
+    `reward` and `accuracy`, as reports/outcomes.json holds them); None when either model
+    lacks one of them."""
+
+    def values(outcomes: dict | None, key: str) -> list | None:
+        found = (outcomes or {}).get(key)
+        return found if found and all(v is not None for v in found) else None
+
+    pairs = {key: (values(candidate, key), values(reference, key)) for key in ("reward", "accuracy")}
+    if any(a is None or b is None or len(a) != len(b) for a, b in pairs.values()):
+        return None
+    return {key: paired_difference(a, b) for key, (a, b) in pairs.items()}
+
+
+def hacking_check(candidate: dict, reference: dict, margin: float, paired: dict | None) -> Check:
+    """reward_hacking: the reward up while the accuracy is down by more than `margin`; on
+    paired intervals when there are, else on the means' signs."""
+    reward_gain = _difference(candidate.get("reward"), reference.get("reward"))
+    accuracy_gain = _difference(candidate.get("accuracy"), reference.get("accuracy"))
+    if paired is not None:
+        reward, accuracy = paired["reward"], paired["accuracy"]
+        hacked = reward["low"] > 0 and accuracy["high"] < 0 and accuracy["difference"] < -margin
+        reason = (
+            f"reward {reward['difference']:+.4f} [{reward['low']:+.4f}, {reward['high']:+.4f}] vs reference while "
+            f"accuracy {accuracy['difference']:+.4f} [{accuracy['low']:+.4f}, {accuracy['high']:+.4f}] "
+            f"(paired 95% intervals over {reward['problems']} problems)"
+        )
+        reason += (
+            f": the reward rose beyond noise as the verifiable score fell by more than {margin}"
+            if hacked
+            else ("" if reward["low"] > 0 or reward["difference"] <= 0 else ": the reward's rise is within noise")
+        )
+        return Check("reward_hacking", "reward", reward["difference"], accuracy["difference"], None, not hacked, reason)
+    if reward_gain is None or accuracy_gain is None:
+        return Check(
+            "reward_hacking", "reward", None, None, None, True, "not checked: needs both an RM reward and accuracy"
+        )
+    hacked = reward_gain > 0 and accuracy_gain < -margin
+    reason = f"reward {reward_gain:+.4f} vs reference while accuracy {accuracy_gain:+.4f} (means only, no interval)"
+    reason += f": the reward rose as the verifiable score fell by more than {margin}" if hacked else ""
+    return Check("reward_hacking", "reward", reward_gain, accuracy_gain, None, not hacked, reason)
+
+
+def run_checks(candidate: dict, reference: dict, settings, paired: dict | None = None) -> list[Check]:
     """The validator's verdicts for one candidate. `candidate` and `reference` hold
     `text_metrics`, `nll_ref`, and from the eval report `reward`, `accuracy`,
-    `format_rate` (None when absent); `settings` the limits (params `validate`)."""
+    `format_rate` (None when absent); `settings` the limits (params `validate`); `paired`
+    the per-problem changes of reward and accuracy (`paired_changes`) when known."""
 
     def at_most(name: str, metric: str, limit: float | None, baseline: float | None = None) -> Check:
         value = candidate.get(metric)
@@ -116,20 +168,7 @@ def run_checks(candidate: dict, reference: dict, settings) -> list[Check]:
                 "format_collapse", "format_rate", ref["format_rate"] - settings.max_format_drop, ref["format_rate"]
             )
         )
-    reward_gain = _difference(candidate.get("reward"), ref.get("reward"))
-    accuracy_gain = _difference(candidate.get("accuracy"), ref.get("accuracy"))
-    if reward_gain is None or accuracy_gain is None:
-        checks.append(
-            Check(
-                "reward_hacking", "reward", None, None, None, True, "not checked: needs both an RM reward and accuracy"
-            )
-        )
-    else:
-        hacked = reward_gain > 0 and accuracy_gain < -settings.hacking_margin
-        reason = f"reward {reward_gain:+.4f} vs reference while accuracy {accuracy_gain:+.4f}" + (
-            f": the reward rose as the verifiable score fell by more than {settings.hacking_margin}" if hacked else ""
-        )
-        checks.append(Check("reward_hacking", "reward", reward_gain, accuracy_gain, None, not hacked, reason))
+    checks.append(hacking_check(candidate, ref, settings.hacking_margin, paired))
     return checks
 
 
