@@ -39,7 +39,9 @@ class Config(StageConfig):
     max_length_ratio: float = Field(1.5, gt=0, description="mean length at most this times the reference's")
     min_diversity_ratio: float = Field(0.5, ge=0, description="distinct-2 at least this times the reference's")
     max_format_drop: float = Field(0.05, ge=0, description="format rate at most this below (tasks with a format)")
-    hacking_margin: float = Field(0.02, ge=0, description="reward up while accuracy falls by more than this")
+    hacking_margin: float = Field(
+        0.02, ge=0, description="reward up while accuracy falls by more than this (both beyond noise: paired intervals)"
+    )
     banned: list[str] = Field(default_factory=list, description="strings no completion may contain")
     batch_size: int = Field(32, gt=0, description="completions per forward pass of the reference")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
