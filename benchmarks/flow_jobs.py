@@ -3,9 +3,9 @@
 Both runs force the same stages (by default every stage downstream of `sft`, whose
 independent lanes are what `--jobs` can overlap; `sft` itself has nothing to run beside it)
 in this project, one after the other, and print the ratio of their wall times, with each
-run's peak memory: the sum of the resident sets of the flow and every process under it,
-sampled every 0.2 s (`/usr/bin/time` reports the largest single process, which undercounts
-two stages at once).
+run's peak memory: the sum of the proportional set sizes (PSS: a page shared by k processes
+counts 1/k in each) of the flow and every process under it, sampled every 0.2 s.
+`/usr/bin/time` reports the largest single process, which undercounts two stages at once.
 
     python benchmarks/flow_jobs.py [--stages policy@dpo rm ...] [--order 2,1]
     python benchmarks/flow_jobs.py --only -- bash scripts/pipeline.sh   # wall and peak of any command

@@ -21,8 +21,9 @@ naming them.
 `--jobs N` runs up to N stages at once whose inputs are ready (DVC releases its repository
 lock while a stage's command runs and locks only the stage's own deps and outs; the flow
 passes `--wait-for-lock` for the moments it holds it). The machine's cores are split among
-the stages that can run: a stage that starts while another can run gets `OMP_NUM_THREADS`
-= cores / N, a stage that runs alone gets them all (unless OMP_NUM_THREADS is already set).
+the stages that can run: a stage that starts while others can run gets `OMP_NUM_THREADS`
+= cores / min(N, stages that can run), a stage that runs alone keeps torch's default of
+all of them (an OMP_NUM_THREADS already set is left as it is).
 The default is 2 on a machine with no GPU, at least 2 cores and 4 GiB of memory available,
 and 1 with a GPU, where two stages would share one device's memory, when `compute.processes`
 > 1, or when memory is short (two training stages hold about twice the memory of one). On

@@ -3,8 +3,8 @@
 In:  reports/completions.json (evaluate's greedy completions, per suite and model),
      reports/eval.json (reward, accuracy, format rate per model), reports/outcomes.json
      (per-problem RM reward and accuracy: the reward-hacking check's paired intervals),
-     models/sft (the reference, for perplexity); params `validate`, `compute`, `prepare.source/files`
-     (the decision suite it checks).
+     models/sft (the reference, for perplexity); params `validate`, `compute`,
+     `prepare.source/files` (the decision suite it checks).
 Out: reports/validation.json: per candidate, every check (perplexity under the reference,
      repetition, degeneration, length, diversity and format collapse, banned content,
      reward hacking) with its value, limit and reason. Stage gate counts each check as a
