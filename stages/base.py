@@ -1,7 +1,9 @@
 """Stage `base`: the model every later stage starts from.
 
 In:  params `base.model` — `builtin:<size>` (a small Llama-style model and a character-level
-     tokenizer built here from a seed; sizes in rlhf.models.folders.BUILTIN_SIZES), the path of
+     tokenizer built here from a seed; sizes in rlhf.models.folders.BUILTIN_SIZES;
+     `base.nope_layers` turns off position embeddings in some layers, `base.rope_window`
+     keeps the others local), the path of
      a local Hugging Face causal-LM directory, or a Hub model id (`owner/name`, at
      `base.revision`); params `compute`.
 Out: models/base — the built model, or for a user directory or Hub id a `pointer.json`
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf.artifacts import atomic_dir, write_json
 from rlhf.models.folders import (
@@ -30,6 +32,7 @@ from rlhf.models.folders import (
     BUILTIN_SIZES,
     POINTER_FILE,
     check_model_dir,
+    check_nope_layers,
     fetch_from_hub,
     looks_like_hub_id,
 )
@@ -46,6 +49,14 @@ class Config(StageConfig):
     revision: str | None = Field(None, description="a Hub id's branch, tag or commit (pin a commit to reproduce)")
     seed: int = Field(0, description="initialisation seed of a built-in model")
     max_length: int = Field(256, gt=8, description="context length of a built-in model")
+    nope_layers: list[int] = Field(
+        default_factory=list,
+        description="built-in model: layers (from 0) without position embedding (NoPE), e.g. [0, 1, 2, 3]: "
+        "all of builtin:tiny's, for length generalisation; []: rotary embeddings in every layer",
+    )
+    rope_window: int | None = Field(
+        None, gt=0, description="built-in model: its RoPE layers attend to the last N tokens only (null: all)"
+    )
     trust_remote_code: bool = Field(False, description="allow custom modelling code from the model directory")
 
     @field_validator("model")
@@ -64,6 +75,17 @@ class Config(StageConfig):
                 raise ValueError(str(error)) from error
         return value
 
+    @model_validator(mode="after")
+    def _check_nope_layers(self):
+        if not self.nope_layers and self.rope_window is None:
+            return self
+        if not self.model.startswith(BUILTIN_PREFIX):
+            raise ValueError(
+                "nope_layers and rope_window shape a built-in model; a model of your own keeps its architecture"
+            )
+        check_nope_layers(self.model[len(BUILTIN_PREFIX) :], self.nope_layers)
+        return self
+
 
 def run(config: Config, out_dir: Path) -> dict:
     """Write the base model (or a pointer to the user's) into `out_dir`; return its facts."""
@@ -71,9 +93,14 @@ def run(config: Config, out_dir: Path) -> dict:
 
     if config.model.startswith(BUILTIN_PREFIX):
         tokenizer = build_tokenizer()
-        model = build_tiny_model(config.model[len(BUILTIN_PREFIX) :], tokenizer, config.seed, config.max_length)
+        size = config.model[len(BUILTIN_PREFIX) :]
+        model = build_tiny_model(
+            size, tokenizer, config.seed, config.max_length, config.nope_layers, config.rope_window
+        )
         save_model(model, tokenizer, out_dir)
-        return {"parameters": count_parameters(model), "vocab_size": len(tokenizer), "source": config.model}
+        facts = {"parameters": count_parameters(model), "vocab_size": len(tokenizer), "source": config.model}
+        shape = {"nope_layers": config.nope_layers, "rope_window": config.rope_window}
+        return facts | {k: v for k, v in shape.items() if v}
     pointer = {}
     if looks_like_hub_id(config.model):
         path = fetch_from_hub(config.model, config.revision, "base.model", config.trust_remote_code)

@@ -83,7 +83,9 @@ class Config(StageConfig):
     suites: list[SafeName] | None = Field(
         None, min_length=1, description="eval suites (data/prepared/eval/<suite>.parquet); null: every one"
     )
-    max_new_tokens: int = Field(64, gt=0, description="generation budget per completion")
+    max_new_tokens: int = Field(
+        128, gt=0, description="generation budget per completion (fit the longest solution: a cut one is wrong)"
+    )
     batch_size: int = Field(128, gt=0, description="prompts per generation batch")
     kl_prompts: int = Field(200, ge=0, description="prompts used for the KL estimate (0 = skip)")
     samples: int = Field(5, ge=0, description="generations per model kept in reports/samples.json")

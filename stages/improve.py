@@ -66,6 +66,10 @@ KEPT_FILE = "kept.parquet"  # every self-generated row kept up to this round
 SFT_DATA = DATA_DIR / "sft.parquet"
 PROMPTS = DATA_DIR / "prompts.parquet"
 STARTS = ("sft", "champion", "merged")  # besides policy/<method> and rounds/<earlier round>
+# What a round's summary keeps of each suite's metrics.
+ACCURACY_KEYS = (
+    "accuracy", "accuracy_low", "accuracy_high", "accuracy_by_difficulty", "accuracy_by_difficulty_interval",
+)  # fmt: skip
 
 
 def round_training() -> TrainingConfig:
@@ -237,14 +241,20 @@ def judge_samples(settings: Settings, task, prompts, answers, samples, prm) -> l
 
 
 def kept_rows(prompts, verdicts, keep_per_prompt: int) -> list[dict]:
-    """At most `keep_per_prompt` distinct kept completions per problem, repaired ones last."""
+    """At most `keep_per_prompt` distinct kept completions per problem: the model's own
+    samples before repairs, and among those the most often sampled first (a check on the
+    answer also passes a chain with a slip that happens to land on it; the sound chain is
+    the one the model writes most often), ties in sample order."""
+    from collections import Counter
+
     rows = []
     for prompt, group in zip(prompts, verdicts):
-        chosen: list[str] = []
-        for row in sorted(group, key=lambda r: r.get("source") == "refined"):
-            if row["kept"] and row["completion"] not in chosen and len(chosen) < keep_per_prompt:
-                chosen.append(row["completion"])
-        rows += [{"prompt": prompt, "completion": c} for c in chosen]
+        kept = [row for row in group if row["kept"]]
+        counts = Counter(row["completion"] for row in kept)
+        order = {text: i for i, text in reversed(list(enumerate(row["completion"] for row in kept)))}
+        refined = {row["completion"] for row in kept if row.get("source") == "refined"}
+        ranked = sorted(counts, key=lambda text: (text in refined, -counts[text], order[text]))
+        rows += [{"prompt": prompt, "completion": text} for text in ranked[:keep_per_prompt]]
     return rows
 
 
@@ -546,10 +556,7 @@ def round_summary(report: dict) -> dict:
         summary["repair"] = report["data"]["repair"]
     for role in ("candidate_eval", "start_eval"):
         if report.get(role):
-            summary[role] = {
-                suite: {k: m.get(k) for k in ("accuracy", "accuracy_low", "accuracy_high", "accuracy_by_difficulty")}
-                for suite, m in report[role].items()
-            }
+            summary[role] = {suite: {k: m.get(k) for k in ACCURACY_KEYS} for suite, m in report[role].items()}
     if report.get("failures"):
         summary["failures"] = report["failures"]
     return summary

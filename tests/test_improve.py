@@ -84,6 +84,19 @@ def test_checks_keep_the_right_samples():
     ]
 
 
+def test_kept_rows_take_the_most_sampled_right_chain_before_a_lucky_one_and_repairs_last():
+    sound, lucky = "3+4=7; 7-2=5; answer 5", "3+4=8; 8-2=5; answer 5"  # a slip that lands on 5
+    group = [{"completion": c, "kept": True} for c in (lucky, sound, sound, lucky, sound)]
+    group += [
+        {"completion": "x", "kept": False},
+        {"completion": "3+4=7; 7-2=5;  answer 5", "kept": True, "source": "refined"},
+    ]
+    rows = kept_rows(["p"], [group], keep_per_prompt=1)
+    assert rows == [{"prompt": "p", "completion": sound}]
+    ranked = [r["completion"] for r in kept_rows(["p"], [group], keep_per_prompt=3)]
+    assert ranked == [sound, lucky, "3+4=7; 7-2=5;  answer 5"]
+
+
 def _suite(values: list[float]) -> dict:
     return {
         "metrics": {"accuracy": sum(values) / len(values)},

@@ -118,6 +118,54 @@ def test_base_params_refuse_a_local_path_that_is_not_a_model(tmp_path):
         stage.Config(model=str(tmp_path / "empty"))
 
 
+def test_stage_base_builds_nope_layers_that_load_back_without_custom_code(tmp_path):
+    import stages.base as stage
+
+    config = stage.Config(model="builtin:micro", nope_layers=[1])
+    facts = stage.run(config, tmp_path / "out")
+    model = load_causal_lm(tmp_path / "out")
+    assert model.config.model_type == "smollm3" and model.config.no_rope_layers == [1, 0]  # layer 1: no RoPE
+    assert facts["nope_layers"] == [1]
+    # Layer 1 has no rotary embedding: its attention reads the same queries and keys at any
+    # position, which layer 0 (RoPE) does not.
+    assert model.model.layers[1].self_attn.use_rope == 0 and model.model.layers[0].self_attn.use_rope == 1
+    tokenizer = build_tokenizer()
+    ids = tokenizer("12+7-3\n", return_tensors="pt", add_special_tokens=False)
+    assert model(**ids).logits.shape[-1] == len(tokenizer)
+
+
+def test_a_rope_window_makes_the_rope_layers_local_and_leaves_nope_layers_global(tmp_path):
+    import torch
+
+    import stages.base as stage
+
+    stage.run(stage.Config(model="builtin:micro", nope_layers=[1], rope_window=4), tmp_path / "out")
+    model = load_causal_lm(tmp_path / "out")
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] and model.config.sliding_window == 4
+    # Change the first of 20 tokens: the last token's output changes through the global NoPE
+    # layer; with both layers windowed (4 tokens each) it cannot reach that far back.
+    stage.run(stage.Config(model="builtin:micro", rope_window=4), tmp_path / "local")
+    local = load_causal_lm(tmp_path / "local")
+    assert local.config.layer_types == ["sliding_attention", "sliding_attention"]
+    ids = torch.arange(10, 30).unsqueeze(0)
+    changed = ids.clone()
+    changed[0, 0] = 50
+    with torch.no_grad():
+        assert torch.allclose(local(ids).logits[0, -1], local(changed).logits[0, -1])
+        assert not torch.allclose(model(ids).logits[0, -1], model(changed).logits[0, -1])
+
+
+def test_nope_layers_outside_the_model_or_on_a_user_model_are_refused(tmp_path, model_dir):
+    import stages.base as stage
+
+    with pytest.raises(ValidationError, match=r"nope_layers \[2\]: builtin:micro has layers 0 to 1"):
+        stage.Config(model="builtin:micro", nope_layers=[0, 2])
+    with pytest.raises(ValidationError, match="a model of your own keeps its architecture"):
+        stage.Config(model=str(model_dir), nope_layers=[0])
+    with pytest.raises(ValidationError, match="a model of your own keeps its architecture"):
+        stage.Config(model=str(model_dir), rope_window=8)
+
+
 # ----------------------------------------------------------------------------- compute
 
 

@@ -151,6 +151,9 @@ def test_evaluate_reports_every_metric_for_reference_and_candidates(project):
         assert sum(counts.values()) == 24
         by_level = dev[name]["accuracy_by_difficulty"]
         assert sum(by_level[k] * counts[k] for k in counts) / 24 == pytest.approx(dev[name]["accuracy"])
+        intervals = dev[name]["accuracy_by_difficulty_interval"]
+        assert set(intervals) == set(by_level)
+        assert all(low <= by_level[k] <= high for k, (low, high) in intervals.items())
     assert dev["sft"]["kl_to_ref"] == 0.0 and dev["sft"]["win_rate"] == 0.5
     assert dev["dpo"]["kl_to_ref"] >= 0.0
     outcomes = json.loads((project / "reports/outcomes.json").read_text())

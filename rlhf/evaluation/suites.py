@@ -35,6 +35,9 @@ def summarise(config, outcomes: dict[str, list], difficulty: list | None) -> dic
     if difficulty is not None and outcomes.get("accuracy"):
         groups = group_by(outcomes["accuracy"], difficulty)
         summary["accuracy_by_difficulty"] = {k: sum(v) / len(v) for k, v in groups.items()}
+        summary["accuracy_by_difficulty_interval"] = {
+            k: list(bootstrap_interval(v, config.confidence, config.bootstrap_samples)) for k, v in groups.items()
+        }
         summary["problems_by_difficulty"] = {k: len(v) for k, v in groups.items()}
     return summary
 

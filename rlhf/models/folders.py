@@ -25,6 +25,14 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def check_nope_layers(size: str, nope_layers) -> None:
+    """A ValueError unless every layer number in `nope_layers` is one of builtin:<size>'s."""
+    layers = BUILTIN_SIZES[size][1]
+    outside = sorted(set(nope_layers) - set(range(layers)))
+    if outside:
+        raise ValueError(f"nope_layers {outside}: builtin:{size} has layers 0 to {layers - 1}")
+
+
 def check_model_dir(path: str | Path, what: str = "model") -> Path:
     """Fail early, and say how to fix it, when `path` is not a loadable model directory."""
     path = Path(path)

@@ -1,8 +1,18 @@
 """Building the built-in tiny model, and loading and saving any local causal LM.
 
 `builtin:tiny` is a small Llama-style model with a character-level tokenizer, built here
-from a seed so that the default pipeline needs no hub. The tokenizer's chat template wraps
-the assistant turn in ``{% generation %}`` markers, which is what TRL's
+from a seed so that the default pipeline needs no hub. With `nope_layers` some (or all) of
+its attention layers use no position embedding (NoPE): the model is then built as
+transformers' SmolLM3 architecture, which is Llama's with per-layer `no_rope_layers`, so
+every Hugging Face tool loads it without custom code. Rotary embeddings let a model find
+things by their distance, which does not extend past the lengths it trained on; NoPE layers
+must find them by content, which can (on the built-in task, a RoPE model trained on 3-5
+numbers writes at most four steps on longer problems; an all-NoPE one writes them all).
+With `rope_window` the RoPE layers attend to the last few tokens only (a sliding window):
+positions then serve what is near (the digits of one step's arithmetic), and what is far
+(the next number of the problem) must be found by content, in the NoPE layers.
+
+The tokenizer's chat template wraps the assistant turn in ``{% generation %}`` markers, which is what TRL's
 ``assistant_only_loss`` reads to train on the assistant's tokens only.
 
 A user model is any local Hugging Face causal-LM directory. It is checked for the files
@@ -25,10 +35,12 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from rlhf.models.compute import current
-from rlhf.models.folders import BUILTIN_SIZES, check_model_dir, resolve_model_dir
+from rlhf.models.folders import BUILTIN_SIZES, check_model_dir, check_nope_layers, resolve_model_dir
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
@@ -71,12 +83,21 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(
-    size: str, tokenizer: PreTrainedTokenizerFast, seed: int, max_length: int = 256
-) -> LlamaForCausalLM:
+    size: str,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    max_length: int = 256,
+    nope_layers: list[int] | tuple[int, ...] = (),
+    rope_window: int | None = None,
+) -> PreTrainedModel:
+    """A built-in model of `size` (rlhf.models.folders.BUILTIN_SIZES), seeded; the layers
+    numbered in `nope_layers` (from 0) use no position embedding, and with `rope_window` the
+    other layers attend to the last `rope_window` tokens only (see the module docstring)."""
     if size not in BUILTIN_SIZES:
         raise ValueError(f"unknown built-in model size {size!r}; expected one of {sorted(BUILTIN_SIZES)}")
+    check_nope_layers(size, nope_layers)
     hidden, layers, heads, intermediate = BUILTIN_SIZES[size]
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -90,7 +111,19 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    if nope_layers or rope_window:
+        rope = [int(layer not in nope_layers) for layer in range(layers)]  # 1: the layer uses RoPE
+        config = SmolLM3Config(
+            **shape,
+            no_rope_layers=rope,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},  # Llama's, for the RoPE layers
+            use_sliding_window=rope_window is not None,
+            sliding_window=rope_window,
+            layer_types=["sliding_attention" if r and rope_window else "full_attention" for r in rope],
+        )
+        model = SmolLM3ForCausalLM(config)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
