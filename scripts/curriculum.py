@@ -130,7 +130,8 @@ def round_row(report: dict) -> dict:
     return {
         **{k: data.get(k) for k in keys},
         "passed": report.get("passed"),
-        "failures": report.get("failures"),
+        "failures": report.get("failures") or ([report["stop_reason"]] if report.get("stop_reason") else []),
+        "stopped_at": report.get("stopped_at"),
         "seconds": report.get("seconds"),
     }
 
@@ -151,8 +152,12 @@ def table(results: dict, split: str) -> str:
     for name, entry in results["models"].items():
         short, longer = entry["eval"][split], entry["eval"][long]
         info = results["rounds"].get(name.split("/")[0], {}).get(name.split("/")[-1]) if "/" in name else None
-        kept = f"{info['kept_samples']} of {info['samples']}" if info else ""
-        verdict = ("passed" if info["passed"] else f"rejected: {'; '.join(info['failures'] or [])}") if info else ""
+        kept = f"{info['kept_samples']} of {info['samples']}" if info and info["samples"] else ""
+        verdict = ""
+        if info and info["passed"] is None:
+            verdict = f"not run: the loop stopped at {info['stopped_at']}"
+        elif info:
+            verdict = "passed" if info["passed"] else f"rejected: {'; '.join(info['failures'])}"
         cells = [fmt(short), *(fmt(longer, level) for level in ("6", "7", "8")), kept, verdict]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
