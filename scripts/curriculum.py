@@ -72,9 +72,13 @@ def setup(work: Path, args) -> None:
         builtin["shortcut_rate"], builtin["long_operands"] = 0.0, [6, 8]
         params["base"]["nope_layers"], params["base"]["rope_window"] = args.nope_layers, args.rope_window
         params["sft"]["max_steps"] = args.sft_steps
+        # The seed of the model's initialisation, SFT's data order and the rounds' problems and
+        # samples; the eval suites (prepare.seed) stay the same problems.
+        params["base"]["seed"] = params["sft"]["seed"] = args.seed
         defaults = params["improve"]["defaults"]
         defaults.update({k: v for k, v in ROUND_SETTINGS.items() if k != "train"})
         defaults.setdefault("train", {}).update(ROUND_SETTINGS["train"])
+        defaults["seed"] = defaults["train"]["seed"] = args.seed
         for pair in args.round_set:
             key, value = pair.split("=", 1)
             *path, last = key.split(".")
@@ -174,6 +178,7 @@ def main() -> None:
     parser.add_argument(
         "--round-set", nargs="*", default=[], help="improve.defaults keys, e.g. train.learning_rate=3e-4"
     )
+    parser.add_argument("--seed", type=int, default=0, help="model, SFT and rounds seed (not the eval suites')")
     parser.add_argument("--no-control", action="store_true")
     args = parser.parse_args()
     args.rope_window = args.rope_window or None
