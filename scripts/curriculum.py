@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +37,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from scratch import copy_code, edit_params, enter, run_module  # noqa: E402  (scripts/scratch.py)
 
 ROUNDS = {"r1": (6, 6), "r2": (7, 7), "r3": (8, 8)}
 # improve.defaults of the curriculum, chosen on dev and dev_long (a first try with 1024
@@ -49,23 +49,9 @@ ROUND_SETTINGS = {"prompts": 2048, "keep_per_prompt": 1, "train": {"max_steps": 
 SUITES = ("dev", "dev_long", "test", "test_long")
 
 
-def stage(env: dict, *args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return result.stdout
-
-
-def edit_params(work: Path, update) -> None:
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    update(params)
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-
-
 def setup(work: Path, args) -> None:
-    for name in ("rlhf", "stages", "flows", "dvc.yaml", ".dvcignore", "params.yaml"):
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, work / name)
+    copy_code(work)
+    shutil.copy2(ROOT / "params.yaml", work / "params.yaml")
 
     def curriculum(params: dict) -> None:
         builtin = params["prepare"]["builtin"]
@@ -106,7 +92,7 @@ def run_rounds(work: Path, env: dict, check: str) -> dict:
         shutil.rmtree(work / folder, ignore_errors=True)
     reports = {}
     for name in ROUNDS:
-        print(stage(env, "stages.improve", name).strip().splitlines()[-1][:400], flush=True)
+        print(run_module(env, "stages.improve", name).strip().splitlines()[-1][:400], flush=True)
         reports[name] = json.loads((work / "models/rounds" / name / "round.json").read_text())
     shutil.rmtree(work / f"models/rounds_{check}", ignore_errors=True)
     shutil.move(work / "models/rounds", work / f"models/rounds_{check}")
@@ -187,22 +173,16 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "models/sft/config.json").is_file():
         setup(work, args)
-    os.chdir(work)
-    env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}",
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-    }
-    os.environ["MLFLOW_TRACKING_URI"] = env["MLFLOW_TRACKING_URI"]
+    env = enter(work)
     print(f"scratch project: {work}", flush=True)
     if not (work / "models/sft/config.json").is_file():
         for name in ("stages.check_params", "stages.prepare", "stages.base"):
-            stage(env, name)
-        stage(env, "stages.launch", "stages.sft")
+            run_module(env, name)
+        run_module(env, "stages.launch", "stages.sft")
         print("sft: trained", flush=True)
     if "prm" in args.checks and not (work / "models/prm").is_dir():
-        stage(env, "stages.launch", "stages.verifier")
-        stage(env, "stages.process_reward_model")
+        run_module(env, "stages.launch", "stages.verifier")
+        run_module(env, "stages.process_reward_model")
 
     results: dict = {"settings": vars(args) | {"out": str(out), "work": str(work)}, "rounds": {}, "models": {}}
     for check in args.checks:

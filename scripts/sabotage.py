@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +44,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from scratch import copy_code, edit_params, enter, run_module  # noqa: E402  (scripts/scratch.py)
 
 FILLER = " (each step carries the running total on to the next number, and the total was checked once more)"
 TARGET = {
@@ -57,9 +57,7 @@ TARGET = {
 
 
 def scratch(project: Path, work: Path) -> None:
-    for name in ("rlhf", "stages", "flows", "dvc.yaml", ".dvcignore"):
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, work / name)
+    copy_code(work)
     for name in ("models/sft", "models/rm", "data/prepared"):
         shutil.copytree(project / name, work / name)
     params = yaml.safe_load((project / "params.yaml").read_text())
@@ -98,17 +96,7 @@ def training_tables(task, args) -> dict[str, pd.DataFrame]:
 
 
 def stage(name: str, env: dict, *args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", f"stages.{name}", *args], env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"stages.{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return result.stdout
-
-
-def edit_params(work: Path, update) -> None:
-    """`update(params)` edits the scratch project's params.yaml in place."""
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    update(params)
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return run_module(env, f"stages.{name}", *args)
 
 
 def train_weak_rm(work: Path, env: dict, steps: int) -> dict:
@@ -158,13 +146,7 @@ def main() -> None:
     work = (args.work or Path(tempfile.mkdtemp(prefix="sabotage-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     scratch(project, work)
-    os.chdir(work)
-    env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}",
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-    }
-    os.environ.update({k: env[k] for k in ("MLFLOW_TRACKING_URI",)})
+    env = enter(work)
 
     from rlhf.artifacts import write_json
     from rlhf.tasks import get_task

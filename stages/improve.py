@@ -250,10 +250,9 @@ def kept_rows(prompts, verdicts, keep_per_prompt: int) -> list[dict]:
     rows = []
     for prompt, group in zip(prompts, verdicts):
         kept = [row for row in group if row["kept"]]
-        counts = Counter(row["completion"] for row in kept)
-        order = {text: i for i, text in reversed(list(enumerate(row["completion"] for row in kept)))}
+        counts = Counter(row["completion"] for row in kept)  # in order of first sampling
         refined = {row["completion"] for row in kept if row.get("source") == "refined"}
-        ranked = sorted(counts, key=lambda text: (text in refined, -counts[text], order[text]))
+        ranked = sorted(counts, key=lambda text: (text in refined, -counts[text]))  # stable: ties keep that order
         rows += [{"prompt": prompt, "completion": text} for text in ranked[:keep_per_prompt]]
     return rows
 

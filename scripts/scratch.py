@@ -1,0 +1,52 @@
+"""Scratch projects for the experiment scripts (scripts/sabotage.py, scripts/curriculum.py):
+a copy of this checkout's code in another folder, where the real stages run as processes
+against their own MLflow store, so that an experiment never touches the checkout's outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = ("rlhf", "stages", "flows", "dvc.yaml", ".dvcignore")
+
+
+def copy_code(work: Path) -> None:
+    """This checkout's code and DVC pipeline into `work`."""
+    for name in CODE:
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, work / name)
+
+
+def enter(work: Path) -> dict:
+    """Make `work` the current folder with its own MLflow store (sqlite), here and in the
+    environment returned for stage processes (which also finds this interpreter first)."""
+    os.chdir(work)
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}",
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
+    os.environ["MLFLOW_TRACKING_URI"] = env["MLFLOW_TRACKING_URI"]
+    return env
+
+
+def run_module(env: dict, module: str, *args: str) -> str:
+    """`python -m module args` in the current folder; its stdout, or exit with its output."""
+    result = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{module} {' '.join(args)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    return result.stdout
+
+
+def edit_params(work: Path, update) -> None:
+    """`update(params)` edits the scratch project's params.yaml in place."""
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    update(params)
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
