@@ -13,7 +13,8 @@ In a scratch project (--work, default a temporary folder; this checkout is not t
    answer key; `vote`, the samples' majority answer, no key; `prm`): rounds r1, r2, r3, on
    problems of 6, 7 and 8 numbers, each starting from the round before, run by the real
    stage `round@<name>` (`python -m stages.improve`), which samples, keeps, trains, evaluates
-   and gates;
+   and gates (a gain on dev_long's problems of the round's own length, `progress_difficulty`,
+   and no loss on dev beyond `retention_margin`);
 3. the control: SFT continued on its own 3-5-number data for as many optimizer steps and
    rows as the three rounds trained on (rlhf.training.sft, the rounds' training settings);
 4. every model (SFT, each round's winner, the control) evaluated greedily on every suite,
@@ -83,7 +84,9 @@ def run_rounds(work: Path, env: dict, check: str) -> dict:
         params["improve"]["defaults"]["checks"] = [check]
         after, entries = "sft", {}
         for name, operands in ROUNDS.items():
-            entries[name] = {"after": after, "operands": list(operands)}
+            # The round's gate asks for a gain on its own length (dev_long's problems of that
+            # many numbers), not on all of dev_long, where a gain at 8 numbers is diluted.
+            entries[name] = {"after": after, "operands": list(operands), "progress_difficulty": operands[1]}
             after = f"rounds/{name}"
         params["improve"]["rounds"] = entries
 

@@ -4,7 +4,7 @@ In:  models/sft (the reference), models/policy/<method> for each policy method,
      models/merged (when stage merge wrote one), models/rm (the judge),
      data/prepared/eval/<suite>.parquet for each of `evaluate.suites`.
 Out: reports/eval.json (DVC metrics: per suite, per model), reports/outcomes.json (per
-     problem, per model: what the gate's paired tests read), reports/samples.json (a few
+     problem, per model: what the gate's paired tests read; with each problem's difficulty), reports/samples.json (a few
      generations per model, for reading), reports/completions.json (every greedy completion,
      for stage validate), plots/evaluate/<suite>.csv (accuracy per model: bar plots).
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.evaluation.suites import evaluate_model, suite_digest
+from rlhf.evaluation.suites import answer_difficulty, evaluate_model, suite_digest
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks import get_task
 from stages import (
@@ -171,6 +171,8 @@ def run(
             entry = outcomes["suites"].setdefault(
                 suite_name, {"digest": suite_digest(suite["prompt"].tolist(), answers), "models": {}}
             )
+            if (labels := answer_difficulty(suite)) is not None:
+                entry["difficulty"] = labels  # aligned with the accuracy outcomes (gate tests by difficulty)
             entry["models"][model_name] = per_problem
             completions["suites"][suite_name]["models"][model_name] = texts
             samples[suite_name][model_name] = [

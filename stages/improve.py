@@ -30,8 +30,10 @@ for easy-to-hard generalisation (Lee et al., 2025):
    starting weights (Fisher information of the earlier data);
 5. the candidate is evaluated on the eval suites and gated against the starting model
    (`relative_to: champion` in a round's tests means the starting model) and SFT; the
-   default tests ask for a gain on `progress_suite` and no loss beyond `retention_margin`
-   on `retention_suite` (the retention suite: what a round must not lose);
+   default tests ask for a gain on `progress_suite` (on its problems of
+   `progress_difficulty` only, when set: the round's own step of the curriculum, so that a
+   gain there is not diluted by the problems the round did not aim at) and no loss beyond
+   `retention_margin` on `retention_suite` (the retention suite: what a round must not lose);
 6. the winner is the candidate if it passed, else the starting model, and the loop stops:
    every later round passes its start through unchanged and says where it stopped.
 
@@ -52,7 +54,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
-from rlhf.evaluation.gate import CapabilityTest
+from rlhf.evaluation.gate import CapabilityTest, DifficultyLabel
 from rlhf.params import SafeName, StageConfig, format_validation_error
 from rlhf.training.params import EwcParams
 from rlhf.training.params import SFTParams as TrainingConfig
@@ -100,6 +102,11 @@ class Settings(StageConfig):
     ewc: EwcParams = Field(default_factory=EwcParams, description="EWC towards the start, Fisher on earlier data")
     suites: list[str] | None = Field(None, min_length=1, description="eval suites of the round; null: every one")
     progress_suite: str | None = Field(None, description="the gain the default tests ask for; null: dev_long or dev")
+    progress_difficulty: DifficultyLabel = Field(
+        None,
+        description="the gain is asked on the progress suite's problems of this difficulty only (its `difficulty` "
+        "column: the built-in task's number of operands, e.g. the round's own); null: on every problem",
+    )
     retention_suite: str | None = Field(None, description="what must not be lost; null: the decision suite (dev)")
     retention_margin: float = Field(0.02, ge=0, lt=1, description="most accuracy the retention suite may lose vs SFT")
     tests: list[CapabilityTest] | None = Field(None, description="the round's gate; null: progress and retention")
@@ -265,7 +272,7 @@ def evaluate_models(params: dict, task, models: dict[str, Path], suites: list[st
     with KL to SFT (params `evaluate`)."""
     import pandas as pd
 
-    from rlhf.evaluation.suites import evaluate_model, suite_digest
+    from rlhf.evaluation.suites import answer_difficulty, evaluate_model, suite_digest
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     config = params["evaluate"]
@@ -280,7 +287,9 @@ def evaluate_models(params: dict, task, models: dict[str, Path], suites: list[st
             metrics, outcomes, _, _ = evaluate_model(config, task, model, reference, tokenizer, None, table, None)
             answers = table["answer"].tolist() if "answer" in table else []
             digest = suite_digest(table["prompt"].tolist(), answers)
-            results[name][suite] = {"metrics": metrics, "outcomes": outcomes, "digest": digest}
+            results[name][suite] = {
+                "metrics": metrics, "outcomes": outcomes, "digest": digest, "difficulty": answer_difficulty(table),
+            }  # fmt: skip
         del model
     return results
 
@@ -288,7 +297,16 @@ def evaluate_models(params: dict, task, models: dict[str, Path], suites: list[st
 def default_tests(settings: Settings, suites: list[str], decision: str) -> list[CapabilityTest]:
     progress = settings.progress_suite or ("dev_long" if "dev_long" in suites else decision)
     retention = settings.retention_suite or decision
-    tests = [CapabilityTest(name="progress", metric="accuracy", suite=progress, relative_to="champion", op=">")]
+    tests = [
+        CapabilityTest(
+            name="progress" if settings.progress_difficulty is None else f"progress@{settings.progress_difficulty}",
+            metric="accuracy",
+            suite=progress,
+            difficulty=settings.progress_difficulty,
+            relative_to="champion",
+            op=">",
+        )
+    ]
     tests.append(
         CapabilityTest(
             name="retention",
@@ -315,7 +333,11 @@ def gate(settings: Settings, tests, name: str, sft: dict, start: dict, candidate
     }
     outcomes = {
         "suites": {
-            s: {"digest": candidate[s]["digest"], "models": {"sft": sft[s]["outcomes"], name: candidate[s]["outcomes"]}}
+            s: {
+                "digest": candidate[s]["digest"],
+                "difficulty": candidate[s].get("difficulty"),
+                "models": {"sft": sft[s]["outcomes"], name: candidate[s]["outcomes"]},
+            }
             for s in suites
         }
     }

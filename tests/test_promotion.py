@@ -554,3 +554,43 @@ def test_a_promoted_record_pairs_the_next_gate(tmp_path):
     assert verdict["candidates"]["same"]["tests"][1]["interval"] == (0.0, 0.0)
     assert not verdict["candidates"]["same"]["passed"]
     assert verdict["candidates"]["best"]["tests"][1]["difference"] == pytest.approx(0.10)
+
+
+# ----------------------------------------------------------------------------- by difficulty
+
+
+def test_a_test_by_difficulty_reads_and_pairs_that_difficulty_only():
+    """Labels: the first 20 problems are of difficulty 8, the other 80 of 3. Against SFT
+    (right on the first 50), BETTER_RIGHT gains 10 problems, all of difficulty 3: on the 20
+    eight-number problems the pair is identical (difference 0, interval [0, 0]), so
+    accuracy@8 > sft fails where the whole-suite test passes. Without the labels in the
+    outcomes file the test compares the report's accuracy_by_difficulty point values."""
+    labels = ["8"] * 20 + ["3"] * 80
+    outcomes = outcomes_file(better=BETTER_RIGHT)
+    outcomes["suites"]["dev"]["difficulty"] = labels
+    test = CapabilityTest(metric="accuracy", relative_to="sft", op=">", difficulty=8)
+    assert test.difficulty == "8" and test.label == "accuracy[dev@8] > sft+0"
+    assert paired_outcomes(test, "better", "sft", outcomes, None) == Paired([1.0] * 20, [1.0] * 20)
+    report = paired_report(better=BETTER_RIGHT)
+    report["suites"]["dev"]["sft"]["accuracy_by_difficulty"] = {"8": 1.0, "3": 30 / 80}
+    report["suites"]["dev"]["better"]["accuracy_by_difficulty"] = {"8": 1.0, "3": 40 / 80}
+    verdict = decide([test, sft_test(">", 0.0)], report, None, "accuracy", "dev", outcomes)
+    by_difficulty, whole = verdict["candidates"]["better"]["tests"]
+    assert whole["passed"] and whole["difference"] == pytest.approx(0.10)
+    assert not by_difficulty["passed"] and by_difficulty["interval"] == (0.0, 0.0)
+    assert by_difficulty["reason"].startswith("+0.0000 [+0.0000, +0.0000] vs sft over 20 problems")
+
+    at_three = CapabilityTest(metric="accuracy", relative_to="sft", op=">", difficulty="3")
+    del outcomes["suites"]["dev"]["difficulty"]
+    assert paired_outcomes(at_three, "better", "sft", outcomes, None) is None
+    better, sft = ({"dev": report["suites"]["dev"][name]} for name in ("better", "sft"))
+    result = run_test(at_three, better, sft, None)
+    assert result.passed and result.reason == "0.5000 > 0.3750" + POINT
+    unknown = CapabilityTest(metric="accuracy", relative_to="sft", op=">", difficulty=9)
+    result = run_test(unknown, better, sft, None)
+    assert not result.passed and result.reason == "accuracy at difficulty 9 missing for suite 'dev' in the eval report"
+
+
+def test_a_test_by_difficulty_reads_accuracy_only():
+    with pytest.raises(ValueError, match="difficulty '8' with metric 'format_rate'.*set metric: accuracy"):
+        CapabilityTest(metric="format_rate", difficulty=8)

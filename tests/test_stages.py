@@ -159,6 +159,8 @@ def test_evaluate_reports_every_metric_for_reference_and_candidates(project):
     outcomes = json.loads((project / "reports/outcomes.json").read_text())
     per_problem = outcomes["suites"]["dev"]["models"]["dpo"]["accuracy"]
     assert len(per_problem) == 24 and sum(per_problem) / 24 == pytest.approx(dev["dpo"]["accuracy"])
+    labels = outcomes["suites"]["dev"]["difficulty"]  # aligned with the accuracy outcomes
+    assert len(labels) == 24 and {label: labels.count(label) for label in set(labels)} == counts
 
 
 def test_gate_promotes_into_models_champion_and_the_registry(project):

@@ -35,13 +35,21 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field, model_validator
 
 from rlhf.params import StageConfig
 
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+
+
+def _as_label(value):
+    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+# A difficulty label as the eval reports spell it (YAML's 8 is "8").
+DifficultyLabel = Annotated[str | None, BeforeValidator(_as_label)]
 
 
 class CapabilityTest(StageConfig):
@@ -55,6 +63,25 @@ class CapabilityTest(StageConfig):
         0.0, description="added to the baseline: value op baseline + threshold (relative tests: the minimum effect)"
     )
     relative_to: Literal["absolute", "sft", "champion"] = Field("absolute", description="the baseline")
+    difficulty: DifficultyLabel = Field(
+        None,
+        description="accuracy on the suite's problems of this difficulty label only (its `difficulty` column, "
+        "e.g. 8 for 8-number problems of the built-in task); null: every problem",
+    )
+
+    @model_validator(mode="after")
+    def _check_difficulty(self):
+        if self.difficulty is not None and self.metric != "accuracy":
+            raise ValueError(
+                f"difficulty {self.difficulty!r} with metric {self.metric!r}: a test restricted to one difficulty "
+                "reads accuracy only (reports/eval.json keeps accuracy_by_difficulty); set metric: accuracy"
+            )
+        return self
+
+    @property
+    def label(self) -> str:
+        where = f"{self.suite}@{self.difficulty}" if self.difficulty is not None else self.suite
+        return self.name or f"{self.metric}[{where}] {self.op} {self.relative_to}{self.threshold:+g}"
 
 
 @dataclass
@@ -91,8 +118,16 @@ def run_test(
 ) -> TestResult:
     """`candidate`, `reference`, `champion`: {suite: {metric: value}} of one model each;
     `paired`: the outcomes behind a relative test, when both sides have them."""
-    name = test.name or f"{test.metric}[{test.suite}] {test.op} {test.relative_to}{test.threshold:+g}"
-    value = candidate.get(test.suite, {}).get(test.metric)
+    name = test.label
+
+    def read(metrics: dict):
+        suite = metrics.get(test.suite, {})
+        if test.difficulty is None:
+            return suite.get(test.metric)
+        return (suite.get("accuracy_by_difficulty") or {}).get(test.difficulty)
+
+    value = read(candidate)
+    what = repr(test.metric) if test.difficulty is None else f"accuracy at difficulty {test.difficulty}"
 
     def result(passed: bool, reason: str, baseline=None, bound=None, **paired_fields) -> TestResult:
         return TestResult(
@@ -100,19 +135,19 @@ def run_test(
         )
 
     if value is None:
-        return result(False, f"metric {test.metric!r} missing for suite {test.suite!r} in the eval report")
+        return result(False, f"{'metric ' * (test.difficulty is None)}{what} missing for suite {test.suite!r} in the eval report")
     if test.relative_to == "absolute":
         baseline = 0.0
     elif test.relative_to == "sft":
-        baseline = reference.get(test.suite, {}).get(test.metric)
+        baseline = read(reference)
         if baseline is None:
-            return result(False, f"reference has no {test.metric!r} on suite {test.suite!r}")
+            return result(False, f"reference has no {what} on suite {test.suite!r}")
     else:
         if champion is None:
             return result(True, "no champion yet: nothing to regress from")
-        baseline = champion.get(test.suite, {}).get(test.metric)
+        baseline = read(champion)
         if baseline is None:
-            return result(True, f"champion has no recorded {test.metric!r} on {test.suite!r}: not compared")
+            return result(True, f"champion has no recorded {what} on {test.suite!r}: not compared")
     bound = baseline + test.threshold
     if paired is not None and test.relative_to != "absolute":
         from rlhf.evaluation.statistics import paired_difference
@@ -140,7 +175,9 @@ def run_test(
 
 def paired_outcomes(test, name: str, reference: str, outcomes: dict | None, champion_outcomes: dict | None):
     """The `Paired` outcomes for a relative test of candidate `name`, or None when either
-    side has none for the test's suite and metric (then the test compares point values)."""
+    side has none for the test's suite and metric (then the test compares point values). A
+    test restricted to one difficulty pairs the problems of that difficulty only (the
+    labels are the suite's `difficulty`, aligned with its accuracy outcomes)."""
     if outcomes is None or test.relative_to == "absolute":
         return None
     suite = outcomes.get("suites", {}).get(test.suite)
@@ -155,6 +192,14 @@ def paired_outcomes(test, name: str, reference: str, outcomes: dict | None, cham
         baseline = recorded["values"].get(test.metric) if same_problems else None
     if not candidate or not baseline or len(candidate) != len(baseline):
         return None
+    if test.difficulty is not None:
+        labels = suite.get("difficulty")
+        if labels is None or len(labels) != len(candidate):
+            return None
+        keep = [i for i, label in enumerate(labels) if label == test.difficulty]
+        if not keep:
+            return None
+        candidate, baseline = [candidate[i] for i in keep], [baseline[i] for i in keep]
     return Paired(candidate, baseline)
 
 

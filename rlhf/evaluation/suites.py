@@ -42,6 +42,17 @@ def summarise(config, outcomes: dict[str, list], difficulty: list | None) -> dic
     return summary
 
 
+def answer_difficulty(suite) -> list[str] | None:
+    """The difficulty label (as a string) of each problem of `suite` with an answer, aligned
+    with its accuracy outcomes; None when the suite has no `difficulty` column."""
+    import pandas as pd
+
+    if "difficulty" not in suite:
+        return None
+    answers = suite["answer"] if "answer" in suite else [None] * len(suite)
+    return [str(d) for d, a in zip(suite["difficulty"], answers) if a is not None and pd.notna(a)]
+
+
 def evaluate_model(config, task: Task, model, reference, tokenizer, judge, suite, ref_rewards) -> tuple:
     """(metrics, per-problem outcomes, completions) of one model on one suite."""
     import pandas as pd
@@ -69,9 +80,8 @@ def evaluate_model(config, task: Task, model, reference, tokenizer, judge, suite
         if rewards is not None
         else [],
     }
-    with_answers = [d for d, a in zip(suite["difficulty"], answers) if a is not None] if "difficulty" in suite else None
     metrics = {
-        **summarise(config, outcomes, with_answers),
+        **summarise(config, outcomes, answer_difficulty(suite)),
         "kl_to_ref": float(kl.mean()),
         "reward_std": float(rewards.std.mean()) if rewards is not None else None,
         "distinct_1": distinct_n(texts, 1),
