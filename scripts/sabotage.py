@@ -169,7 +169,8 @@ def main() -> None:
             train, Path("models/sft"), path, Path(f"models/policy/{kind}"), work / "checkpoints", kind
         )
         rows[kind] = {"training_rows": len(table), "train_loss": metrics["train_loss"]}
-        print(f"{kind}: trained on {len(table)} rows, loss {metrics['train_loss']:.4f}", flush=True)
+        loss = metrics["train_loss"]  # None when the run was shorter than logging_steps
+        print(f"{kind}: trained on {len(table)} rows, loss {'n/a' if loss is None else f'{loss:.4f}'}", flush=True)
 
     candidates = list(tables)
     if args.rl_steps:
