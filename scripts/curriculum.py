@@ -13,8 +13,8 @@ In a scratch project (--work, default a temporary folder; this checkout is not t
    answer key; `vote`, the samples' majority answer, no key; `prm`): rounds r1, r2, r3, on
    problems of 6, 7 and 8 numbers, each starting from the round before, run by the real
    stage `round@<name>` (`python -m stages.improve`), which samples, keeps, trains, evaluates
-   and gates (a gain on dev_long's problems of the round's own length, `progress_difficulty`,
-   and no loss on dev beyond `retention_margin`);
+   and gates (a gain on dev_long's problems of the round's own length and longer,
+   `progress_difficulty`, and no loss on dev beyond `retention_margin`);
 3. the control: SFT continued on its own 3-5-number data for as many optimizer steps and
    rows as the three rounds trained on (rlhf.training.sft, the rounds' training settings);
 4. every model (SFT, each round's winner, the control) evaluated greedily on every suite,
@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from scratch import copy_code, edit_params, enter, run_module  # noqa: E402  (scripts/scratch.py)
 
 ROUNDS = {"r1": (6, 6), "r2": (7, 7), "r3": (8, 8)}
+LONGEST = 8  # the longest problems of dev_long and test_long
 # improve.defaults of the curriculum, chosen on dev and dev_long (a first try with 1024
 # problems and 200 steps per round gained 0.07 on 8 numbers in round 3, too little for its
 # gate): 2048 problems x 8 samples, the most sampled right chain of each, 300 steps at 3e-4
@@ -56,7 +57,7 @@ def setup(work: Path, args) -> None:
 
     def curriculum(params: dict) -> None:
         builtin = params["prepare"]["builtin"]
-        builtin["shortcut_rate"], builtin["long_operands"] = 0.0, [6, 8]
+        builtin["shortcut_rate"], builtin["long_operands"] = 0.0, [ROUNDS["r1"][0], LONGEST]
         params["base"]["nope_layers"], params["base"]["rope_window"] = args.nope_layers, args.rope_window
         params["sft"]["max_steps"] = args.sft_steps
         # The seed of the model's initialisation, SFT's data order and the rounds' problems and
@@ -84,9 +85,10 @@ def run_rounds(work: Path, env: dict, check: str) -> dict:
         params["improve"]["defaults"]["checks"] = [check]
         after, entries = "sft", {}
         for name, operands in ROUNDS.items():
-            # The round's gate asks for a gain on its own length (dev_long's problems of that
-            # many numbers), not on all of dev_long, where a gain at 8 numbers is diluted.
-            entries[name] = {"after": after, "operands": list(operands), "progress_difficulty": operands[1]}
+            # The round's gate asks for a gain at its own length and longer (dev_long's problems
+            # of that many numbers or more), where a gain is not diluted by lengths mastered.
+            frontier = list(range(operands[0], LONGEST + 1))
+            entries[name] = {"after": after, "operands": list(operands), "progress_difficulty": frontier}
             after = f"rounds/{name}"
         params["improve"]["rounds"] = entries
 

@@ -30,9 +30,9 @@ for easy-to-hard generalisation (Lee et al., 2025):
    starting weights (Fisher information of the earlier data);
 5. the candidate is evaluated on the eval suites and gated against the starting model
    (`relative_to: champion` in a round's tests means the starting model) and SFT; the
-   default tests ask for a gain on `progress_suite` (on its problems of
-   `progress_difficulty` only, when set: the round's own step of the curriculum, so that a
-   gain there is not diluted by the problems the round did not aim at) and no loss beyond
+   default tests ask for a gain on `progress_suite` (on its problems of the difficulties
+   `progress_difficulty` only, when set: in a curriculum, the round's own length and longer,
+   so that a gain at the frontier is not diluted by lengths already mastered) and no loss beyond
    `retention_margin` on `retention_suite` (the retention suite: what a round must not lose);
 6. the winner is the candidate if it passed, else the starting model, and the loop stops:
    every later round passes its start through unchanged and says where it stopped.
@@ -54,7 +54,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
-from rlhf.evaluation.gate import CapabilityTest, DifficultyLabel
+from rlhf.evaluation.gate import CapabilityTest, DifficultyLabels
 from rlhf.params import SafeName, StageConfig, format_validation_error
 from rlhf.training.params import EwcParams
 from rlhf.training.params import SFTParams as TrainingConfig
@@ -102,10 +102,10 @@ class Settings(StageConfig):
     ewc: EwcParams = Field(default_factory=EwcParams, description="EWC towards the start, Fisher on earlier data")
     suites: list[str] | None = Field(None, min_length=1, description="eval suites of the round; null: every one")
     progress_suite: str | None = Field(None, description="the gain the default tests ask for; null: dev_long or dev")
-    progress_difficulty: DifficultyLabel = Field(
+    progress_difficulty: DifficultyLabels = Field(
         None,
-        description="the gain is asked on the progress suite's problems of this difficulty only (its `difficulty` "
-        "column: the built-in task's number of operands, e.g. the round's own); null: on every problem",
+        description="the gain is asked on the progress suite's problems of this difficulty (or these: a list) only, "
+        "by its `difficulty` column: a round of the curriculum, its own length and longer; null: every problem",
     )
     retention_suite: str | None = Field(None, description="what must not be lost; null: the decision suite (dev)")
     retention_margin: float = Field(0.02, ge=0, lt=1, description="most accuracy the retention suite may lose vs SFT")
@@ -297,9 +297,10 @@ def evaluate_models(params: dict, task, models: dict[str, Path], suites: list[st
 def default_tests(settings: Settings, suites: list[str], decision: str) -> list[CapabilityTest]:
     progress = settings.progress_suite or ("dev_long" if "dev_long" in suites else decision)
     retention = settings.retention_suite or decision
+    at = "" if settings.progress_difficulty is None else "@" + ",".join(settings.progress_difficulty)
     tests = [
         CapabilityTest(
-            name="progress" if settings.progress_difficulty is None else f"progress@{settings.progress_difficulty}",
+            name=f"progress{at}",
             metric="accuracy",
             suite=progress,
             difficulty=settings.progress_difficulty,

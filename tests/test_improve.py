@@ -126,39 +126,40 @@ def test_the_round_gate_asks_for_progress_and_retention():
     assert [f.split(":")[0] for f in same["candidates"]["r1"]["failures"]] == ["progress"]
 
 
-def test_a_round_gate_on_its_own_difficulty_is_not_diluted():
-    """dev_long: 100 problems of 7 numbers and 50 of 8. The candidate gains 15 of the
-    8-number problems and loses 9 of the 7-number ones: on all of dev_long, +6/150 = +0.04,
-    whose interval holds 0, so `progress` fails; `progress_difficulty: 8` (YAML's int) pairs
-    the 50 eight-number problems only, +15/50 = +0.30, and the round passes."""
-    n7, n8 = 100, 50
-    labels = ["7"] * n7 + ["8"] * n8
-    start_long = [1.0] * 50 + [0.0] * 50 + [1.0] * 10 + [0.0] * 40
-    candidate_long = [1.0] * 41 + [0.0] * 59 + [1.0] * 25 + [0.0] * 25
+def test_a_round_gate_at_its_frontier_is_not_diluted():
+    """dev_long: 100 problems of 6 numbers, 50 of 7 and 50 of 8. Round r2 (7 numbers) gains
+    10 of the 7-number and 10 of the 8-number problems and loses 12 of the 6-number ones
+    (mastered earlier): on all of dev_long, +8/200 = +0.04, whose interval holds 0, so
+    `progress` fails; `progress_difficulty: [7, 8]` pairs the 100 problems of 7 and 8
+    numbers only, +20/100 = +0.20, and the round passes."""
+    labels = ["6"] * 100 + ["7"] * 50 + ["8"] * 50
+    start_long = [1.0] * 80 + [0.0] * 20 + [1.0] * 20 + [0.0] * 30 + [1.0] * 10 + [0.0] * 40
+    candidate_long = [1.0] * 68 + [0.0] * 32 + [1.0] * 30 + [0.0] * 20 + [1.0] * 20 + [0.0] * 30
 
     def suites(long: list[float]) -> dict:
-        sevens, eights = long[:n7], long[n7:]
         dev_long = _suite(long) | {"difficulty": labels}
-        by = {"7": sum(sevens) / n7, "8": sum(eights) / n8}
-        dev_long["metrics"] = dev_long["metrics"] | {"accuracy_by_difficulty": by}
+        by = {k: sum(v for v, label in zip(long, labels) if label == k) / labels.count(k) for k in ("6", "7", "8")}
+        counts = {k: labels.count(k) for k in by}
+        dev_long["metrics"] |= {"accuracy_by_difficulty": by, "problems_by_difficulty": counts}
         return {"dev": _suite([1.0] * 200), "dev_long": dev_long}
 
     start, candidate = suites(start_long), suites(candidate_long)
     whole = Settings(bootstrap_samples=2000)
-    verdict = gate(whole, default_tests(whole, ["dev", "dev_long"], "dev"), "r3", start, start, candidate)
-    (progress, _retention) = verdict["candidates"]["r3"]["tests"]
-    assert progress["difference"] == pytest.approx(6 / 150)
+    verdict = gate(whole, default_tests(whole, ["dev", "dev_long"], "dev"), "r2", start, start, candidate)
+    progress = verdict["candidates"]["r2"]["tests"][0]
+    assert progress["difference"] == pytest.approx(8 / 200)
     assert progress["interval"][0] < 0 and not progress["passed"] and verdict["promote"] is None
 
-    own = Settings(bootstrap_samples=2000, progress_difficulty=8)
-    tests = default_tests(own, ["dev", "dev_long"], "dev")
-    assert (tests[0].name, tests[0].suite, tests[0].difficulty) == ("progress@8", "dev_long", "8")
-    verdict = gate(own, tests, "r3", start, start, candidate)
-    progress = verdict["candidates"]["r3"]["tests"][0]
-    assert progress["difference"] == pytest.approx(15 / 50) and progress["interval"][0] > 0.1
-    assert "over 50 problems" in progress["reason"]
-    assert progress["value"] == 0.5 and progress["baseline"] == 0.2
-    assert verdict["promote"] == "r3"
+    frontier = Settings(bootstrap_samples=2000, progress_difficulty=[7, 8])  # as YAML gives them
+    tests = default_tests(frontier, ["dev", "dev_long"], "dev")
+    assert (tests[0].name, tests[0].suite, tests[0].difficulty) == ("progress@7,8", "dev_long", ["7", "8"])
+    verdict = gate(frontier, tests, "r2", start, start, candidate)
+    progress = verdict["candidates"]["r2"]["tests"][0]
+    assert progress["difference"] == pytest.approx(20 / 100) and progress["interval"][0] > 0.1
+    assert "over 100 problems" in progress["reason"]
+    assert progress["value"] == pytest.approx(0.5) and progress["baseline"] == pytest.approx(0.3)
+    assert verdict["promote"] == "r2"
+    assert Settings(progress_difficulty=8).progress_difficulty == ["8"]
 
 
 # ----------------------------------------------------------------------------- the loop

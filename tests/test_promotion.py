@@ -569,11 +569,12 @@ def test_a_test_by_difficulty_reads_and_pairs_that_difficulty_only():
     outcomes = outcomes_file(better=BETTER_RIGHT)
     outcomes["suites"]["dev"]["difficulty"] = labels
     test = CapabilityTest(metric="accuracy", relative_to="sft", op=">", difficulty=8)
-    assert test.difficulty == "8" and test.label == "accuracy[dev@8] > sft+0"
+    assert test.difficulty == ["8"] and test.label == "accuracy[dev@8] > sft+0"
     assert paired_outcomes(test, "better", "sft", outcomes, None) == Paired([1.0] * 20, [1.0] * 20)
     report = paired_report(better=BETTER_RIGHT)
-    report["suites"]["dev"]["sft"]["accuracy_by_difficulty"] = {"8": 1.0, "3": 30 / 80}
-    report["suites"]["dev"]["better"]["accuracy_by_difficulty"] = {"8": 1.0, "3": 40 / 80}
+    counts = {"problems_by_difficulty": {"8": 20, "3": 80}}
+    report["suites"]["dev"]["sft"] |= {"accuracy_by_difficulty": {"8": 1.0, "3": 30 / 80}} | counts
+    report["suites"]["dev"]["better"] |= {"accuracy_by_difficulty": {"8": 1.0, "3": 40 / 80}} | counts
     verdict = decide([test, sft_test(">", 0.0)], report, None, "accuracy", "dev", outcomes)
     by_difficulty, whole = verdict["candidates"]["better"]["tests"]
     assert whole["passed"] and whole["difference"] == pytest.approx(0.10)
@@ -586,11 +587,18 @@ def test_a_test_by_difficulty_reads_and_pairs_that_difficulty_only():
     better, sft = ({"dev": report["suites"]["dev"][name]} for name in ("better", "sft"))
     result = run_test(at_three, better, sft, None)
     assert result.passed and result.reason == "0.5000 > 0.3750" + POINT
-    unknown = CapabilityTest(metric="accuracy", relative_to="sft", op=">", difficulty=9)
+    both = CapabilityTest(metric="accuracy", relative_to="sft", op=">", difficulty=[3, 8])
+    result = run_test(both, better, sft, None)  # the problem-weighted mean: all of dev
+    assert result.value == pytest.approx(0.6) and result.baseline == pytest.approx(0.5)
+    unknown = CapabilityTest(metric="accuracy", relative_to="sft", op=">", difficulty=[8, 9])
     result = run_test(unknown, better, sft, None)
-    assert not result.passed and result.reason == "accuracy at difficulty 9 missing for suite 'dev' in the eval report"
+    assert (
+        not result.passed and result.reason == "accuracy at difficulty 8,9 missing for suite 'dev' in the eval report"
+    )
 
 
 def test_a_test_by_difficulty_reads_accuracy_only():
-    with pytest.raises(ValueError, match="difficulty '8' with metric 'format_rate'.*set metric: accuracy"):
+    with pytest.raises(ValueError, match="difficulty 8 with metric 'format_rate'.*set metric: accuracy"):
         CapabilityTest(metric="format_rate", difficulty=8)
+    with pytest.raises(ValueError, match=r"difficulty \[\]: name at least one difficulty, or null"):
+        CapabilityTest(metric="accuracy", difficulty=[])

@@ -44,12 +44,30 @@ from rlhf.params import StageConfig
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 
 
-def _as_label(value):
-    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+def _as_labels(value):
+    if value is None:
+        return None
+    values = value if isinstance(value, list | tuple) else [value]
+    return [str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for v in values]
 
 
-# A difficulty label as the eval reports spell it (YAML's 8 is "8").
-DifficultyLabel = Annotated[str | None, BeforeValidator(_as_label)]
+# Difficulty labels as the eval reports spell them (YAML's 8 is "8"); one label or a list.
+DifficultyLabels = Annotated[list[str] | None, BeforeValidator(_as_labels)]
+
+
+def accuracy_at(metrics: dict, labels: list[str]) -> float | None:
+    """Accuracy over a suite's problems of the difficulties `labels`, from its eval report
+    entry (accuracy_by_difficulty weighted by problems_by_difficulty); None when a label is
+    missing."""
+    by = metrics.get("accuracy_by_difficulty") or {}
+    counts = metrics.get("problems_by_difficulty") or {}
+    if any(label not in by for label in labels):
+        return None
+    if len(labels) == 1:
+        return by[labels[0]]
+    if any(label not in counts for label in labels):
+        return None
+    return sum(by[k] * counts[k] for k in labels) / sum(counts[k] for k in labels)
 
 
 class CapabilityTest(StageConfig):
@@ -63,25 +81,31 @@ class CapabilityTest(StageConfig):
         0.0, description="added to the baseline: value op baseline + threshold (relative tests: the minimum effect)"
     )
     relative_to: Literal["absolute", "sft", "champion"] = Field("absolute", description="the baseline")
-    difficulty: DifficultyLabel = Field(
+    difficulty: DifficultyLabels = Field(
         None,
-        description="accuracy on the suite's problems of this difficulty label only (its `difficulty` column, "
-        "e.g. 8 for 8-number problems of the built-in task); null: every problem",
+        description="accuracy on the suite's problems of this difficulty (or these: a list) only, by its "
+        "`difficulty` column, e.g. 8 for the built-in task's 8-number problems; null: every problem",
     )
 
     @model_validator(mode="after")
     def _check_difficulty(self):
         if self.difficulty is not None and self.metric != "accuracy":
             raise ValueError(
-                f"difficulty {self.difficulty!r} with metric {self.metric!r}: a test restricted to one difficulty "
-                "reads accuracy only (reports/eval.json keeps accuracy_by_difficulty); set metric: accuracy"
+                f"difficulty {','.join(self.difficulty)} with metric {self.metric!r}: a test restricted by "
+                "difficulty reads accuracy only (reports/eval.json keeps accuracy_by_difficulty); set metric: accuracy"
             )
+        if self.difficulty == []:
+            raise ValueError("difficulty []: name at least one difficulty, or null for every problem")
         return self
 
     @property
+    def where(self) -> str:
+        """The suite, and the difficulties the test reads: `dev_long@7,8`."""
+        return self.suite if self.difficulty is None else f"{self.suite}@{','.join(self.difficulty)}"
+
+    @property
     def label(self) -> str:
-        where = f"{self.suite}@{self.difficulty}" if self.difficulty is not None else self.suite
-        return self.name or f"{self.metric}[{where}] {self.op} {self.relative_to}{self.threshold:+g}"
+        return self.name or f"{self.metric}[{self.where}] {self.op} {self.relative_to}{self.threshold:+g}"
 
 
 @dataclass
@@ -122,12 +146,10 @@ def run_test(
 
     def read(metrics: dict):
         suite = metrics.get(test.suite, {})
-        if test.difficulty is None:
-            return suite.get(test.metric)
-        return (suite.get("accuracy_by_difficulty") or {}).get(test.difficulty)
+        return suite.get(test.metric) if test.difficulty is None else accuracy_at(suite, test.difficulty)
 
     value = read(candidate)
-    what = repr(test.metric) if test.difficulty is None else f"accuracy at difficulty {test.difficulty}"
+    what = repr(test.metric) if test.difficulty is None else f"accuracy at difficulty {','.join(test.difficulty)}"
 
     def result(passed: bool, reason: str, baseline=None, bound=None, **paired_fields) -> TestResult:
         return TestResult(
@@ -135,7 +157,8 @@ def run_test(
         )
 
     if value is None:
-        return result(False, f"{'metric ' * (test.difficulty is None)}{what} missing for suite {test.suite!r} in the eval report")
+        missing = f"metric {what}" if test.difficulty is None else what
+        return result(False, f"{missing} missing for suite {test.suite!r} in the eval report")
     if test.relative_to == "absolute":
         baseline = 0.0
     elif test.relative_to == "sft":
@@ -176,8 +199,8 @@ def run_test(
 def paired_outcomes(test, name: str, reference: str, outcomes: dict | None, champion_outcomes: dict | None):
     """The `Paired` outcomes for a relative test of candidate `name`, or None when either
     side has none for the test's suite and metric (then the test compares point values). A
-    test restricted to one difficulty pairs the problems of that difficulty only (the
-    labels are the suite's `difficulty`, aligned with its accuracy outcomes)."""
+    test restricted by difficulty pairs the problems of those difficulties only (the labels
+    are the suite's `difficulty`, aligned with its accuracy outcomes)."""
     if outcomes is None or test.relative_to == "absolute":
         return None
     suite = outcomes.get("suites", {}).get(test.suite)
@@ -196,7 +219,7 @@ def paired_outcomes(test, name: str, reference: str, outcomes: dict | None, cham
         labels = suite.get("difficulty")
         if labels is None or len(labels) != len(candidate):
             return None
-        keep = [i for i, label in enumerate(labels) if label == test.difficulty]
+        keep = [i for i, label in enumerate(labels) if label in test.difficulty]
         if not keep:
             return None
         candidate, baseline = [candidate[i] for i in keep], [baseline[i] for i in keep]
