@@ -101,6 +101,17 @@ OFFLINE_DATA = {"dpo": "prefs", "simpo": "prefs", "orpo": "prefs", "kto": "unpai
 ANSWER_REWARDS = ("answer_match", "numeric_tolerance")
 
 
+def builtin_difficulties(params: dict, suite: str) -> set[str] | None:
+    """The difficulties (numbers of operands) of a suite the built-in task generates; None
+    for a suite from a file (its `difficulty` column is read by prepare, not here) or none."""
+    prepare = params["prepare"]
+    if prepare.source != "builtin" or f"eval_{suite}" in prepare.files or suite not in eval_suites(params):
+        return None
+    builtin = prepare.builtin
+    low, high = builtin.long_operands if suite.endswith("_long") else (builtin.min_operands, builtin.max_operands)
+    return {str(n) for n in range(low, high + 1)}
+
+
 def prm_available(params: dict, task) -> bool:
     """Given step labels, or a task whose answers let stage prm derive them."""
     return "prm" in params["prepare"].available() or task.checks_answers
@@ -179,6 +190,22 @@ def input_problems(params: dict) -> list[str]:
             "model's reward, which needs preference data: add prepare.files.prefs, or set gate.tests and "
             "gate.select_metric"
         )
+    from stages.improve import round_tests
+
+    tested = [(f"gate.tests[{i}]", t.suite or decision_suite(params), t) for i, t in enumerate(gate.tests or [])]
+    for name, entry in params["improve"].rounds.items():
+        settings = params["improve"].settings(name)
+        field = "tests" if settings.tests else "progress_difficulty"
+        key = f"improve.rounds.{name}.{field}" if field in (entry or {}) else f"improve.defaults.{field}"
+        tested += [(key, t.suite, t) for t in round_tests(settings, params)[1]]
+    for key, suite, test in tested:
+        known = builtin_difficulties(params, suite)
+        unknown = sorted(set(test.difficulty or []) - known) if known is not None else []
+        if unknown:
+            problems.append(
+                f"{key}: suite {suite!r} has no problem of difficulty {','.join(unknown)} (its difficulties: "
+                f"{', '.join(sorted(known, key=int))}); name those, or null for every problem"
+            )
     for index, test in enumerate(gate.tests or []):
         if test.metric == "accuracy":
             need_answers("metric accuracy", f"gate.tests[{index}]")

@@ -294,6 +294,15 @@ def evaluate_models(params: dict, task, models: dict[str, Path], suites: list[st
     return results
 
 
+def round_tests(settings: Settings, params: dict) -> tuple[list[str], list[CapabilityTest]]:
+    """The suites a round evaluates, and its gate's tests with every suite named."""
+    from stages import decision_suite, eval_suites
+
+    suites, decision = settings.suites or eval_suites(params), decision_suite(params)
+    tests = settings.tests or default_tests(settings, suites, decision)
+    return suites, [t if t.suite else t.model_copy(update={"suite": decision}) for t in tests]
+
+
 def default_tests(settings: Settings, suites: list[str], decision: str) -> list[CapabilityTest]:
     progress = settings.progress_suite or ("dev_long" if "dev_long" in suites else decision)
     retention = settings.retention_suite or decision
@@ -366,8 +375,6 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     samples and training table into `data_dir`; returns the round's report."""
     import pandas as pd
 
-    from stages import decision_suite, eval_suites
-
     settings = config.settings(name)
     after = config.rounds[name]["after"]
     start_dir = MODELS_DIR / after
@@ -382,9 +389,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
         print(f"round {name}: the loop stopped at round {previous['stopped_at']}: nothing to do")
         return report
 
-    suites = settings.suites or eval_suites(params)
-    tests = settings.tests or default_tests(settings, suites, decision_suite(params))
-    tests = [t if t.suite else t.model_copy(update={"suite": decision_suite(params)}) for t in tests]
+    suites, tests = round_tests(settings, params)
     missing = sorted({t.suite for t in tests} - set(suites))
     if missing:
         raise ValueError(f"improve: the round's tests read suites {missing} that it does not evaluate ({suites})")

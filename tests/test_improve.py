@@ -13,7 +13,7 @@ import yaml
 from rlhf.params import ParamsError
 from rlhf.tasks.arithmetic import ArithmeticTask
 from stages.improve import Config, Settings, default_tests, gate, judge_samples, kept_rows, majority, round_problems
-from tests.conftest import make_project, run, tiny_params
+from tests.conftest import REPO, make_project, run, tiny_params
 
 TASK = ArithmeticTask()
 
@@ -160,6 +160,43 @@ def test_a_round_gate_at_its_frontier_is_not_diluted():
     assert progress["value"] == pytest.approx(0.5) and progress["baseline"] == pytest.approx(0.3)
     assert verdict["promote"] == "r2"
     assert Settings(progress_difficulty=8).progress_difficulty == ["8"]
+
+
+def test_a_difficulty_the_suite_does_not_have_fails_before_compute(tmp_path):
+    """Built-in suites: dev has 3-5 numbers, dev_long 6-8. A gate test at 9 numbers, a
+    round's own progress_difficulty with a 9 and a default one at 2 are each named with the
+    key to change; the frontier [6, 7, 8] passes."""
+    from stages import load_all
+
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["prepare"]["builtin"]["long_operands"] = [6, 8]
+    data["gate"]["tests"] = [{"metric": "accuracy", "suite": "dev_long", "difficulty": 9, "relative_to": "sft"}]
+    data["improve"]["defaults"]["progress_difficulty"] = 2
+    data["improve"]["rounds"] = {
+        "r1": {"after": "sft", "operands": [6, 6], "progress_difficulty": [6, 9]},
+        "r2": {"after": "rounds/r1", "operands": [7, 7]},
+        "r3": {"after": "rounds/r2", "operands": [8, 8], "progress_difficulty": [8], "progress_suite": "dev"},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError) as error:
+        load_all(str(path))
+    assert error.value.problems == [
+        "gate.tests[0]: suite 'dev_long' has no problem of difficulty 9 (its difficulties: 6, 7, 8); name those, "
+        "or null for every problem",
+        "improve.rounds.r1.progress_difficulty: suite 'dev_long' has no problem of difficulty 9 (its "
+        "difficulties: 6, 7, 8); name those, or null for every problem",
+        "improve.defaults.progress_difficulty: suite 'dev_long' has no problem of difficulty 2 (its "
+        "difficulties: 6, 7, 8); name those, or null for every problem",
+        "improve.rounds.r3.progress_difficulty: suite 'dev' has no problem of difficulty 8 (its difficulties: "
+        "3, 4, 5); name those, or null for every problem",
+    ]
+    data["gate"]["tests"][0]["difficulty"] = 8
+    data["improve"]["defaults"]["progress_difficulty"] = None
+    data["improve"]["rounds"]["r1"]["progress_difficulty"] = [6, 7, 8]
+    data["improve"]["rounds"]["r3"]["progress_suite"] = "dev_long"
+    path.write_text(yaml.safe_dump(data))
+    load_all(str(path))
 
 
 # ----------------------------------------------------------------------------- the loop
