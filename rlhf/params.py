@@ -20,7 +20,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 PARAMS_FILE = "params.yaml"
 
 
-class ParamsError(ValueError):
+class InputError:
+    """Marks an error in what the user gave (params, a data file, a model path) whose message
+    alone says what to fix: a stage process prints that message, not a traceback
+    (stages.report_input_errors). Mixed into the exception's own class, e.g.
+    `class ParamsError(InputError, ValueError)`."""
+
+
+class ParamsError(InputError, ValueError):
     """params.yaml does not validate. The message lists every problem with its key."""
 
     def __init__(self, path: str | Path, problems: list[str]):

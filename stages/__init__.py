@@ -14,9 +14,25 @@ takes paths from its callers.
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 
-from rlhf.params import PARAMS_FILE, ParamsError, read_params, validate_params
+from rlhf.params import PARAMS_FILE, InputError, ParamsError, read_params, validate_params
+
+
+def report_input_errors(kind, error, trace) -> None:
+    """sys.excepthook of every stage process: an error in what the user gave
+    (rlhf.params.InputError: params, a data file, a model path) is printed as its message
+    alone, after the stage's name, since the message says what to fix and a traceback would
+    bury it; any other error keeps its traceback. The process still exits with status 1."""
+    if isinstance(error, InputError):
+        script = Path(sys.argv[0]) if sys.argv else Path()
+        print(f"{script.stem}: {error}" if script.suffix == ".py" else str(error), file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, error, trace)
+
+
+sys.excepthook = report_input_errors
 
 SECTIONS = {
     "task": "rlhf.tasks:TaskConfig",

@@ -228,7 +228,8 @@ def test_missing_params_file(tmp_path):
 
 def test_validation_fails_fast_from_a_cold_start(tmp_path, repo_params):
     """A typo fails the whole-file check in a fresh interpreter, imports included, in well
-    under 30 s, exiting non-zero with the bad key in stderr."""
+    under 30 s, exiting non-zero with the bad key in stderr: the message alone, no traceback
+    (stages.report_input_errors)."""
     params = copy.deepcopy(repo_params)
     params["sft"]["learnin_rate"] = 0.1
     bad = write_params(tmp_path, params, "BAD.yaml")
@@ -242,10 +243,33 @@ def test_validation_fails_fast_from_a_cold_start(tmp_path, repo_params):
         timeout=120,
     )
     elapsed = time.perf_counter() - start
-    assert result.returncode != 0
-    assert "ParamsError" in result.stderr
-    assert "sft.learnin_rate: unknown key" in result.stderr
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"{bad}: 1 problem(s):\n  sft.learnin_rate: unknown key")
+    assert "Traceback" not in result.stderr
     assert elapsed < 30, f"validation took {elapsed:.1f} s"
+
+
+def test_a_stage_prints_an_input_error_without_a_traceback_and_other_errors_with_one(tmp_path, repo_params):
+    """`python -m stages.check_params` with a bad key prints `check_params: <the message>`
+    and exits 1; an error that is not the user's input (here a KeyError raised in a stage
+    process) keeps its traceback."""
+    params = copy.deepcopy(repo_params)
+    params["sft"]["learnin_rate"] = 0.1
+    write_params(tmp_path, params, "params.yaml")
+    for name in ("rlhf", "stages"):
+        (tmp_path / name).symlink_to(REPO / name)
+    result = subprocess.run(
+        [sys.executable, "-m", "stages.check_params"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert result.stderr == (
+        "check_params: params.yaml: 1 problem(s):\n"
+        "  sft.learnin_rate: unknown key (check the spelling; see the stage's Config for the keys it takes)\n"
+    )
+    code = "import stages; raise KeyError('not an input error')"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.startswith("Traceback") and "KeyError: 'not an input error'" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from rlhf.params import InputError
+
 CONTRACTS: dict[str, dict[str, tuple[str, ...]]] = {
     # kind: {"required": ..., "optional": ...}
     "sft": {"required": ("prompt", "completion"), "optional": ()},
@@ -50,7 +52,7 @@ SHOWN_CHARS = 60  # of a bad JSON line, in an error
 HH_ASSISTANT_TURN = "\n\nAssistant:"  # where an HH-RLHF prompt ends
 
 
-class DataValidationError(ValueError):
+class DataValidationError(InputError, ValueError):
     """A data file does not meet its contract. The message lists every problem found."""
 
     def __init__(self, path: str | Path, problems: list[str]):

@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+from rlhf.params import InputError
+
 BUILTIN_PREFIX = "builtin:"
 POINTER_FILE = "pointer.json"
 BUILTIN_SIZES = {
@@ -33,6 +35,18 @@ def check_nope_layers(size: str, nope_layers) -> None:
         raise ValueError(f"nope_layers {outside}: builtin:{size} has layers 0 to {layers - 1}")
 
 
+class ModelNotFoundError(InputError, FileNotFoundError):
+    """No model directory at the path, and no Hub model of that id to be had."""
+
+
+class ModelNotADirectoryError(InputError, NotADirectoryError):
+    """The model path is a file."""
+
+
+class UnusableModelError(InputError, ValueError):
+    """The model directory lacks a config, safetensors weights or tokenizer files."""
+
+
 def check_model_dir(path: str | Path, what: str = "model") -> Path:
     """Fail early, and say how to fix it, when `path` is not a loadable model directory."""
     path = Path(path)
@@ -42,9 +56,9 @@ def check_model_dir(path: str | Path, what: str = "model") -> Path:
         "or use `builtin:tiny`."
     )
     if not path.exists():
-        raise FileNotFoundError(f"{what} directory {path} does not exist. {how}")
+        raise ModelNotFoundError(f"{what} directory {path} does not exist. {how}")
     if not path.is_dir():
-        raise NotADirectoryError(f"{what} path {path} is a file, not a model directory. {how}")
+        raise ModelNotADirectoryError(f"{what} path {path} is a file, not a model directory. {how}")
     present = sorted(p.name for p in path.iterdir())
     problems = []
     if not (path / _CONFIG_FILE).is_file():
@@ -61,7 +75,8 @@ def check_model_dir(path: str | Path, what: str = "model") -> Path:
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         problems.append("no tokenizer files (tokenizer.json or tokenizer.model)")
     if problems:
-        raise ValueError(f"{what} directory {path} is not usable: {'; '.join(problems)}. Found: {present}. {how}")
+        found = f"Found: {present}"
+        raise UnusableModelError(f"{what} directory {path} is not usable: {'; '.join(problems)}. {found}. {how}")
     return path
 
 
@@ -89,7 +104,7 @@ def fetch_from_hub(repo_id: str, revision: str | None, what: str, trust_remote_c
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as error:  # offline, no network, unknown or gated repo: one message
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"{what} {repo_id!r} is not a local model directory, and the Hugging Face Hub could not "
             f"provide it ({reason}). If you are offline (HF_HUB_OFFLINE=1) or have no network: "
             f"download it once while online (`huggingface-cli download {repo_id}` fills the cache "

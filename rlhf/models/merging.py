@@ -60,6 +60,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rlhf.models.folders import check_model_dir
 from rlhf.models.loading import load_causal_lm
+from rlhf.params import InputError
 
 MERGE_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "slerp")
 TASK_VECTOR_METHODS = ("task_arithmetic", "ties", "dare_ties", "dare_linear")
@@ -73,7 +74,7 @@ _EXAMPLES = 3
 Weight = float | list[float]
 
 
-class IncompatibleModelsError(ValueError):
+class IncompatibleModelsError(InputError, ValueError):
     """The models cannot be merged: the message names each pair and what differs."""
 
 
