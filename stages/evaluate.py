@@ -38,7 +38,7 @@ from pathlib import Path
 from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.evaluation.suites import answer_difficulty, evaluate_model, suite_digest
+from rlhf.evaluation.suites import evaluate_model, suite_identity
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks import get_task
 from stages import (
@@ -149,7 +149,7 @@ def run(
     reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
     judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code)
     report: dict = {"reference": REFERENCE, "candidates": [n for n in dirs if n != REFERENCE], "suites": {}}
-    outcomes: dict = {"suites": {}}
+    outcomes: dict = {"suites": {name: {**suite_identity(s), "models": {}} for name, s in suites.items()}}
     samples: dict = {name: {} for name in suites}
     completions: dict = {"suites": {n: {"prompts": s["prompt"].tolist(), "models": {}} for n, s in suites.items()}}
     reference_rewards: dict = {}
@@ -167,13 +167,7 @@ def run(
                 reference_rewards[suite_name] = rewards
             metrics["seconds"] = time.perf_counter() - start
             report["suites"].setdefault(suite_name, {})[model_name] = metrics
-            answers = suite["answer"].tolist() if "answer" in suite else []
-            entry = outcomes["suites"].setdefault(
-                suite_name, {"digest": suite_digest(suite["prompt"].tolist(), answers), "models": {}}
-            )
-            if (labels := answer_difficulty(suite)) is not None:
-                entry["difficulty"] = labels  # aligned with the accuracy outcomes (gate tests by difficulty)
-            entry["models"][model_name] = per_problem
+            outcomes["suites"][suite_name]["models"][model_name] = per_problem
             completions["suites"][suite_name]["models"][model_name] = texts
             samples[suite_name][model_name] = [
                 {"prompt": p, "completion": c} for p, c in zip(suite["prompt"][: config.samples], texts)

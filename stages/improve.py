@@ -272,24 +272,21 @@ def evaluate_models(params: dict, task, models: dict[str, Path], suites: list[st
     with KL to SFT (params `evaluate`)."""
     import pandas as pd
 
-    from rlhf.evaluation.suites import answer_difficulty, evaluate_model, suite_digest
+    from rlhf.evaluation.suites import evaluate_model, suite_identity
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     config = params["evaluate"]
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft")
     tables = {suite: pd.read_parquet(EVAL_DIR / f"{suite}.parquet") for suite in suites}
+    identities = {suite: suite_identity(table) for suite, table in tables.items()}
     results: dict = {}
     for name, path in models.items():
         model = reference if path == SFT_DIR else load_causal_lm(path, config.trust_remote_code, what=str(path))
         results[name] = {}
         for suite, table in tables.items():
             metrics, outcomes, _, _ = evaluate_model(config, task, model, reference, tokenizer, None, table, None)
-            answers = table["answer"].tolist() if "answer" in table else []
-            digest = suite_digest(table["prompt"].tolist(), answers)
-            results[name][suite] = {
-                "metrics": metrics, "outcomes": outcomes, "digest": digest, "difficulty": answer_difficulty(table),
-            }  # fmt: skip
+            results[name][suite] = {"metrics": metrics, "outcomes": outcomes, **identities[suite]}
         del model
     return results
 

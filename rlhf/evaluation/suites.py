@@ -53,6 +53,16 @@ def answer_difficulty(suite) -> list[str] | None:
     return [str(d) for d, a in zip(suite["difficulty"], answers) if a is not None and pd.notna(a)]
 
 
+def suite_identity(suite) -> dict:
+    """What pairs per-problem outcomes across models and runs: the suite's `digest` (its
+    prompts and answers) and, when it has the column, each answered problem's `difficulty`."""
+    answers = suite["answer"].tolist() if "answer" in suite else []
+    identity = {"digest": suite_digest(suite["prompt"].tolist(), answers)}
+    if (labels := answer_difficulty(suite)) is not None:
+        identity["difficulty"] = labels  # aligned with the accuracy outcomes (gate tests by difficulty)
+    return identity
+
+
 def evaluate_model(config, task: Task, model, reference, tokenizer, judge, suite, ref_rewards) -> tuple:
     """(metrics, per-problem outcomes, completions) of one model on one suite."""
     import pandas as pd
