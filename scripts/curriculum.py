@@ -49,6 +49,7 @@ LONGEST = 8  # the longest problems of dev_long and test_long
 # on those and as many replayed rows.
 ROUND_SETTINGS = {"prompts": 2048, "keep_per_prompt": 1, "train": {"max_steps": 300, "learning_rate": 3e-4}}
 SUITES = ("dev", "dev_long", "test", "test_long")
+ORIGINAL_DEFAULTS = yaml.safe_load((ROOT / "params.yaml").read_text())["improve"]["defaults"]
 
 
 def setup(work: Path, args) -> None:
@@ -63,19 +64,28 @@ def setup(work: Path, args) -> None:
         # The seed of the model's initialisation, SFT's data order and the rounds' problems and
         # samples; the eval suites (prepare.seed) stay the same problems.
         params["base"]["seed"] = params["sft"]["seed"] = args.seed
-        defaults = params["improve"]["defaults"]
+
+    edit_params(work, curriculum)
+
+
+def round_defaults(work: Path, args) -> None:
+    """improve.defaults of the curriculum and --round-set, on every run (a --work folder
+    that already has its SFT model keeps that model but takes these afresh)."""
+
+    def defaults(params: dict) -> None:
+        defaults = params["improve"]["defaults"] = dict(ORIGINAL_DEFAULTS)
         defaults.update({k: v for k, v in ROUND_SETTINGS.items() if k != "train"})
-        defaults.setdefault("train", {}).update(ROUND_SETTINGS["train"])
+        defaults["train"] = {**defaults.get("train", {}), **ROUND_SETTINGS["train"]}
         defaults["seed"] = defaults["train"]["seed"] = args.seed
         for pair in args.round_set:
             key, value = pair.split("=", 1)
             *path, last = key.split(".")
-            node = params["improve"]["defaults"]
+            node = defaults
             for part in path:
                 node = node.setdefault(part, {})
             node[last] = yaml.safe_load(value)
 
-    edit_params(work, curriculum)
+    edit_params(work, defaults)
 
 
 def run_rounds(work: Path, env: dict, check: str) -> dict:
@@ -165,7 +175,7 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=2500)
     parser.add_argument("--nope-layers", type=int, nargs="*", default=[1, 3], help="base.nope_layers")
     parser.add_argument("--rope-window", type=int, default=8, help="base.rope_window (0: none)")
-    parser.add_argument("--checks", nargs="+", default=["answer", "vote"], choices=["answer", "vote", "prm"])
+    parser.add_argument("--checks", nargs="+", default=["answer", "vote"], choices=["answer", "steps", "vote", "prm"])
     parser.add_argument(
         "--round-set", nargs="*", default=[], help="improve.defaults keys, e.g. train.learning_rate=3e-4"
     )
@@ -178,6 +188,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "models/sft/config.json").is_file():
         setup(work, args)
+    round_defaults(work, args)
     env = enter(work)
     print(f"scratch project: {work}", flush=True)
     if not (work / "models/sft/config.json").is_file():

@@ -211,6 +211,12 @@ def input_problems(params: dict) -> list[str]:
     tested = [(f"gate.tests[{i}]", t.suite or decision_suite(params), t) for i, t in enumerate(gate.tests or [])]
     for name, entry in params["improve"].rounds.items():
         settings = params["improve"].settings(name)
+        if "steps" in settings.checks and not task.checks_steps:
+            where = f"improve.rounds.{name}.checks" if "checks" in (entry or {}) else "improve.defaults.checks"
+            problems.append(
+                f"{where}: the steps check needs a task that checks steps; task.kind {task.name!r} does not "
+                "(use answer, vote or prm)"
+            )
         field = "tests" if settings.tests else "progress_difficulty"
         key = f"improve.rounds.{name}.{field}" if field in (entry or {}) else f"improve.defaults.{field}"
         tested += [(key, t.suite, t) for t in round_tests(settings, params)[1]]

@@ -19,7 +19,9 @@ for easy-to-hard generalisation (Lee et al., 2025):
    (the curriculum: each round a step harder), none of them in an eval suite; other tasks
    draw `prompts` rows of data/prepared/prompts.parquet;
 2. the round's starting model samples `samples` completions per problem;
-3. `checks` keep a sample: `answer` (the task's check against the problem's answer), `vote`
+3. `checks` keep a sample: `answer` (the task's check against the problem's answer), `steps`
+   (the task's check of every step against the problem, for a task that has one, such as
+   the built-in task: a right answer reached by a wrong path fails it), `vote`
    (it states the majority answer of its problem's samples, held by at least
    `min_vote_share` of them: no answer key), `prm` (every step scored at least
    `prm_threshold` by the PRM: no answer key); with `refine`, a rejected sample is repaired
@@ -89,8 +91,8 @@ class Settings(StageConfig):
     temperature: float = Field(0.7, gt=0, description="sampling temperature")
     max_new_tokens: int = Field(96, gt=0, description="new tokens per sample")
     batch_size: int = Field(256, gt=0, description="sequences per generation batch")
-    checks: list[Literal["answer", "vote", "prm"]] = Field(
-        ["answer"], min_length=1, description="what a kept sample passes: answer | vote | prm (all listed)"
+    checks: list[Literal["answer", "steps", "vote", "prm"]] = Field(
+        ["answer"], min_length=1, description="what a kept sample passes: answer | steps | vote | prm (all listed)"
     )
     min_vote_share: float = Field(0.5, gt=0, le=1, description="vote: the majority's least share of the samples")
     prm_threshold: float = Field(0.5, gt=0, lt=1, description="prm: least P(good) of every step")
@@ -236,6 +238,9 @@ def judge_samples(settings: Settings, task, prompts, answers, samples, prm) -> l
             row = {"completion": completion, "correct": task.is_correct(completion, answer) if answer else None}
             if "answer" in settings.checks:
                 row["answer_check"] = bool(row["correct"])
+            if "steps" in settings.checks:
+                labels = task.check_steps(prompts[i], completion)
+                row["steps_check"] = bool(labels) and all(labels)
             if "vote" in settings.checks:
                 row["vote_check"] = share >= settings.min_vote_share and task.extract_answer(completion) == top
             if "prm" in settings.checks:

@@ -84,6 +84,37 @@ def test_checks_keep_the_right_samples():
     ]
 
 
+def test_steps_check_rejects_a_right_answer_reached_by_a_wrong_path():
+    """8+5-3+4 is 14; a chain that adds the numbers in another order lands on 14 too, and a
+    slip can land on it: the answer check keeps all three, the steps check only the sound one."""
+    sound = "8+5=13; 13-3=10; 10+4=14; answer 14"
+    scrambled = "8+4=12; 12+5=17; 17-3=14; answer 14"
+    slip = "8+5=12; 12-3=9; 9+4=14; answer 14"  # two wrong sums that cancel
+    wrong = "8+5=13; 13-3=10; 10+4=15; answer 15"
+    samples = [[sound, scrambled, slip, wrong]]
+    by_answer = judge_samples(Settings(checks=["answer"]), TASK, ["8+5-3+4\n"], ["14"], samples, None)
+    assert [r["kept"] for r in by_answer[0]] == [True, True, True, False]
+    by_steps = judge_samples(Settings(checks=["steps"]), TASK, ["8+5-3+4\n"], ["14"], samples, None)
+    assert [r["kept"] for r in by_steps[0]] == [True, False, False, False]
+    assert [r["correct"] for r in by_steps[0]] == [True, True, True, False]
+
+
+def test_the_steps_check_needs_a_task_that_checks_steps(tmp_path):
+    from stages import load_all
+
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["task"] = {"kind": "last_number"}
+    data["improve"]["rounds"] = {"r1": {"after": "sft", "checks": ["answer", "steps"]}}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError) as error:
+        load_all(str(path))
+    assert (
+        "improve.rounds.r1.checks: the steps check needs a task that checks steps; task.kind 'last_number' does not "
+        "(use answer, vote or prm)"
+    ) in error.value.problems
+
+
 def test_kept_rows_take_the_most_sampled_right_chain_before_a_lucky_one_and_repairs_last():
     sound, lucky = "3+4=7; 7-2=5; answer 5", "3+4=8; 8-2=5; answer 5"  # a slip that lands on 5
     group = [{"completion": c, "kept": True} for c in (lucky, sound, sound, lucky, sound)]

@@ -304,6 +304,8 @@ class ArithmeticTask(Task):
     def is_final_step(self, step: str) -> bool:
         return step.strip().startswith(ANSWER_PREFIX.strip())
 
+    checks_steps = True
+
     def check_steps(self, prompt: str, completion: str) -> list[bool] | None:
         try:
             return check_steps(prompt, completion)

@@ -22,6 +22,9 @@ class Task:
     # Whether `is_correct` can check an answer; when not (task kind `none`), evaluate reports
     # accuracy as null and the gate skips its accuracy tests.
     checks_answers = True
+    # Whether `check_steps` labels each step of a completion (a self-improvement round's
+    # `steps` check needs it).
+    checks_steps = False
     # The `TaskConfig` keys the task's constructor takes (get_task passes exactly these; any
     # other key set in params is an error for this kind).
     settings: tuple[str, ...] = ()
