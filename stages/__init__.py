@@ -119,13 +119,79 @@ ANSWER_REWARDS = ("answer_match", "numeric_tolerance")
 
 def builtin_difficulties(params: dict, suite: str) -> set[str] | None:
     """The difficulties (numbers of operands) of a suite the built-in task generates; None
-    for a suite from a file (its `difficulty` column is read by prepare, not here) or none."""
+    for a suite from a file (`suite_difficulties` reads it) or none."""
     prepare = params["prepare"]
-    if prepare.source != "builtin" or f"eval_{suite}" in prepare.files or suite not in eval_suites(params):
+    if f"eval_{suite}" in prepare.files:
         return None
+    return generated_difficulties(prepare, suite)
+
+
+def generated_difficulties(prepare, suite: str) -> set[str] | None:
+    """The numbers of operands of the built-in task's problems in `suite`; None when the
+    built-in task does not generate that suite."""
     builtin = prepare.builtin
+    generated = {"dev", "test"} | ({"dev_long", "test_long"} if builtin.long_operands else set())
+    if prepare.source != "builtin" or suite not in generated:
+        return None
     low, high = builtin.long_operands if suite.endswith("_long") else (builtin.min_operands, builtin.max_operands)
     return {str(n) for n in range(low, high + 1)}
+
+
+def table_difficulties(table) -> set[str]:
+    """The difficulty labels of a suite's answered problems (a frame); empty without the column."""
+    from rlhf.evaluation.suites import answer_difficulty
+
+    return set(answer_difficulty(table) or [])
+
+
+def suite_difficulties(params: dict, suite: str) -> set[str] | None:
+    """The difficulties of a suite whose problems come from a local file
+    (prepare.files.eval_<suite>, with the built-in task's when source is builtin), read from
+    that file; None for a suite with no such file, a Hub dataset, or a file that does not
+    read (prepare names its problems)."""
+    from rlhf.data.contracts import DataValidationError, load_contract
+
+    prepare = params["prepare"]
+    spec = prepare.files.get(f"eval_{suite}")
+    if spec is None or not Path(spec.path).exists():
+        return None
+    try:
+        frame = load_contract(spec.path, "prompts", spec.columns, split=spec.split, config=spec.config)
+    except (DataValidationError, OSError, ValueError):
+        return None
+    return table_difficulties(frame) | (generated_difficulties(prepare, suite) or set())
+
+
+def difficulty_problems(params: dict, difficulties, rounds: list[str] | None = None) -> list[str]:
+    """The gate's and the rounds' tests (or those of `rounds` only) that name a difficulty
+    their suite lacks, each with the key to change. `difficulties(suite)` gives a suite's
+    labels, or None where they are not known here (that suite is not checked)."""
+    from stages.improve import round_tests
+
+    gate, improve = params["gate"], params["improve"]
+    tested = []
+    if rounds is None:
+        tested += [(f"gate.tests[{i}]", t.suite or decision_suite(params), t) for i, t in enumerate(gate.tests or [])]
+    for name in improve.rounds if rounds is None else rounds:
+        settings, entry = improve.settings(name), improve.rounds[name] or {}
+        field = "tests" if settings.tests else "progress_difficulty"
+        key = f"improve.rounds.{name}.{field}" if field in entry else f"improve.defaults.{field}"
+        tested += [(key, t.suite, t) for t in round_tests(settings, params)[1]]
+    problems, known = [], {}
+    for key, suite, test in tested:
+        if test.difficulty is None:
+            continue
+        if suite not in known:
+            known[suite] = difficulties(suite)
+        labels = known[suite]
+        unknown = sorted(set(test.difficulty) - labels) if labels is not None else []
+        if unknown:
+            shown = ", ".join(sorted(labels, key=lambda x: (0, int(x), "") if x.isdigit() else (1, 0, x)))
+            problems.append(
+                f"{key}: suite {suite!r} has no problem of difficulty {','.join(unknown)} (its difficulties: "
+                f"{shown or 'none: no difficulty column'}); name those, or null for every problem"
+            )
+    return problems
 
 
 def prm_available(params: dict, task) -> bool:
@@ -206,9 +272,7 @@ def input_problems(params: dict) -> list[str]:
             "model's reward, which needs preference data: add prepare.files.prefs, or set gate.tests and "
             "gate.select_metric"
         )
-    from stages.improve import round_tests
-
-    tested = [(f"gate.tests[{i}]", t.suite or decision_suite(params), t) for i, t in enumerate(gate.tests or [])]
+    problems += difficulty_problems(params, lambda suite: builtin_difficulties(params, suite))
     for name, entry in params["improve"].rounds.items():
         settings = params["improve"].settings(name)
         if "steps" in settings.checks and not task.checks_steps:
@@ -216,17 +280,6 @@ def input_problems(params: dict) -> list[str]:
             problems.append(
                 f"{where}: the steps check needs a task that checks steps; task.kind {task.name!r} does not "
                 "(use answer, vote or prm)"
-            )
-        field = "tests" if settings.tests else "progress_difficulty"
-        key = f"improve.rounds.{name}.{field}" if field in (entry or {}) else f"improve.defaults.{field}"
-        tested += [(key, t.suite, t) for t in round_tests(settings, params)[1]]
-    for key, suite, test in tested:
-        known = builtin_difficulties(params, suite)
-        unknown = sorted(set(test.difficulty or []) - known) if known is not None else []
-        if unknown:
-            problems.append(
-                f"{key}: suite {suite!r} has no problem of difficulty {','.join(unknown)} (its difficulties: "
-                f"{', '.join(sorted(known, key=int))}); name those, or null for every problem"
             )
     for index, test in enumerate(gate.tests or []):
         if test.metric == "accuracy":

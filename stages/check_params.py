@@ -1,6 +1,7 @@
 """Stage `check_params`: validate the whole of params.yaml before any other stage runs.
 
-In:  params.yaml, the stage Configs (stages/) and the task's (rlhf/tasks/).
+In:  params.yaml, the stage Configs (stages/) and the task's (rlhf/tasks/); the eval
+     suites' files that prepare.files names (their `difficulty` column).
 Out: reports/params.ok — a stamp whose content never changes.
 
 Every other stage depends on the stamp, so `dvc repro` runs this check first whenever
@@ -10,19 +11,31 @@ stage's outputs to rerun it. Because the stamp's content is constant, passing th
 never invalidates the stages after it: only their own params do. It imports no torch and
 logs nothing to MLflow (each stage logs its own resolved section), which keeps it fast.
 
+It also reads the `difficulty` column of the eval suites that come from local files
+(prepare.files.eval_<suite>), so that a gate or round test at a difficulty the suite lacks
+stops here too. It reruns when a file under data/raw changes; a suite file kept elsewhere
+is checked again by the round that reads it (before sampling), and by the gate.
+
     python -m stages.check_params
 """
 
 from __future__ import annotations
 
 from rlhf.artifacts import atomic_file
-from stages import REPORTS_DIR, load_all
+from rlhf.params import PARAMS_FILE, ParamsError
+from stages import REPORTS_DIR, difficulty_problems, load_all, suite_difficulties
 
 STAMP = REPORTS_DIR / "params.ok"
 
 
 def main() -> None:
-    load_all()
+    params = load_all()
+    # Suites from the user's files: the difficulties a gate or round test names, read from
+    # the file (load_all checks the built-in suites without reading any file).
+    files = params["prepare"].files
+    problems = difficulty_problems(params, lambda s: suite_difficulties(params, s) if f"eval_{s}" in files else None)
+    if problems:
+        raise ParamsError(PARAMS_FILE, problems)
     with atomic_file(STAMP) as tmp:
         tmp.write_text("params.yaml is valid\n")
     print("check_params: params.yaml is valid")

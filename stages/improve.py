@@ -57,10 +57,21 @@ from pydantic import Field, ValidationError, model_validator
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest, DifficultyLabels
-from rlhf.params import SafeName, StageConfig, format_validation_error
+from rlhf.params import PARAMS_FILE, ParamsError, SafeName, StageConfig, format_validation_error
 from rlhf.training.params import EwcParams
 from rlhf.training.params import SFTParams as TrainingConfig
-from stages import CHECKPOINTS_DIR, DATA_DIR, EVAL_DIR, MODELS_DIR, PRM_DIR, REPORTS_DIR, SFT_DIR, load_model_stage
+from stages import (
+    CHECKPOINTS_DIR,
+    DATA_DIR,
+    EVAL_DIR,
+    MODELS_DIR,
+    PRM_DIR,
+    REPORTS_DIR,
+    SFT_DIR,
+    difficulty_problems,
+    load_model_stage,
+    table_difficulties,
+)
 
 ROUNDS_DIR = MODELS_DIR / "rounds"
 ROUND_DATA = Path("data/rounds")
@@ -365,6 +376,20 @@ def gate(settings: Settings, tests, name: str, sft: dict, start: dict, candidate
 # ----------------------------------------------------------------------------- the round
 
 
+def check_difficulties(params: dict, name: str) -> None:
+    """Before any sampling: round `name`'s tests name only difficulties its suites have, as
+    prepare wrote them (a user's suite file may have changed since check_params read it)."""
+    import pandas as pd
+
+    def prepared(suite: str) -> set[str] | None:
+        path = EVAL_DIR / f"{suite}.parquet"
+        return table_difficulties(pd.read_parquet(path)) if path.is_file() else None
+
+    problems = difficulty_problems(params, prepared, rounds=[name])
+    if problems:
+        raise ParamsError(PARAMS_FILE, problems)
+
+
 def copy_model(source: Path, out_dir: Path) -> None:
     """The start's weights and tokenizer into `out_dir` (a round that did not pass)."""
     for path in source.iterdir():
@@ -395,6 +420,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     missing = sorted({t.suite for t in tests} - set(suites))
     if missing:
         raise ValueError(f"improve: the round's tests read suites {missing} that it does not evaluate ({suites})")
+    check_difficulties(params, name)
     started = time.perf_counter()
     seed = round_seed(settings.seed, name)
 

@@ -84,6 +84,66 @@ def test_checks_keep_the_right_samples():
     ]
 
 
+def test_a_difficulty_a_suite_file_lacks_fails_in_check_params_and_in_the_round(tmp_path, monkeypatch):
+    """A suite from the user's file (prepare.files.eval_hard, labels easy and hard): a gate
+    test at `medium` stops check_params with the key and the file's labels; a suite without a
+    difficulty column says so; a round reads the labels of the suite prepare wrote, before
+    it samples anything."""
+    import pandas as pd
+
+    from stages import check_params
+    from stages.improve import check_difficulties
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/raw").mkdir(parents=True)
+    rows = [
+        {"prompt": "2+3\n", "answer": "5", "difficulty": "easy"},
+        {"prompt": "9+8\n", "answer": "17", "difficulty": "hard"},
+    ]
+    (tmp_path / "data/raw/hard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "data/raw/plain.jsonl").write_text(json.dumps({"prompt": "1+1\n", "answer": "2"}) + "\n")
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["prepare"]["files"] = {
+        "eval_hard": {"path": "data/raw/hard.jsonl"},
+        "eval_plain": {"path": "data/raw/plain.jsonl"},
+    }
+    data["gate"]["tests"] = [
+        {"metric": "accuracy", "suite": "hard", "difficulty": ["hard", "medium"], "relative_to": "sft"},
+        {"metric": "accuracy", "suite": "plain", "difficulty": "easy", "relative_to": "sft"},
+        {"metric": "accuracy", "suite": "hard", "difficulty": "hard", "relative_to": "sft"},
+    ]
+    data["improve"]["rounds"] = {"r1": {"after": "sft", "progress_suite": "hard", "progress_difficulty": "medium"}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError) as error:
+        check_params.main()
+    assert error.value.problems == [
+        "gate.tests[0]: suite 'hard' has no problem of difficulty medium (its difficulties: easy, hard); name "
+        "those, or null for every problem",
+        "gate.tests[1]: suite 'plain' has no problem of difficulty easy (its difficulties: none: no difficulty "
+        "column); name those, or null for every problem",
+        "improve.rounds.r1.progress_difficulty: suite 'hard' has no problem of difficulty medium (its "
+        "difficulties: easy, hard); name those, or null for every problem",
+    ]
+    assert not (tmp_path / "reports/params.ok").exists()
+
+    # The file changed after check_params passed: the round finds it in what prepare wrote.
+    from stages import load_all
+
+    data["gate"]["tests"] = data["gate"]["tests"][2:]
+    data["improve"]["rounds"]["r1"]["progress_difficulty"] = "hard"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    params = load_all()
+    check_difficulties(params, "r1")  # nothing prepared yet: nothing to check against
+    (tmp_path / "data/prepared/eval").mkdir(parents=True)
+    pd.DataFrame(rows).assign(difficulty=["easy", "medium"]).to_parquet(tmp_path / "data/prepared/eval/hard.parquet")
+    with pytest.raises(
+        ParamsError,
+        match=r"improve.rounds.r1.progress_difficulty: suite 'hard' has no problem of "
+        r"difficulty hard \(its difficulties: easy, medium\)",
+    ):
+        check_difficulties(params, "r1")
+
+
 def test_steps_check_rejects_a_right_answer_reached_by_a_wrong_path():
     """8+5-3+4 is 14; a chain that adds the numbers in another order lands on 14 too, and a
     slip can land on it: the answer check keeps all three, the steps check only the sound one."""

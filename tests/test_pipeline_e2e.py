@@ -48,6 +48,7 @@ ORDER = [
 # decides whether it reads them (DVC deps cannot follow a value).
 UNREAD_BY_DESIGN = {
     ("prepare", "data/raw"): "read with prepare.source: files, and the labelling page's file when it has rows",
+    ("check_params", "data/raw"): "read when a gate or round test names a difficulty of a suite from a file",
     ("merge", "data/prepared/eval"): "read only by merge.method: greedy_soup",
     ("prm", "models/sft"): "the rollout policy, read only when no step labels are given",
     ("prm", "data/prepared/prompts.parquet"): "read only when step labels are derived by rollouts",

@@ -152,7 +152,7 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
     for name, stage in dvc_stages().items():
         body = stage.get("do", stage)
         if name == "check_params":
-            assert set(body["deps"]) == {"stages", "rlhf/tasks", "params.yaml"} and "params" not in body
+            assert set(body["deps"]) == {"stages", "rlhf/tasks", "params.yaml", "data/raw"} and "params" not in body
             continue
         assert "reports/params.ok" in body["deps"], f"stage {name} must run after check_params"
         launched, module = re.match(r"python -m (stages\.launch )?(stages\.\w+)", body["cmd"]).groups()
