@@ -186,12 +186,12 @@ def difficulty_problems(params: dict, difficulties, rounds: list[str] | None = N
         labels = known[suite]
         unknown = sorted(set(test.difficulty) - labels) if labels is not None else []
         if unknown:
-            shown = ", ".join(sorted(labels, key=lambda x: (0, int(x), "") if x.isdigit() else (1, 0, x)))
+            shown = ", ".join(sorted(labels, key=lambda x: (0, int(x), "") if x.isdecimal() else (1, 0, x)))
             problems.append(
                 f"{key}: suite {suite!r} has no problem of difficulty {','.join(unknown)} (its difficulties: "
-                f"{shown or 'none: no difficulty column'}); name those, or null for every problem"
+                f"{shown or 'none: no answered problem has a difficulty'}); name those, or null for every problem"
             )
-    return problems
+    return list(dict.fromkeys(problems))  # a key that every round inherits, once
 
 
 def prm_available(params: dict, task) -> bool:
@@ -288,7 +288,7 @@ def input_problems(params: dict) -> list[str]:
             problems.append(f"gate.tests[{index}]: task {task.name!r} defines no format (set task.format_pattern)")
         if test.metric in ("reward", "win_rate"):
             need_model(f"metric {test.metric}", "reward_model", f"gate.tests[{index}]")
-    return problems
+    return list(dict.fromkeys(problems))  # a default every round inherits, named once
 
 
 def load_config(section: str, path: str = PARAMS_FILE):

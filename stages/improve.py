@@ -249,9 +249,9 @@ def judge_samples(settings: Settings, task, prompts, answers, samples, prm) -> l
             row = {"completion": completion, "correct": task.is_correct(completion, answer) if answer else None}
             if "answer" in settings.checks:
                 row["answer_check"] = bool(row["correct"])
-            if "steps" in settings.checks:
-                labels = task.check_steps(prompts[i], completion)
-                row["steps_check"] = bool(labels) and all(labels)
+            if "steps" in settings.checks:  # every step good, and the last one the final answer
+                labels, steps = task.check_steps(prompts[i], completion), task.split_steps(completion)
+                row["steps_check"] = bool(labels and steps) and all(labels) and task.is_final_step(steps[-1])
             if "vote" in settings.checks:
                 row["vote_check"] = share >= settings.min_vote_share and task.extract_answer(completion) == top
             if "prm" in settings.checks:

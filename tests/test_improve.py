@@ -99,6 +99,7 @@ def test_a_difficulty_a_suite_file_lacks_fails_in_check_params_and_in_the_round(
     rows = [
         {"prompt": "2+3\n", "answer": "5", "difficulty": "easy"},
         {"prompt": "9+8\n", "answer": "17", "difficulty": "hard"},
+        {"prompt": "4+4\n", "answer": "8", "difficulty": None},  # an empty cell: the label `missing`
     ]
     (tmp_path / "data/raw/hard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "data/raw/plain.jsonl").write_text(json.dumps({"prompt": "1+1\n", "answer": "2"}) + "\n")
@@ -117,12 +118,12 @@ def test_a_difficulty_a_suite_file_lacks_fails_in_check_params_and_in_the_round(
     with pytest.raises(ParamsError) as error:
         check_params.main()
     assert error.value.problems == [
-        "gate.tests[0]: suite 'hard' has no problem of difficulty medium (its difficulties: easy, hard); name "
-        "those, or null for every problem",
-        "gate.tests[1]: suite 'plain' has no problem of difficulty easy (its difficulties: none: no difficulty "
-        "column); name those, or null for every problem",
+        "gate.tests[0]: suite 'hard' has no problem of difficulty medium (its difficulties: easy, hard, missing); "
+        "name those, or null for every problem",
+        "gate.tests[1]: suite 'plain' has no problem of difficulty easy (its difficulties: none: no answered "
+        "problem has a difficulty); name those, or null for every problem",
         "improve.rounds.r1.progress_difficulty: suite 'hard' has no problem of difficulty medium (its "
-        "difficulties: easy, hard); name those, or null for every problem",
+        "difficulties: easy, hard, missing); name those, or null for every problem",
     ]
     assert not (tmp_path / "reports/params.ok").exists()
 
@@ -135,11 +136,13 @@ def test_a_difficulty_a_suite_file_lacks_fails_in_check_params_and_in_the_round(
     params = load_all()
     check_difficulties(params, "r1")  # nothing prepared yet: nothing to check against
     (tmp_path / "data/prepared/eval").mkdir(parents=True)
-    pd.DataFrame(rows).assign(difficulty=["easy", "medium"]).to_parquet(tmp_path / "data/prepared/eval/hard.parquet")
+    pd.DataFrame(rows).assign(difficulty=["easy", "medium", None]).to_parquet(
+        tmp_path / "data/prepared/eval/hard.parquet"
+    )
     with pytest.raises(
         ParamsError,
         match=r"improve.rounds.r1.progress_difficulty: suite 'hard' has no problem of "
-        r"difficulty hard \(its difficulties: easy, medium\)",
+        r"difficulty hard \(its difficulties: easy, medium, missing\)",  # the empty cell as in the file
     ):
         check_difficulties(params, "r1")
 
@@ -151,12 +154,13 @@ def test_steps_check_rejects_a_right_answer_reached_by_a_wrong_path():
     scrambled = "8+4=12; 12+5=17; 17-3=14; answer 14"
     slip = "8+5=12; 12-3=9; 9+4=14; answer 14"  # two wrong sums that cancel
     wrong = "8+5=13; 13-3=10; 10+4=15; answer 15"
-    samples = [[sound, scrambled, slip, wrong]]
+    unfinished = ["8+5=13; 13-3=10", "8+5=13; 13-3=10; 10+4=14"]  # sound steps, no answer (cut off)
+    samples = [[sound, scrambled, slip, wrong, *unfinished]]
     by_answer = judge_samples(Settings(checks=["answer"]), TASK, ["8+5-3+4\n"], ["14"], samples, None)
-    assert [r["kept"] for r in by_answer[0]] == [True, True, True, False]
+    assert [r["kept"] for r in by_answer[0]] == [True, True, True, False, False, False]
     by_steps = judge_samples(Settings(checks=["steps"]), TASK, ["8+5-3+4\n"], ["14"], samples, None)
-    assert [r["kept"] for r in by_steps[0]] == [True, False, False, False]
-    assert [r["correct"] for r in by_steps[0]] == [True, True, True, False]
+    assert [r["kept"] for r in by_steps[0]] == [True, False, False, False, False, False]
+    assert [r["correct"] for r in by_steps[0]] == [True, True, True, False, False, False]
 
 
 def test_the_steps_check_needs_a_task_that_checks_steps(tmp_path):
@@ -164,15 +168,19 @@ def test_the_steps_check_needs_a_task_that_checks_steps(tmp_path):
 
     data = yaml.safe_load((REPO / "params.yaml").read_text())
     data["task"] = {"kind": "last_number"}
-    data["improve"]["rounds"] = {"r1": {"after": "sft", "checks": ["answer", "steps"]}}
+    data["improve"]["defaults"]["checks"] = ["steps"]
+    data["improve"]["rounds"] = {
+        "r1": {"after": "sft", "checks": ["answer", "steps"]},
+        "r2": {"after": "rounds/r1"},
+        "r3": {"after": "rounds/r2"},
+    }
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ParamsError) as error:
         load_all(str(path))
-    assert (
-        "improve.rounds.r1.checks: the steps check needs a task that checks steps; task.kind 'last_number' does not "
-        "(use answer, vote or prm)"
-    ) in error.value.problems
+    need = "the steps check needs a task that checks steps; task.kind 'last_number' does not (use answer, vote or prm)"
+    assert f"improve.rounds.r1.checks: {need}" in error.value.problems
+    assert error.value.problems.count(f"improve.defaults.checks: {need}") == 1  # r2 and r3 inherit it: named once
 
 
 def test_kept_rows_take_the_most_sampled_right_chain_before_a_lucky_one_and_repairs_last():

@@ -42,15 +42,23 @@ def summarise(config, outcomes: dict[str, list], difficulty: list | None) -> dic
     return summary
 
 
+MISSING_DIFFICULTY = "missing"  # the label of a problem whose difficulty cell is empty
+
+
 def answer_difficulty(suite) -> list[str] | None:
-    """The difficulty label (as a string) of each problem of `suite` with an answer, aligned
-    with its accuracy outcomes; None when the suite has no `difficulty` column."""
+    """The difficulty label (as a string; `missing` for an empty cell, read as None or NaN)
+    of each problem of `suite` with an answer, aligned with its accuracy outcomes; None when
+    the suite has no `difficulty` column."""
     import pandas as pd
 
     if "difficulty" not in suite:
         return None
     answers = suite["answer"] if "answer" in suite else [None] * len(suite)
-    return [str(d) for d, a in zip(suite["difficulty"], answers) if a is not None and pd.notna(a)]
+    return [
+        str(d) if d is not None and pd.notna(d) else MISSING_DIFFICULTY
+        for d, a in zip(suite["difficulty"], answers)
+        if a is not None and pd.notna(a)
+    ]
 
 
 def suite_identity(suite) -> dict:
