@@ -50,7 +50,6 @@ LONGEST = 8  # the longest problems of dev_long and test_long
 # passed every round and reached 0.56, with gains at 6 and 7 numbers too.)
 ROUND_SETTINGS = {"prompts": 4096, "keep_per_prompt": 1, "train": {"max_steps": 300, "learning_rate": 3e-4}}
 SUITES = ("dev", "dev_long", "test", "test_long")
-ORIGINAL_DEFAULTS = yaml.safe_load((ROOT / "params.yaml").read_text())["improve"]["defaults"]
 
 
 def setup(work: Path, args) -> None:
@@ -73,8 +72,10 @@ def round_defaults(work: Path, args) -> None:
     """improve.defaults of the curriculum and --round-set, on every run (a --work folder
     that already has its SFT model keeps that model but takes these afresh)."""
 
+    checkout = yaml.safe_load((ROOT / "params.yaml").read_text())["improve"]["defaults"]
+
     def defaults(params: dict) -> None:
-        defaults = params["improve"]["defaults"] = dict(ORIGINAL_DEFAULTS)
+        defaults = params["improve"]["defaults"] = checkout
         defaults.update({k: v for k, v in ROUND_SETTINGS.items() if k != "train"})
         defaults["train"] = {**defaults.get("train", {}), **ROUND_SETTINGS["train"]}
         defaults["seed"] = defaults["train"]["seed"] = args.seed

@@ -162,6 +162,13 @@ def suite_difficulties(params: dict, suite: str) -> set[str] | None:
     return table_difficulties(frame) | (generated_difficulties(prepare, suite) or set())
 
 
+def round_key(improve, name: str, field: str) -> str:
+    """The params key that sets round `name`'s `field`: its own entry's, or the default it
+    inherits."""
+    own = field in (improve.rounds[name] or {})
+    return f"improve.rounds.{name}.{field}" if own else f"improve.defaults.{field}"
+
+
 def difficulty_problems(params: dict, difficulties, rounds: list[str] | None = None) -> list[str]:
     """The gate's and the rounds' tests (or those of `rounds` only) that name a difficulty
     their suite lacks, each with the key to change. `difficulties(suite)` gives a suite's
@@ -173,9 +180,8 @@ def difficulty_problems(params: dict, difficulties, rounds: list[str] | None = N
     if rounds is None:
         tested += [(f"gate.tests[{i}]", t.suite or decision_suite(params), t) for i, t in enumerate(gate.tests or [])]
     for name in improve.rounds if rounds is None else rounds:
-        settings, entry = improve.settings(name), improve.rounds[name] or {}
-        field = "tests" if settings.tests else "progress_difficulty"
-        key = f"improve.rounds.{name}.{field}" if field in entry else f"improve.defaults.{field}"
+        settings = improve.settings(name)
+        key = round_key(improve, name, "tests" if settings.tests else "progress_difficulty")
         tested += [(key, t.suite, t) for t in round_tests(settings, params)[1]]
     problems, known = [], {}
     for key, suite, test in tested:
@@ -273,13 +279,12 @@ def input_problems(params: dict) -> list[str]:
             "gate.select_metric"
         )
     problems += difficulty_problems(params, lambda suite: builtin_difficulties(params, suite))
-    for name, entry in params["improve"].rounds.items():
-        settings = params["improve"].settings(name)
-        if "steps" in settings.checks and not task.checks_steps:
-            where = f"improve.rounds.{name}.checks" if "checks" in (entry or {}) else "improve.defaults.checks"
+    improve = params["improve"]
+    for name in improve.rounds:
+        if "steps" in improve.settings(name).checks and not task.checks_steps:
             problems.append(
-                f"{where}: the steps check needs a task that checks steps; task.kind {task.name!r} does not "
-                "(use answer, vote or prm)"
+                f"{round_key(improve, name, 'checks')}: the steps check needs a task that checks steps; "
+                f"task.kind {task.name!r} does not (use answer, vote or prm)"
             )
     for index, test in enumerate(gate.tests or []):
         if test.metric == "accuracy":

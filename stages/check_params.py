@@ -32,8 +32,7 @@ def main() -> None:
     params = load_all()
     # Suites from the user's files: the difficulties a gate or round test names, read from
     # the file (load_all checks the built-in suites without reading any file).
-    files = params["prepare"].files
-    problems = difficulty_problems(params, lambda s: suite_difficulties(params, s) if f"eval_{s}" in files else None)
+    problems = difficulty_problems(params, lambda suite: suite_difficulties(params, suite))
     if problems:
         raise ParamsError(PARAMS_FILE, problems)
     with atomic_file(STAMP) as tmp:
