@@ -190,6 +190,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "models/sft/config.json").is_file():
         setup(work, args)
+    else:  # the rounds run this checkout's code on the SFT model already there
+        copy_code(work)
     round_defaults(work, args)
     env = enter(work)
     print(f"scratch project: {work}", flush=True)

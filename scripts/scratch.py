@@ -18,10 +18,13 @@ CODE = ("rlhf", "stages", "flows", "dvc.yaml", ".dvcignore")
 
 
 def copy_code(work: Path) -> None:
-    """This checkout's code and DVC pipeline into `work`."""
+    """This checkout's code and DVC pipeline into `work` (replacing the copy there)."""
     for name in CODE:
         source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, work / name)
+        if source.is_dir():
+            shutil.copytree(source, work / name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(source, work / name)
 
 
 def enter(work: Path) -> dict:

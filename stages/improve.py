@@ -26,10 +26,16 @@ for easy-to-hard generalisation (Lee et al., 2025):
    `min_vote_share` of them: no answer key), `prm` (every step scored at least
    `prm_threshold` by the PRM: no answer key); with `refine`, a rejected sample is repaired
    from its first bad step (rlhf.inference.refine) and kept if the repair passes;
-4. the candidate is the starting model fine-tuned (rejection-sampling fine-tuning) on at
-   most `keep_per_prompt` kept samples per problem, plus a `replay` share of earlier data
-   (the SFT data and every earlier round's kept rows), optionally with EWC towards the
-   starting weights (Fisher information of the earlier data);
+4. the candidate is the starting model trained by `method`:
+   `sft`, rejection-sampling fine-tuning on at most `keep_per_prompt` kept samples per
+   problem, plus a `replay` share of earlier data (the SFT data and every earlier round's
+   kept rows), optionally with EWC towards the starting weights (Fisher information of the
+   earlier data); or `rpo`, iterative reasoning preference optimisation (Pang et al., 2024):
+   DPO plus an NLL term on the chosen response (params `rpo`, TRL's DPOTrainer, as stage
+   policy@dpo trains) on pairs of one problem's samples, a kept one chosen over one the
+   checks rejected (at most `keep_per_prompt` pairs per problem, the most often sampled
+   first), the starting model the frozen reference; a problem whose samples all pass, or
+   all fail, gives no pair;
 5. the candidate is evaluated on the eval suites and gated against the starting model
    (`relative_to: champion` in a round's tests means the starting model) and SFT; the
    default tests ask for a gain on `progress_suite` (on its problems of the difficulties
@@ -72,6 +78,7 @@ from stages import (
     load_model_stage,
     table_difficulties,
 )
+from stages.policy import DPOParams
 
 ROUNDS_DIR = MODELS_DIR / "rounds"
 ROUND_DATA = Path("data/rounds")
@@ -89,6 +96,11 @@ ACCURACY_KEYS = (
 
 def round_training() -> TrainingConfig:
     return TrainingConfig(max_steps=200, learning_rate=1e-3, max_length=128, save_steps=50)
+
+
+def round_rpo() -> DPOParams:
+    """Pang et al.'s loss (DPO at beta 0.1, NLL weight 1) at the rounds' budget and lengths."""
+    return DPOParams(sft_weight=1.0, max_steps=200, learning_rate=1e-4, max_length=128, save_steps=50)
 
 
 class Settings(StageConfig):
@@ -110,9 +122,14 @@ class Settings(StageConfig):
     refine: bool = Field(False, description="repair rejected samples from their first bad step (PRM-guided)")
     refine_attempts: int = Field(4, gt=0, description="continuations sampled per repair")
     keep_per_prompt: int = Field(1, gt=0, description="most distinct kept samples per problem")
-    replay: float = Field(0.5, ge=0, lt=1, description="share of the training rows drawn from earlier data")
-    train: TrainingConfig = Field(default_factory=round_training, description="the fine-tuning (sft's keys)")
-    ewc: EwcParams = Field(default_factory=EwcParams, description="EWC towards the start, Fisher on earlier data")
+    method: Literal["sft", "rpo"] = Field(
+        "sft",
+        description="how the candidate trains: sft (on kept samples) | rpo (DPO + NLL on kept-over-rejected pairs)",
+    )
+    replay: float = Field(0.5, ge=0, lt=1, description="sft: share of the training rows drawn from earlier data")
+    train: TrainingConfig = Field(default_factory=round_training, description="sft: the fine-tuning (sft's keys)")
+    ewc: EwcParams = Field(default_factory=EwcParams, description="sft: EWC towards the start, Fisher on earlier data")
+    rpo: DPOParams = Field(default_factory=round_rpo, description="rpo: policy.dpo's keys; reference: the start")
     suites: list[str] | None = Field(None, min_length=1, description="eval suites of the round; null: every one")
     progress_suite: str | None = Field(None, description="the gain the default tests ask for; null: dev_long or dev")
     progress_difficulty: DifficultyLabels = Field(
@@ -131,6 +148,8 @@ class Settings(StageConfig):
     def _check(self):
         if self.operands and not 2 <= self.operands[0] <= self.operands[1] <= 12:
             raise ValueError(f"operands {list(self.operands)}: want [fewest, most] with 2 <= fewest <= most <= 12")
+        if self.method == "rpo" and self.ewc.strength:
+            raise ValueError("ewc applies to method sft; with method rpo set rpo.ewc (Fisher on the SFT data)")
         return self
 
 
@@ -278,6 +297,23 @@ def kept_rows(prompts, verdicts, keep_per_prompt: int) -> list[dict]:
         ranked = sorted(counts, key=lambda text: (text in refined, -counts[text]))  # stable: ties keep that order
         rows += [{"prompt": prompt, "completion": text} for text in ranked[:keep_per_prompt]]
     return rows
+
+
+def preference_pairs(prompts, verdicts, pairs_per_prompt: int) -> list[dict]:
+    """Iterative RPO's pairs: per problem, its kept samples (ranked as `kept_rows` ranks them)
+    each chosen over a distinct rejected one of the model's own samples, the most often
+    sampled first (the mistake the model makes most), at most `pairs_per_prompt` pairs."""
+    from collections import Counter
+
+    chosen = {}
+    for row in kept_rows(prompts, verdicts, pairs_per_prompt):
+        chosen.setdefault(row["prompt"], []).append(row["completion"])
+    pairs = []
+    for prompt, group in zip(prompts, verdicts):
+        wrong = Counter(row["completion"] for row in group if not row["kept"] and row.get("source") != "refined")
+        rejected = sorted(wrong, key=lambda text: -wrong[text])  # stable: ties keep sampling order
+        pairs += [{"prompt": prompt, "chosen": c, "rejected": r} for c, r in zip(chosen.get(prompt, []), rejected)]
+    return pairs
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -453,8 +489,12 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     all_kept = pd.concat([earlier, kept], ignore_index=True)
     sft_table = pd.read_parquet(SFT_DATA, columns=["prompt", "completion"])
     pool = pd.concat([sft_table, earlier], ignore_index=True)
-    replay_rows = min(len(pool), round(len(kept) * settings.replay / (1 - settings.replay)))
-    train = pd.concat([kept, pool.sample(n=replay_rows, random_state=seed)], ignore_index=True)
+    if settings.method == "rpo":  # pairs of this round's samples, no replay (the reference anchors)
+        pairs = preference_pairs(prompts, verdicts, settings.keep_per_prompt)
+        train, replay_rows = pd.DataFrame(pairs, columns=["prompt", "chosen", "rejected"]), 0
+    else:
+        replay_rows = min(len(pool), round(len(kept) * settings.replay / (1 - settings.replay)))
+        train = pd.concat([kept, pool.sample(n=replay_rows, random_state=seed)], ignore_index=True)
     sample_rows = [
         {"prompt": p, "answer": a, **row} for p, a, group in zip(prompts, answers, verdicts) for row in group
     ]
@@ -479,13 +519,14 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     }
     if kept.empty:
         return stop(report, name, start_dir, out_dir, previous, "no sample passed the checks: nothing to train on")
-
-    from rlhf.training.sft import train_sft
+    if train.empty:
+        reason = "no problem has both a kept and a rejected sample: no pair to train on (method rpo)"
+        return stop(report, name, start_dir, out_dir, previous, reason)
 
     candidate_dir = out_dir / "candidate"
-    ewc = (settings.ewc, start_dir / KEPT_FILE if not earlier.empty else SFT_DATA) if settings.ewc.strength else None
-    train_metrics, curve = train_sft(
-        settings.train, start_dir, data_dir / "train.parquet", candidate_dir, CHECKPOINTS_DIR, f"round-{name}", ewc
+    previous_data = start_dir / KEPT_FILE if not earlier.empty else SFT_DATA
+    train_metrics, curve = train_candidate(
+        settings, params, task, start_dir, data_dir / "train.parquet", candidate_dir, f"round-{name}", previous_data
     )
     report["train"] = train_metrics
     report["curve"] = curve
@@ -517,6 +558,23 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     candidate_dir.rmdir()
     report |= {"stopped": False, "stopped_at": None, "winner": name, "winner_eval": results["candidate"]}
     return report
+
+
+def train_candidate(
+    settings: Settings, params: dict, task, start: Path, table: Path, out_dir: Path, stage: str, previous_data: Path
+) -> tuple[dict, list[dict]]:
+    """The round's candidate, `start` trained on `table` by `settings.method` into `out_dir`
+    (checkpoints under checkpoints/<stage>): sft on kept rows (EWC, when on, with the Fisher
+    information of `previous_data`), or rpo on pairs with `start` as the reference."""
+    if settings.method == "rpo":
+        from stages.policy import dpo_trainer, train_trl
+
+        classes, trl_args = dpo_trainer(settings.rpo)
+        return train_trl(params["evaluate"], task, settings.rpo, table, classes, trl_args, out_dir, stage, start=start)
+    from rlhf.training.sft import train_sft
+
+    ewc = (settings.ewc, previous_data) if settings.ewc.strength else None
+    return train_sft(settings.train, start, table, out_dir, CHECKPOINTS_DIR, stage, ewc)
 
 
 def stop(report: dict, name: str, start_dir: Path, out_dir: Path, previous: dict | None, reason: str) -> dict:

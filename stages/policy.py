@@ -306,13 +306,15 @@ def train_trl(
     logged: tuple[str, ...] = OFFLINE_LOGGED,
     inputs: tuple[Path, ...] = (),
     on_trainer: Callable | None = None,
+    start: Path = SFT_DIR,
     **trainer_kwargs,
 ) -> tuple[dict, list[dict]]:
-    """Train the SFT model with one of TRL's trainers, `trl_classes` = (its config class,
-    its trainer class), on `data`; save the (merged) result into `out_dir`. Returns metrics
-    (the last logged value of each of `logged`) and the curve of those values. `inputs` are
-    further files the result depends on (reward models), for the checkpoint fingerprint;
-    `on_trainer(trainer)` runs once the trainer is built."""
+    """Train the model in `start` (the SFT model unless given; a method with a reference
+    model takes a frozen copy of it) with one of TRL's trainers, `trl_classes` = (its config
+    class, its trainer class), on `data`; save the (merged) result into `out_dir`. Returns
+    metrics (the last logged value of each of `logged`) and the curve of those values.
+    `inputs` are further files the result depends on (reward models), for the checkpoint
+    fingerprint; `on_trainer(trainer)` runs once the trainer is built."""
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
@@ -329,10 +331,10 @@ def train_trl(
         trl_config,
     )
 
-    tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
-    model = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
+    tokenizer = load_tokenizer(start, config.trust_remote_code)
+    model = load_causal_lm(start, config.trust_remote_code, what=start.as_posix(), training=True)
     dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
-    key = fingerprint(params, [SFT_DIR, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
+    key = fingerprint(params, [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
     config_cls, trainer_cls = trl_classes
     args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), **trl_args)
     trainer = trainer_cls(
@@ -367,8 +369,9 @@ def train_trl(
 
 
 def consolidate_on_sft(model, tokenizer, params, accumulation: int = 1):
-    """EWC towards the SFT weights `model` starts from, with the Fisher information of the
-    SFT data (params `ewc`); None when `ewc.strength` is 0."""
+    """EWC towards the weights `model` starts from (the SFT model's, unless a round trains
+    on), with the Fisher information of the SFT data (params `ewc`); None when
+    `ewc.strength` is 0."""
     if not params.ewc.strength:
         return None
     from rlhf.data.contracts import read_prepared
@@ -390,7 +393,9 @@ def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:
     return config_cls, trainer_cls
 
 
-def train_dpo(config: Config, task: Task, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+def dpo_trainer(params: DPOParams) -> tuple[tuple, dict]:
+    """((config class, trainer class), TRL arguments) of DPO with `params`: its loss types,
+    and TRL's NLL loss on the chosen response weighted `sft_weight` (RPO) when that is > 0."""
     from trl import DPOConfig, DPOTrainer
 
     loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
@@ -401,7 +406,11 @@ def train_dpo(config: Config, task: Task, params: DPOParams, out_dir: Path, stag
         "label_smoothing": params.label_smoothing,
         "max_length": params.max_length,
     }
-    classes = reference_trainer(DPOConfig, DPOTrainer, params, trl_args)
+    return reference_trainer(DPOConfig, DPOTrainer, params, trl_args), trl_args
+
+
+def train_dpo(config: Config, task: Task, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
+    classes, trl_args = dpo_trainer(params)
     return train_trl(config, task, params, PREFS, classes, trl_args, out_dir, stage)
 
 

@@ -12,7 +12,18 @@ import yaml
 
 from rlhf.params import ParamsError
 from rlhf.tasks.arithmetic import ArithmeticTask
-from stages.improve import Config, Settings, default_tests, gate, judge_samples, kept_rows, majority, round_problems
+from stages.improve import (
+    Config,
+    Settings,
+    default_tests,
+    gate,
+    judge_samples,
+    kept_rows,
+    majority,
+    preference_pairs,
+    round_problems,
+    train_candidate,
+)
 from tests.conftest import REPO, make_project, run, tiny_params
 
 TASK = ArithmeticTask()
@@ -38,6 +49,8 @@ def test_a_round_merges_its_keys_into_the_defaults():
         ({"r1": {"after": "rounds/r2"}, "r2": {"after": "sft"}}, "rounds.r1.after: 'rounds/r2' is not one of"),
         ({"r1": {"after": "sft", "sampels": 3}}, "rounds.r1.sampels: unknown key"),
         ({"r1": {"after": "sft", "operands": [7, 6]}}, "operands [7, 6]"),
+        ({"r1": {"after": "sft", "method": "rpo", "ewc": {"strength": 1.0}}}, "with method rpo set rpo.ewc"),
+        ({"r1": {"after": "sft", "method": "dpo"}}, "rounds.r1.method: Input should be 'sft' or 'rpo'"),
     ],
 )
 def test_bad_rounds_name_the_round_and_key(rounds, message):
@@ -194,6 +207,53 @@ def test_kept_rows_take_the_most_sampled_right_chain_before_a_lucky_one_and_repa
     assert rows == [{"prompt": "p", "completion": sound}]
     ranked = [r["completion"] for r in kept_rows(["p"], [group], keep_per_prompt=3)]
     assert ranked == [sound, lucky, "3+4=7; 7-2=5;  answer 5"]
+
+
+def test_rpo_pairs_put_each_kept_chain_over_the_mistake_the_model_makes_most():
+    sound, lucky = "3+4=7; 7-2=5; answer 5", "3+4=8; 8-2=5; answer 5"
+    usual, rare = "3+4=7; 7-2=4; answer 4", "3+4=8; 8-2=6; answer 6"
+    mixed = [{"completion": c, "kept": c in (sound, lucky)} for c in (rare, usual, sound, usual, lucky, sound)]
+    mixed.append({"completion": "3+4=7; 7-2=3; answer 3", "kept": False, "source": "refined"})  # not the model's own
+    solved = [{"completion": sound, "kept": True}] * 3  # nothing to prefer it over
+    failed = [{"completion": usual, "kept": False}] * 3  # nothing to prefer
+    verdicts = [mixed, solved, failed]
+    assert preference_pairs(["p", "q", "r"], verdicts, 1) == [{"prompt": "p", "chosen": sound, "rejected": usual}]
+    assert preference_pairs(["p", "q", "r"], verdicts, 3) == [
+        {"prompt": "p", "chosen": sound, "rejected": usual},
+        {"prompt": "p", "chosen": lucky, "rejected": rare},
+    ]
+
+
+def test_an_rpo_candidate_trains_from_the_round_start_against_it(in_project):
+    """Method rpo trains the round's starting model (no models/sft exists here) with that
+    model as DPO's reference: at the first step the policy is the reference, so the sigmoid
+    loss is -log sigmoid(0) = log 2 exactly; the weights then move."""
+    import math
+
+    import pandas as pd
+    import torch
+
+    from rlhf.models.loading import build_tiny_model, build_tokenizer, save_model
+    from stages import load_model_stage
+
+    tokenizer = build_tokenizer()
+    start = in_project / "models/rounds/r0"
+    save_model(build_tiny_model("micro", tokenizer, seed=3), tokenizer, start)
+    table = in_project / "data/rounds/r1/train.parquet"
+    table.parent.mkdir(parents=True)
+    pairs = [
+        {"prompt": f"{a}+{b}\n", "chosen": f"answer {a + b}", "rejected": f"answer {a - b}"}
+        for a, b in ((3, 4), (5, 2), (6, 1), (2, 9))
+    ]
+    pd.DataFrame(pairs).to_parquet(table)
+    rpo = {"sft_weight": 0.0, "max_steps": 2, "per_device_train_batch_size": 2, "logging_steps": 1, "save_steps": 2}
+    settings = Settings(method="rpo", rpo=rpo)
+    out = in_project / "models/rounds/r1/candidate"
+    metrics, curve = train_candidate(settings, load_model_stage(), TASK, start, table, out, "round-r1", table)
+    assert metrics["steps"] == 2
+    assert curve[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    before, after = _weights(start), _weights(out)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the candidate trained"
 
 
 def _suite(values: list[float]) -> dict:
