@@ -396,12 +396,14 @@ def test_rounds_as_dvc_stages(tmp_path):
                 "r3": {"after": "rounds/r2"},
                 # A PRM bar no micro-model step clears: every sample is rejected and repaired.
                 "fix": {"after": "sft", "refine": True, "refine_attempts": 2, "prm_threshold": 0.999},
+                # Every sample kept: method rpo has no rejected sample to pair one with.
+                "pairs": {"after": "sft", "method": "rpo"},
             },
         }
     )
     root = make_project(tmp_path / "project", params)
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
-    run([sys.executable, "-m", "dvc", "repro", "round@r3", "round@fix"], root, env=env)
+    run([sys.executable, "-m", "dvc", "repro", "round@r3", "round@fix", "round@pairs"], root, env=env)
 
     reports = {r: json.loads((root / f"models/rounds/{r}/round.json").read_text()) for r in ("r1", "r2", "r3")}
     assert reports["r1"]["passed"] and reports["r1"]["winner"] == "r1" and reports["r1"]["data"]["new_rows"] > 0
@@ -418,6 +420,9 @@ def test_rounds_as_dvc_stages(tmp_path):
     repair = json.loads((root / "models/rounds/fix/round.json").read_text())["data"]["repair"]
     assert repair["samples"] == 12 and repair["flagged"] == 12, "every rejected sample went to the repair"
     assert repair["repaired"] + repair["unrepaired"] == 12
+    pairs = json.loads((root / "models/rounds/pairs/round.json").read_text())
+    assert "train" not in pairs and "no pair to train on (method rpo)" in pairs["stop_reason"]
+    assert pairs["data"]["kept_samples"] == 12 and pairs["data"]["training_rows"] == 0
 
     # Only round 3's entry changes: DVC reruns round 3 and nothing before it.
     params["improve"]["rounds"]["r3"]["samples"] = 3
@@ -432,4 +437,4 @@ def test_rounds_as_dvc_stages(tmp_path):
 
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     names = set(mlflow.search_runs(search_all_experiments=True)["tags.mlflow.runName"])
-    assert {"round@r1", "round@r2", "round@r3", "round@fix"} <= names
+    assert {"round@r1", "round@r2", "round@r3", "round@fix", "round@pairs"} <= names
