@@ -31,11 +31,11 @@ for easy-to-hard generalisation (Lee et al., 2025):
    problem, plus a `replay` share of earlier data (the SFT data and every earlier round's
    kept rows), optionally with EWC towards the starting weights (Fisher information of the
    earlier data); or `rpo`, iterative reasoning preference optimisation (Pang et al., 2024):
-   DPO plus an NLL term on the chosen response (params `rpo`, TRL's DPOTrainer, as stage
-   policy@dpo trains) on pairs of one problem's samples, a kept one chosen over one the
-   checks rejected (at most `keep_per_prompt` pairs per problem, the most often sampled
-   first), the starting model the frozen reference; a problem whose samples all pass, or
-   all fail, gives no pair;
+   DPO plus an NLL term on the chosen response (params `rpo`, TRL's DPOTrainer through
+   stages/trl_training.py, as stage policy@dpo trains) on pairs of one problem's samples, a
+   kept one chosen over one the checks rejected (at most `keep_per_prompt` pairs per
+   problem, the most often sampled first), the starting model the frozen reference; a
+   problem whose samples all pass, or all fail, gives no pair;
 5. the candidate is evaluated on the eval suites and gated against the starting model
    (`relative_to: champion` in a round's tests means the starting model) and SFT; the
    default tests ask for a gain on `progress_suite` (on its problems of the difficulties
@@ -64,7 +64,7 @@ from pydantic import Field, ValidationError, model_validator
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest, DifficultyLabels
 from rlhf.params import PARAMS_FILE, ParamsError, SafeName, StageConfig, format_validation_error
-from rlhf.training.params import EwcParams
+from rlhf.training.params import DPOParams, EwcParams
 from rlhf.training.params import SFTParams as TrainingConfig
 from stages import (
     CHECKPOINTS_DIR,
@@ -78,7 +78,6 @@ from stages import (
     load_model_stage,
     table_difficulties,
 )
-from stages.policy import DPOParams
 
 ROUNDS_DIR = MODELS_DIR / "rounds"
 ROUND_DATA = Path("data/rounds")
@@ -567,10 +566,10 @@ def train_candidate(
     (checkpoints under checkpoints/<stage>): sft on kept rows (EWC, when on, with the Fisher
     information of `previous_data`), or rpo on pairs with `start` as the reference."""
     if settings.method == "rpo":
-        from stages.policy import dpo_trainer, train_trl
+        from stages.trl_training import dpo_trainer, train_trl
 
         classes, trl_args = dpo_trainer(settings.rpo)
-        return train_trl(params["evaluate"], task, settings.rpo, table, classes, trl_args, out_dir, stage, start=start)
+        return train_trl(params["evaluate"], settings.rpo, table, classes, trl_args, out_dir, stage, start=start)
     from rlhf.training.sft import train_sft
 
     ewc = (settings.ewc, previous_data) if settings.ewc.strength else None

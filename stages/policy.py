@@ -46,27 +46,39 @@ from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.params import StageConfig
 from rlhf.rewards.functions import DEFAULT_REWARDS, RewardSpec, model_paths
 from rlhf.tasks import Task, get_task
-from rlhf.training.params import KEYED_SAMPLING, EwcParams, LoraParams, PPOParams, TrainingParams
+from rlhf.training.params import (
+    KEYED_SAMPLING,
+    DPOParams,
+    EwcParams,
+    LoraParams,
+    OfflineParams,
+    PPOParams,
+    TrainingParams,
+)
 from stages import (
     CHECKPOINTS_DIR,
     DATA_DIR,
     POLICY_DIR,
-    REF_LOGPS_CACHE,
     REWARD_MODEL_DIRS,
     RM_DIR,
     SFT_DIR,
     load_model_stage,
 )
+from stages.trl_training import (
+    SFT_DATA,
+    consolidate_on_sft,
+    dpo_trainer,
+    reference_trainer,
+    train_trl,
+)
 
 PREFS = DATA_DIR / "prefs.parquet"
 UNPAIRED = DATA_DIR / "unpaired.parquet"
 PROMPTS = DATA_DIR / "prompts.parquet"
-SFT_DATA = DATA_DIR / "sft.parquet"  # EWC's previous data (params `ewc`), what SFT learned
 OUT_ROOT = POLICY_DIR
 METRICS_ROOT = Path("metrics/policy")
 PLOTS_ROOT = Path("plots/policy")
 
-OFFLINE_LOGGED = ("loss", "rewards/margins", "rewards/accuracies")
 PPO_LOGGED = ("score", "kl", "kl_coef", "value_loss", "clipfrac", "approx_kl", "entropy", "response_length")
 # The curves `dvc plots show` draws for a policy, one file each under plots/policy/<method>/:
 # quantity -> the logged names that carry it, the first one a method logs wins (its name is
@@ -80,48 +92,6 @@ PLOTTED = {
     "kl": ("kl",),
     "accuracy": ("rewards/answer_match/mean", "rewards/accuracies"),
 }
-
-DPO_LOSS_TYPES = (
-    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
-)  # fmt: skip
-
-
-class OfflineParams(TrainingParams):
-    """What every offline preference method shares: its optimisation budget and LoRA block."""
-
-    max_steps: int = Field(100, gt=0, description="optimizer steps")
-    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
-    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
-    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
-    ewc: EwcParams = Field(
-        default_factory=EwcParams, description="elastic weight consolidation towards SFT, Fisher on the SFT data"
-    )
-
-
-class DPOParams(OfflineParams):
-    """Direct preference optimisation: -log sigmoid(beta * (log-ratio chosen - log-ratio rejected))."""
-
-    loss_type: str | list[str] = Field("sigmoid", description="sigmoid | ipo | hinge | any TRL DPO loss type")
-    beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO: assumed label noise")
-    sft_weight: float = Field(
-        5.0,
-        ge=0,
-        description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off. Plain DPO loses accuracy here",
-    )
-    save_steps: int = Field(50, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
-    precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")
-
-    @field_validator("loss_type")
-    @classmethod
-    def _check_loss(cls, value):
-        names = [value] if isinstance(value, str) else value
-        unknown = [n for n in names if n not in DPO_LOSS_TYPES]
-        if unknown:
-            raise ValueError(f"unknown DPO loss type(s) {unknown}; use one of {list(DPO_LOSS_TYPES)}")
-        return value
 
 
 class SimPOParams(OfflineParams):
@@ -294,124 +264,9 @@ def stage_name(method: str) -> str:
     return f"policy@{method}" if method in OFFLINE_METHODS else f"rl@{method}"
 
 
-def train_trl(
-    config: Config,
-    task: Task,
-    params: TrainingParams,
-    data: Path,
-    trl_classes: tuple,
-    trl_args: dict,
-    out_dir: Path,
-    stage: str,
-    logged: tuple[str, ...] = OFFLINE_LOGGED,
-    inputs: tuple[Path, ...] = (),
-    on_trainer: Callable | None = None,
-    start: Path = SFT_DIR,
-    **trainer_kwargs,
-) -> tuple[dict, list[dict]]:
-    """Train the model in `start` (the SFT model unless given; a method with a reference
-    model takes a frozen copy of it) with one of TRL's trainers, `trl_classes` = (its config
-    class, its trainer class), on `data`; save the (merged) result into `out_dir`. Returns
-    metrics (the last logged value of each of `logged`) and the curve of those values.
-    `inputs` are further files the result depends on (reward models), for the checkpoint
-    fingerprint; `on_trainer(trainer)` runs once the trainer is built."""
-    from datasets import Dataset
-
-    from rlhf.data.contracts import read_prepared
-    from rlhf.models.compute import is_main
-    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
-    from rlhf.training.trainer_setup import (
-        checkpoint_dir,
-        final_weights,
-        fingerprint,
-        last_logged,
-        log_history_rows,
-        tracking_callbacks,
-        train_resumable,
-        trl_config,
-    )
-
-    tokenizer = load_tokenizer(start, config.trust_remote_code)
-    model = load_causal_lm(start, config.trust_remote_code, what=start.as_posix(), training=True)
-    dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
-    key = fingerprint(params, [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
-    config_cls, trainer_cls = trl_classes
-    args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), **trl_args)
-    trainer = trainer_cls(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=params.lora.peft_config(),
-        callbacks=tracking_callbacks(),
-        **trainer_kwargs,
-    )
-    if on_trainer is not None:
-        on_trainer(trainer)
-    ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
-    resumed = train_resumable(trainer, stage, key)
-    history = trainer.state.log_history
-    model, state_dict = final_weights(trainer)
-    if is_main():  # the other processes of a multi-process launch trained the same weights
-        save_model(model, tokenizer, out_dir, state_dict)
-    metrics = {
-        "train_loss": last_logged(history, "loss"),
-        **{name.replace("/", "_"): last_logged(history, name) for name in logged if name != "loss"},
-        "steps": trainer.state.global_step,
-        "processes": trainer.args.world_size,
-        "resumed": bool(resumed),
-    }
-    if ewc is not None:
-        metrics["ewc_penalty"] = ewc.penalty()
-    if hasattr(trainer, "ref_cache_hit"):
-        metrics["ref_logps_cache_hit"] = trainer.ref_cache_hit
-    return metrics, log_history_rows(history, logged)
-
-
-def consolidate_on_sft(model, tokenizer, params, accumulation: int = 1):
-    """EWC towards the weights `model` starts from (the SFT model's, unless a round trains
-    on), with the Fisher information of the SFT data (params `ewc`); None when
-    `ewc.strength` is 0."""
-    if not params.ewc.strength:
-        return None
-    from rlhf.data.contracts import read_prepared
-    from rlhf.training.ewc import consolidate
-
-    table = read_prepared(SFT_DATA, "sft")
-    return consolidate(model, tokenizer, table, params.ewc, params.max_length, 1.0 / accumulation, params.seed)
-
-
-def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:
-    """(config class, trainer class) for a method with a reference model (DPO, KTO): with
-    `precompute_ref_log_probs` the trainer keeps its reference log-probs in the
-    content-keyed cache (rlhf.training.ref_logprobs). Sets the flag in `trl_args`."""
-    from rlhf.training.ref_logprobs import with_reference_cache
-
-    trl_args["precompute_ref_log_probs"] = params.precompute_ref_log_probs
-    if params.precompute_ref_log_probs:
-        return config_cls, with_reference_cache(trainer_cls, REF_LOGPS_CACHE)
-    return config_cls, trainer_cls
-
-
-def dpo_trainer(params: DPOParams) -> tuple[tuple, dict]:
-    """((config class, trainer class), TRL arguments) of DPO with `params`: its loss types,
-    and TRL's NLL loss on the chosen response weighted `sft_weight` (RPO) when that is > 0."""
-    from trl import DPOConfig, DPOTrainer
-
-    loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
-    trl_args = {
-        "loss_type": loss_types + (["sft"] if params.sft_weight else []),
-        "loss_weights": [1.0] * len(loss_types) + ([params.sft_weight] if params.sft_weight else []),
-        "beta": params.beta,
-        "label_smoothing": params.label_smoothing,
-        "max_length": params.max_length,
-    }
-    return reference_trainer(DPOConfig, DPOTrainer, params, trl_args), trl_args
-
-
 def train_dpo(config: Config, task: Task, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     classes, trl_args = dpo_trainer(params)
-    return train_trl(config, task, params, PREFS, classes, trl_args, out_dir, stage)
+    return train_trl(config, params, PREFS, classes, trl_args, out_dir, stage)
 
 
 def train_simpo(config: Config, task: Task, params: SimPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -425,14 +280,14 @@ def train_simpo(config: Config, task: Task, params: SimPOParams, out_dir: Path, 
         "simpo_gamma": params.gamma,
         "max_length": params.max_length,
     }
-    return train_trl(config, task, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
+    return train_trl(config, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
 
 
 def train_orpo(config: Config, task: Task, params: ORPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     trl_args = {"beta": params.beta, "max_length": params.max_length}
-    return train_trl(config, task, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage)
+    return train_trl(config, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage)
 
 
 def train_kto(config: Config, task: Task, params: KTOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -445,7 +300,7 @@ def train_kto(config: Config, task: Task, params: KTOParams, out_dir: Path, stag
         "max_length": params.max_length,
     }
     classes = reference_trainer(KTOConfig, KTOTrainer, params, trl_args)
-    return train_trl(config, task, params, UNPAIRED, classes, trl_args, out_dir, stage)
+    return train_trl(config, params, UNPAIRED, classes, trl_args, out_dir, stage)
 
 
 def train_online(
@@ -471,7 +326,6 @@ def train_online(
 
     return train_trl(
         config,
-        task,
         params,
         PROMPTS,
         trl_classes,

@@ -1,4 +1,4 @@
-"""The params blocks of the training stages: optimisation settings, LoRA, PPO.
+"""The params blocks of the training stages: optimisation settings, LoRA, DPO, PPO.
 
 Plain pydantic models with no torch, transformers or TRL import, so that params.yaml
 validates in a second; the code that turns them into trainers is in
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf.params import StageConfig, reject_unused
 
@@ -136,3 +136,46 @@ class PPOParams(TrainingParams):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
+
+
+class OfflineParams(TrainingParams):
+    """What every offline preference method shares: its optimisation budget and LoRA block."""
+
+    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
+    learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per prompt+response")
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+    ewc: EwcParams = Field(
+        default_factory=EwcParams, description="elastic weight consolidation towards SFT, Fisher on the SFT data"
+    )
+
+
+class DPOParams(OfflineParams):
+    """Direct preference optimisation: -log sigmoid(beta * (log-ratio chosen - log-ratio rejected))."""
+
+    loss_type: str | list[str] = Field("sigmoid", description="sigmoid | ipo | hinge | any TRL DPO loss type")
+    beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO: assumed label noise")
+    sft_weight: float = Field(
+        5.0,
+        ge=0,
+        description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off. Plain DPO loses accuracy here",
+    )
+    save_steps: int = Field(50, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
+    precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")
+
+    @field_validator("loss_type")
+    @classmethod
+    def _check_loss(cls, value):
+        names = [value] if isinstance(value, str) else value
+        unknown = [n for n in names if n not in DPO_LOSS_TYPES]
+        if unknown:
+            raise ValueError(f"unknown DPO loss type(s) {unknown}; use one of {list(DPO_LOSS_TYPES)}")
+        return value

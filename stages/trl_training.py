@@ -1,0 +1,131 @@
+"""The TRL training that stage `policy@<method>` and the self-improvement rounds share
+(stages/policy.py, stages/improve.py): a model trained with one of TRL's trainers, resumable
+from checkpoints, tracked in MLflow, saved merged; EWC towards its start; the content-keyed
+cache of reference log-probs; DPO's TRL arguments. It reads no params: its callers pass
+their own blocks (`policy.<method>`, `improve.*.rpo`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhf.training.params import DPOParams, TrainingParams
+from stages import CHECKPOINTS_DIR, DATA_DIR, REF_LOGPS_CACHE, SFT_DIR
+
+SFT_DATA = DATA_DIR / "sft.parquet"  # EWC's previous data (params `ewc`), what SFT learned
+OFFLINE_LOGGED = ("loss", "rewards/margins", "rewards/accuracies")
+
+
+def train_trl(
+    config,
+    params: TrainingParams,
+    data: Path,
+    trl_classes: tuple,
+    trl_args: dict,
+    out_dir: Path,
+    stage: str,
+    logged: tuple[str, ...] = OFFLINE_LOGGED,
+    inputs: tuple[Path, ...] = (),
+    on_trainer: Callable | None = None,
+    start: Path = SFT_DIR,
+    **trainer_kwargs,
+) -> tuple[dict, list[dict]]:
+    """Train the model in `start` (the SFT model unless given; a method with a reference
+    model takes a frozen copy of it) with one of TRL's trainers, `trl_classes` = (its config
+    class, its trainer class), on `data`; save the (merged) result into `out_dir`. Returns
+    metrics (the last logged value of each of `logged`) and the curve of those values.
+    `inputs` are further files the result depends on (reward models), for the checkpoint
+    fingerprint; `on_trainer(trainer)` runs once the trainer is built."""
+    from datasets import Dataset
+
+    from rlhf.data.contracts import read_prepared
+    from rlhf.models.compute import is_main
+    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+    from rlhf.training.trainer_setup import (
+        checkpoint_dir,
+        final_weights,
+        fingerprint,
+        last_logged,
+        log_history_rows,
+        tracking_callbacks,
+        train_resumable,
+        trl_config,
+    )
+
+    tokenizer = load_tokenizer(start, config.trust_remote_code)
+    model = load_causal_lm(start, config.trust_remote_code, what=start.as_posix(), training=True)
+    dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
+    key = fingerprint(params, [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
+    config_cls, trainer_cls = trl_classes
+    args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), **trl_args)
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=params.lora.peft_config(),
+        callbacks=tracking_callbacks(),
+        **trainer_kwargs,
+    )
+    if on_trainer is not None:
+        on_trainer(trainer)
+    ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
+    resumed = train_resumable(trainer, stage, key)
+    history = trainer.state.log_history
+    model, state_dict = final_weights(trainer)
+    if is_main():  # the other processes of a multi-process launch trained the same weights
+        save_model(model, tokenizer, out_dir, state_dict)
+    metrics = {
+        "train_loss": last_logged(history, "loss"),
+        **{name.replace("/", "_"): last_logged(history, name) for name in logged if name != "loss"},
+        "steps": trainer.state.global_step,
+        "processes": trainer.args.world_size,
+        "resumed": bool(resumed),
+    }
+    if ewc is not None:
+        metrics["ewc_penalty"] = ewc.penalty()
+    if hasattr(trainer, "ref_cache_hit"):
+        metrics["ref_logps_cache_hit"] = trainer.ref_cache_hit
+    return metrics, log_history_rows(history, logged)
+
+
+def consolidate_on_sft(model, tokenizer, params, accumulation: int = 1):
+    """EWC towards the weights `model` starts from (the SFT model's, unless a round trains
+    on), with the Fisher information of the SFT data (params `ewc`); None when
+    `ewc.strength` is 0."""
+    if not params.ewc.strength:
+        return None
+    from rlhf.data.contracts import read_prepared
+    from rlhf.training.ewc import consolidate
+
+    table = read_prepared(SFT_DATA, "sft")
+    return consolidate(model, tokenizer, table, params.ewc, params.max_length, 1.0 / accumulation, params.seed)
+
+
+def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:
+    """(config class, trainer class) for a method with a reference model (DPO, KTO): with
+    `precompute_ref_log_probs` the trainer keeps its reference log-probs in the
+    content-keyed cache (rlhf.training.ref_logprobs). Sets the flag in `trl_args`."""
+    from rlhf.training.ref_logprobs import with_reference_cache
+
+    trl_args["precompute_ref_log_probs"] = params.precompute_ref_log_probs
+    if params.precompute_ref_log_probs:
+        return config_cls, with_reference_cache(trainer_cls, REF_LOGPS_CACHE)
+    return config_cls, trainer_cls
+
+
+def dpo_trainer(params: DPOParams) -> tuple[tuple, dict]:
+    """((config class, trainer class), TRL arguments) of DPO with `params`: its loss types,
+    and TRL's NLL loss on the chosen response weighted `sft_weight` (RPO) when that is > 0."""
+    from trl import DPOConfig, DPOTrainer
+
+    loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
+    trl_args = {
+        "loss_type": loss_types + (["sft"] if params.sft_weight else []),
+        "loss_weights": [1.0] * len(loss_types) + ([params.sft_weight] if params.sft_weight else []),
+        "beta": params.beta,
+        "label_smoothing": params.label_smoothing,
+        "max_length": params.max_length,
+    }
+    return reference_trainer(DPOConfig, DPOTrainer, params, trl_args), trl_args
