@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -23,16 +22,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STEP = re.compile(r"(-?\d+)([+-])(\d+)=(-?\d+)$")
 KINDS = ("right, in order", "right, another order", "wrong, skipped or repeated", "wrong, every number once")
 
 
 def kind(prompt: str, answer: str, completion: str) -> str:
-    from rlhf.tasks.arithmetic import is_correct, parse_prompt, split_steps
+    from rlhf.tasks.arithmetic import STEP_PARSE_RE, is_correct, parse_prompt, split_steps
 
     problem = parse_prompt(prompt)
     expected = list(zip(problem.ops, problem.operands[1:]))
-    used = [(m[2], int(m[3])) for m in (STEP.match(s) for s in split_steps(completion)) if m]
+    used = [(m[2], int(m[3])) for m in (STEP_PARSE_RE.match(s) for s in split_steps(completion)) if m]
     if is_correct(completion, answer):
         return KINDS[0] if used == expected else KINDS[1]
     return KINDS[3] if sorted(used) == sorted(expected) else KINDS[2]

@@ -53,7 +53,6 @@ SUITES = ("dev", "dev_long", "test", "test_long")
 
 
 def setup(work: Path, args) -> None:
-    copy_code(work)
     shutil.copy2(ROOT / "params.yaml", work / "params.yaml")
 
     def curriculum(params: dict) -> None:
@@ -188,10 +187,9 @@ def main() -> None:
     out = args.out.resolve()
     work = (args.work or Path(tempfile.mkdtemp(prefix="curriculum-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    copy_code(work)  # a --work folder with its SFT model runs this checkout's code too
     if not (work / "models/sft/config.json").is_file():
         setup(work, args)
-    else:  # the rounds run this checkout's code on the SFT model already there
-        copy_code(work)
     round_defaults(work, args)
     env = enter(work)
     print(f"scratch project: {work}", flush=True)

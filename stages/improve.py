@@ -310,7 +310,7 @@ def preference_pairs(prompts, verdicts, pairs_per_prompt: int) -> list[dict]:
     pairs = []
     for prompt, group in zip(prompts, verdicts):
         wrong = Counter(row["completion"] for row in group if not row["kept"] and row.get("source") != "refined")
-        rejected = sorted(wrong, key=lambda text: -wrong[text])  # stable: ties keep sampling order
+        rejected = [text for text, _ in wrong.most_common()]  # ties in sampling order
         pairs += [{"prompt": prompt, "chosen": c, "rejected": r} for c, r in zip(chosen.get(prompt, []), rejected)]
     return pairs
 
@@ -486,12 +486,11 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     kept = pd.DataFrame(kept_rows(prompts, verdicts, settings.keep_per_prompt), columns=["prompt", "completion"])
     earlier = pd.read_parquet(start_dir / KEPT_FILE) if (start_dir / KEPT_FILE).is_file() else kept.iloc[0:0]
     all_kept = pd.concat([earlier, kept], ignore_index=True)
-    sft_table = pd.read_parquet(SFT_DATA, columns=["prompt", "completion"])
-    pool = pd.concat([sft_table, earlier], ignore_index=True)
     if settings.method == "rpo":  # pairs of this round's samples, no replay (the reference anchors)
         pairs = preference_pairs(prompts, verdicts, settings.keep_per_prompt)
         train, replay_rows = pd.DataFrame(pairs, columns=["prompt", "chosen", "rejected"]), 0
     else:
+        pool = pd.concat([pd.read_parquet(SFT_DATA, columns=["prompt", "completion"]), earlier], ignore_index=True)
         replay_rows = min(len(pool), round(len(kept) * settings.replay / (1 - settings.replay)))
         train = pd.concat([kept, pool.sample(n=replay_rows, random_state=seed)], ignore_index=True)
     sample_rows = [
@@ -525,7 +524,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     candidate_dir = out_dir / "candidate"
     previous_data = start_dir / KEPT_FILE if not earlier.empty else SFT_DATA
     train_metrics, curve = train_candidate(
-        settings, params, task, start_dir, data_dir / "train.parquet", candidate_dir, f"round-{name}", previous_data
+        settings, params, start_dir, data_dir / "train.parquet", candidate_dir, f"round-{name}", previous_data
     )
     report["train"] = train_metrics
     report["curve"] = curve
@@ -560,7 +559,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
 
 
 def train_candidate(
-    settings: Settings, params: dict, task, start: Path, table: Path, out_dir: Path, stage: str, previous_data: Path
+    settings: Settings, params: dict, start: Path, table: Path, out_dir: Path, stage: str, previous_data: Path
 ) -> tuple[dict, list[dict]]:
     """The round's candidate, `start` trained on `table` by `settings.method` into `out_dir`
     (checkpoints under checkpoints/<stage>): sft on kept rows (EWC, when on, with the Fisher
@@ -569,7 +568,9 @@ def train_candidate(
         from stages.trl_training import dpo_trainer, train_trl
 
         classes, trl_args = dpo_trainer(settings.rpo)
-        return train_trl(params["evaluate"], settings.rpo, table, classes, trl_args, out_dir, stage, start=start)
+        return train_trl(
+            params["evaluate"].trust_remote_code, settings.rpo, table, classes, trl_args, out_dir, stage, start=start
+        )
     from rlhf.training.sft import train_sft
 
     ewc = (settings.ewc, previous_data) if settings.ewc.strength else None

@@ -266,7 +266,7 @@ def stage_name(method: str) -> str:
 
 def train_dpo(config: Config, task: Task, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     classes, trl_args = dpo_trainer(params)
-    return train_trl(config, params, PREFS, classes, trl_args, out_dir, stage)
+    return train_trl(config.trust_remote_code, params, PREFS, classes, trl_args, out_dir, stage)
 
 
 def train_simpo(config: Config, task: Task, params: SimPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -280,14 +280,14 @@ def train_simpo(config: Config, task: Task, params: SimPOParams, out_dir: Path, 
         "simpo_gamma": params.gamma,
         "max_length": params.max_length,
     }
-    return train_trl(config, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
+    return train_trl(config.trust_remote_code, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
 
 
 def train_orpo(config: Config, task: Task, params: ORPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     trl_args = {"beta": params.beta, "max_length": params.max_length}
-    return train_trl(config, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage)
+    return train_trl(config.trust_remote_code, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage)
 
 
 def train_kto(config: Config, task: Task, params: KTOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -300,7 +300,7 @@ def train_kto(config: Config, task: Task, params: KTOParams, out_dir: Path, stag
         "max_length": params.max_length,
     }
     classes = reference_trainer(KTOConfig, KTOTrainer, params, trl_args)
-    return train_trl(config, params, UNPAIRED, classes, trl_args, out_dir, stage)
+    return train_trl(config.trust_remote_code, params, UNPAIRED, classes, trl_args, out_dir, stage)
 
 
 def train_online(
@@ -325,7 +325,7 @@ def train_online(
         )  # fmt: skip
 
     return train_trl(
-        config,
+        config.trust_remote_code,
         params,
         PROMPTS,
         trl_classes,

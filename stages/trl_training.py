@@ -18,7 +18,7 @@ OFFLINE_LOGGED = ("loss", "rewards/margins", "rewards/accuracies")
 
 
 def train_trl(
-    config,
+    trust_remote_code: bool,
     params: TrainingParams,
     data: Path,
     trl_classes: tuple,
@@ -53,8 +53,8 @@ def train_trl(
         trl_config,
     )
 
-    tokenizer = load_tokenizer(start, config.trust_remote_code)
-    model = load_causal_lm(start, config.trust_remote_code, what=start.as_posix(), training=True)
+    tokenizer = load_tokenizer(start, trust_remote_code)
+    model = load_causal_lm(start, trust_remote_code, what=start.as_posix(), training=True)
     dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
     key = fingerprint(params, [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
     config_cls, trainer_cls = trl_classes

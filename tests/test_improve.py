@@ -249,7 +249,7 @@ def test_an_rpo_candidate_trains_from_the_round_start_against_it(in_project):
     rpo = {"sft_weight": 0.0, "max_steps": 2, "per_device_train_batch_size": 2, "logging_steps": 1, "save_steps": 2}
     settings = Settings(method="rpo", rpo=rpo)
     out = in_project / "models/rounds/r1/candidate"
-    metrics, curve = train_candidate(settings, load_model_stage(), TASK, start, table, out, "round-r1", table)
+    metrics, curve = train_candidate(settings, load_model_stage(), start, table, out, "round-r1", table)
     assert metrics["steps"] == 2
     assert curve[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
     before, after = _weights(start), _weights(out)

@@ -42,7 +42,7 @@ _INT_RE = re.compile(r"^-?\d+$")
 _STEP_RE = r"\d+[+-]\d+=-?\d+"
 _FORMAT_RE = re.compile(rf"^({_STEP_RE}; )*answer -?\d+$")
 _PROMPT_RE = re.compile(r"\d+(?:\s*[+-]\s*\d+)+")
-_STEP_PARSE_RE = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
+STEP_PARSE_RE = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
 
 FLAW_KINDS = ("slip", "copy", "skip", "answer")
 # Flaws that keep the number of steps: preference and KTO data use only these, so that a
@@ -256,7 +256,7 @@ def check_steps(prompt: str, completion: str) -> list[bool]:
                 ok = ok and index == len(pairs) and step == f"{ANSWER_PREFIX}{value}"
             labels.append(ok)
             continue
-        match = _STEP_PARSE_RE.match(step)
+        match = STEP_PARSE_RE.match(step)
         if not ok or match is None or index >= len(pairs):
             ok = False
         else:
@@ -455,6 +455,6 @@ def classify_flaw(prompt: str, completion: str) -> str | None:
     first_bad = labels.index(False)
     if first_bad == len(steps) - 1:
         return "answer"
-    match = _STEP_PARSE_RE.match(steps[first_bad])
+    match = STEP_PARSE_RE.match(steps[first_bad])
     expected_left = _apply_all(problem.operands[0], list(zip(problem.ops, problem.operands[1:]))[:first_bad])
     return "copy" if match is None or int(match[1]) != expected_left else "slip"
