@@ -78,6 +78,7 @@ def round_defaults(work: Path, args) -> None:
         defaults.update({k: v for k, v in ROUND_SETTINGS.items() if k != "train"})
         defaults["train"] = {**defaults.get("train", {}), **ROUND_SETTINGS["train"]}
         defaults["seed"] = defaults["train"]["seed"] = args.seed
+        defaults["rpo"] = {**defaults.get("rpo", {}), "seed": args.seed}  # rpo's data order too
         for pair in args.round_set:
             key, value = pair.split("=", 1)
             *path, last = key.split(".")
@@ -89,13 +90,13 @@ def round_defaults(work: Path, args) -> None:
     edit_params(work, defaults)
 
 
-def run_rounds(work: Path, env: dict, check: str) -> dict:
-    """The three rounds with `checks: [check]`; their reports, the winners moved aside."""
+def run_rounds(work: Path, env: dict, check: str, rounds: dict) -> dict:
+    """The rounds (of ROUNDS) with `checks: [check]`; their reports, the winners moved aside."""
 
-    def rounds(params: dict) -> None:
+    def entries(params: dict) -> None:
         params["improve"]["defaults"]["checks"] = [check]
         after, entries = "sft", {}
-        for name, operands in ROUNDS.items():
+        for name, operands in rounds.items():
             # The round's gate asks for a gain at its own length and longer (dev_long's problems
             # of that many numbers or more), where a gain is not diluted by lengths mastered.
             frontier = list(range(operands[0], LONGEST + 1))
@@ -103,11 +104,11 @@ def run_rounds(work: Path, env: dict, check: str) -> dict:
             after = f"rounds/{name}"
         params["improve"]["rounds"] = entries
 
-    edit_params(work, rounds)
+    edit_params(work, entries)
     for folder in ("models/rounds", "data/rounds", "reports/rounds"):
         shutil.rmtree(work / folder, ignore_errors=True)
     reports = {}
-    for name in ROUNDS:
+    for name in rounds:
         print(run_module(env, "stages.improve", name).strip().splitlines()[-1][:400], flush=True)
         reports[name] = json.loads((work / "models/rounds" / name / "round.json").read_text())
     shutil.rmtree(work / f"models/rounds_{check}", ignore_errors=True)
@@ -182,7 +183,9 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="model, SFT and rounds seed (not the eval suites')")
     parser.add_argument("--no-control", action="store_true")
+    parser.add_argument("--rounds", type=int, default=len(ROUNDS), help="run the first N rounds only (trials on dev)")
     args = parser.parse_args()
+    rounds = dict(list(ROUNDS.items())[: args.rounds])
     args.rope_window = args.rope_window or None
     out = args.out.resolve()
     work = (args.work or Path(tempfile.mkdtemp(prefix="curriculum-"))).resolve()
@@ -204,18 +207,18 @@ def main() -> None:
 
     results: dict = {"settings": vars(args) | {"out": str(out), "work": str(work)}, "rounds": {}, "models": {}}
     for check in args.checks:
-        results["rounds"][check] = {name: round_row(r) for name, r in run_rounds(work, env, check).items()}
+        results["rounds"][check] = {name: round_row(r) for name, r in run_rounds(work, env, check, rounds).items()}
     from rlhf.tasks import get_task
     from stages import load_model_stage
     from stages.improve import evaluate_models
 
     params = load_model_stage()
-    steps = params["improve"].defaults.train.max_steps * len(ROUNDS)  # the rounds' optimizer steps
+    steps = params["improve"].defaults.train.max_steps * len(rounds)  # the rounds' optimizer steps
     if not args.no_control:
         results["control"] = train_control(work, steps)
     models = {"sft": Path("models/sft")}
     for check in args.checks:
-        models |= {f"{check}/{name}": Path(f"models/rounds_{check}/{name}") for name in ROUNDS}
+        models |= {f"{check}/{name}": Path(f"models/rounds_{check}/{name}") for name in rounds}
     if not args.no_control:
         models[f"control ({steps} steps)"] = Path("models/control")
     evaluated = evaluate_models(params, get_task(params["task"]), models, list(SUITES))
