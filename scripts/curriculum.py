@@ -91,9 +91,10 @@ def round_defaults(work: Path, args) -> None:
 
 
 def run_rounds(work: Path, env: dict, check: str, rounds: dict) -> dict:
-    """The rounds (of ROUNDS) with `checks: [check]`; their reports, the winners moved aside."""
+    """`rounds` (ROUNDS or its first few) with `checks: [check]`; their reports, the winners
+    moved aside."""
 
-    def entries(params: dict) -> None:
+    def set_rounds(params: dict) -> None:
         params["improve"]["defaults"]["checks"] = [check]
         after, entries = "sft", {}
         for name, operands in rounds.items():
@@ -104,7 +105,7 @@ def run_rounds(work: Path, env: dict, check: str, rounds: dict) -> dict:
             after = f"rounds/{name}"
         params["improve"]["rounds"] = entries
 
-    edit_params(work, entries)
+    edit_params(work, set_rounds)
     for folder in ("models/rounds", "data/rounds", "reports/rounds"):
         shutil.rmtree(work / folder, ignore_errors=True)
     reports = {}
