@@ -280,12 +280,27 @@ def input_problems(params: dict) -> list[str]:
         )
     problems += difficulty_problems(params, lambda suite: builtin_difficulties(params, suite))
     improve = params["improve"]
+    if improve.rounds and not task.checks_answers:
+        problems.append(
+            f"improve.rounds: a round keeps samples and gates its candidate by their answers; task.kind "
+            f"{task.name!r} has no checkable answers: choose a task kind that checks them, or set improve.rounds: {{}}"
+        )
     for name in improve.rounds:
-        if "steps" in improve.settings(name).checks and not task.checks_steps:
+        settings = improve.settings(name)
+        if "steps" in settings.checks and not task.checks_steps:
             problems.append(
                 f"{round_key(improve, name, 'checks')}: the steps check needs a task that checks steps; "
                 f"task.kind {task.name!r} does not (use answer, vote or prm)"
             )
+        if settings.operands is not None and task.name != "builtin":
+            problems.append(
+                f"{round_key(improve, name, 'operands')}: generates built-in problems, but task.kind is "
+                f"{task.name!r}, whose problems come from data/prepared/prompts.parquet: set it to null"
+            )
+        if "prm" in settings.checks:
+            need_model("the prm check", "prm", round_key(improve, name, "checks"))
+        if settings.refine:
+            need_model("refine", "prm", round_key(improve, name, "refine"))
     for index, test in enumerate(gate.tests or []):
         if test.metric == "accuracy":
             need_answers("metric accuracy", f"gate.tests[{index}]")

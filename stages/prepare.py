@@ -205,6 +205,10 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
         except DataValidationError as error:
             errors.append(error)
             continue
+        unreadable = answer_problems(frame, task) if kind_of(name) == "prompts" else []
+        if unreadable:
+            errors.append(DataValidationError(spec.path, unreadable))
+            continue
         if name in tables:
             if set(frame.columns) != set(tables[name].columns):
                 errors.append(
@@ -228,6 +232,23 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
         add_feedback(tables, origins, feedback, config)
     derive(tables, origins, task, config)
     return tables, origins
+
+
+def answer_problems(frame, task) -> list[str]:
+    """The rows of a prompts table whose answer the task cannot read as a reference (a
+    numeric task's answer that is not a number, a choice task's letter not among its
+    choices): caught here, not after a stage has sampled or evaluated for an hour."""
+    if not task.checks_answers or "answer" not in frame:
+        return []
+    problems = []
+    for index, answer in enumerate(frame["answer"]):
+        if answer is None or (isinstance(answer, float) and answer != answer):
+            continue
+        try:
+            task.reference_answer(answer)
+        except ValueError as error:
+            problems.append(f"row {index + 1}: 'answer' {error}; correct it, or leave it empty (no answer)")
+    return problems
 
 
 def add_feedback(tables: dict, origins: dict, feedback, config: Config) -> None:

@@ -438,3 +438,111 @@ def test_rounds_as_dvc_stages(tmp_path):
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     names = set(mlflow.search_runs(search_all_experiments=True)["tags.mlflow.runName"])
     assert {"round@r1", "round@r2", "round@r3", "round@fix", "round@pairs"} <= names
+
+
+# ----------------------------------------------------------------------------- a user's own task
+
+
+def test_rounds_a_user_task_cannot_feed_fail_in_check_params(tmp_path):
+    """Rounds on a task without checkable answers, built-in problems for a user's task, and
+    a PRM check with nothing to build the PRM from: each named by its key before compute."""
+    from stages import load_all
+
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["task"] = {"kind": "none"}
+    data["prepare"] |= {"source": "files", "files": {"sft": {"path": "sft.jsonl"}, "eval_chat": {"path": "e.jsonl"}}}
+    data["improve"]["rounds"] = {
+        "r1": {"after": "sft", "operands": [6, 6]},
+        "r2": {"after": "rounds/r1", "checks": ["prm"], "refine": True},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError) as error:
+        load_all(str(path))
+    found = error.value.problems
+    expected = [
+        "improve.rounds: a round keeps samples and gates its candidate by their answers; task.kind 'none' has no "
+        "checkable answers: choose a task kind that checks them, or set improve.rounds: {}",
+        "improve.rounds.r1.operands: generates built-in problems, but task.kind is 'none', whose problems come from "
+        "data/prepared/prompts.parquet: set it to null",
+        "improve.rounds.r2.checks: the prm check needs a process reward model: add prepare.files.prm (step labels)",
+        "improve.rounds.r2.refine: refine needs a process reward model: add prepare.files.prm (step labels)",
+    ]
+    for line in expected:
+        assert sum(p.startswith(line) for p in found) == 1, (line, found)
+
+
+def test_round_problems_of_a_user_table(tmp_path, monkeypatch):
+    """prompts.parquet as a user's data makes it: distinct prompts, none from an eval suite,
+    only answered ones for the answer check, chat prompts as messages; nothing left to sample
+    is one message with the counts, before any model is loaded."""
+    import pandas as pd
+
+    from rlhf.tasks import TaskConfig, get_task
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/prepared").mkdir(parents=True)
+    path = tmp_path / "data/prepared/prompts.parquet"
+
+    def write(rows):
+        pd.DataFrame({k: pd.Series([r[k] for r in rows], dtype=object) for k in rows[0]}).to_parquet(path)
+
+    write(
+        [
+            {"prompt": "What is 1 plus 1?", "answer": "2"},
+            {"prompt": "What is 1 plus 1?", "answer": "2"},  # the same prompt again
+            {"prompt": "What is 3 plus 3?", "answer": "6"},  # in an eval suite
+            {"prompt": "Say hello.", "answer": None},
+        ]
+    )
+    task, exclude = get_task(TaskConfig(kind="gsm8k")), {"What is 3 plus 3?"}
+    assert round_problems(Settings(checks=["answer"]), task, {}, 0, exclude) == (["What is 1 plus 1?"], ["2"])
+    prompts, answers = round_problems(Settings(checks=["vote"]), task, {}, 0, exclude)
+    assert sorted(prompts) == ["Say hello.", "What is 1 plus 1?"], "no answer key: unanswered prompts count too"
+    with pytest.raises(ValueError) as error:
+        round_problems(Settings(checks=["answer"]), task, {}, 0, exclude | {"What is 1 plus 1?"}, "r1")
+    assert str(error.value) == (
+        "r1: no problem to sample: data/prepared/prompts.parquet has 4 prompts, 3 of them in an eval suite, 1 without "
+        "an answer (the answer check needs one). Give prepare.files.prompts (prompt, answer) with prompts the eval "
+        "suites do not hold"
+    )
+    with pytest.raises(ValueError, match=r"^r1.operands: generates built-in problems, but task.kind is 'gsm8k'"):
+        round_problems(Settings(operands=(6, 6)), task, {}, 0, set(), "r1")
+    chat = [{"role": "user", "content": "What is 2 plus 2?"}]
+    write([{"prompt": chat, "answer": "4"}])
+    assert round_problems(Settings(), task, {}, 0, set()) == ([chat], ["4"]), "a chat prompt: a list of messages"
+
+
+def test_chat_prompts_train_on_assistant_messages_and_each_problem_pairs_alone(tmp_path):
+    """Rows for TRL's conversational format: a sampled text becomes an assistant message; a
+    prompt listed twice gives each listing its own pairs (not both problems' samples)."""
+    import pandas as pd
+
+    from stages.improve import sft_rows
+
+    chat = [{"role": "user", "content": "2+2?"}]
+    right, wrong = [{"completion": "4", "kept": True}], [{"completion": "5", "kept": False}]
+    assert kept_rows([chat], [right + wrong], 1) == [
+        {"prompt": chat, "completion": [{"role": "assistant", "content": "4"}]}
+    ]
+    pairs = preference_pairs([chat, "p", "p"], [right + wrong, right + wrong, right], 1)
+    assert pairs == [
+        {
+            "prompt": chat,
+            "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}],
+        },
+        {"prompt": "p", "chosen": "4", "rejected": "5"},
+    ]
+    conversation = chat + [{"role": "assistant", "content": "4"}]
+    table = pd.DataFrame({"messages": pd.Series([conversation], dtype=object)})
+    table.to_parquet(tmp_path / "sft.parquet")
+    assert sft_rows(tmp_path / "sft.parquet").to_dict("records") == [{"prompt": chat, "completion": conversation[1:]}]
+
+
+def test_a_task_without_answers_is_never_asked_for_correctness():
+    from rlhf.tasks import TaskConfig, get_task
+
+    task = get_task(TaskConfig(kind="none"))
+    verdicts = judge_samples(Settings(checks=["vote"]), task, ["hi"], ["an answer"], [["hello", "hey"]], None)
+    assert [row["correct"] for row in verdicts[0]] == [None, None]

@@ -143,7 +143,11 @@ def test_user_files_and_model_run_prepare_to_infer(tmp_path, architecture):
     root = tmp_path / "project"
     # GPT-2 also runs the eval suite as an lm-evaluation-harness task, and gates on it.
     harness = HARNESS if architecture == "gpt2" else {}
-    make_project(root, user_params(USER_FILES, model_dir, **harness))
+    # Qwen2 also runs a self-improvement round on the prompts the gsm8k task derived.
+    train = {"max_steps": 2, "save_steps": 2, "per_device_train_batch_size": 4}
+    rounds = {"r1": {"after": "sft", "prompts": 8, "samples": 2, "max_new_tokens": 24, "train": train}}
+    improve = {"improve": {"rounds": rounds}} if architecture == "qwen2" else {}
+    make_project(root, user_params(USER_FILES, model_dir, **harness, **improve))
     write_user_files(root)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     os.environ["MLFLOW_TRACKING_URI"] = uri  # the dvc subprocesses log here
@@ -191,6 +195,15 @@ def test_user_files_and_model_run_prepare_to_infer(tmp_path, architecture):
         assert suites == {"heldout", "harness/rlhf_heldout"}
     infer = json.loads((root / "reports/infer.json").read_text())
     assert infer["suite"] == "heldout" and infer["strategies"]["greedy"]["accuracy"] is not None
+
+    if architecture == "qwen2":
+        assert "round@r1" in ran
+        data = json.loads((root / "models/rounds/r1/round.json").read_text())["data"]
+        assert (data["problems"], data["samples"]) == (8, 16)
+        samples = pd.read_parquet(root / "data/rounds/r1/samples.parquet")
+        heldout = set(pd.read_parquet(root / "data/prepared/eval/heldout.parquet")["prompt"])
+        assert samples["prompt"].nunique() == 8 and not set(samples["prompt"]) & heldout, "no eval problem"
+        assert samples["correct"].notna().all(), "every sampled answer checked by the gsm8k task"
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("rlhf-pipeline")

@@ -86,6 +86,20 @@ def test_builtin_and_user_files_mix_in_one_prepare(user_files, tmp_path):
         run(Config(builtin=builtin, files=messages), get_task())
 
 
+def test_an_answer_the_task_cannot_read_fails_in_prepare_naming_file_and_row(user_files, tmp_path):
+    """A numeric task's eval answer "N/A" would crash evaluate (or a round, after its
+    sampling); prepare refuses it, naming the file and the row."""
+    rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": None}, {"prompt": "?", "answer": "N/A"}]
+    user_files["eval_heldout"]["path"] = write_jsonl(tmp_path / "eval.jsonl", rows)
+    with pytest.raises(DataValidationError) as error:
+        run(Config(source="files", files=user_files), GSM8K)
+    assert error.value.problems == [
+        f"{tmp_path / 'eval.jsonl'}: row 3: 'answer' task kind 'gsm8k' compares numbers, but the reference answer "
+        "'N/A' is not one; correct it, or leave it empty (no answer)"
+    ]
+    run(Config(source="files", files=user_files), get_task(TaskConfig(kind="regex", pattern=r"#### (\S+)")))
+
+
 # ----------------------------------------------------------------------------- params checks
 
 
