@@ -253,8 +253,25 @@ def input_problems(params: dict) -> list[str]:
     infer = params["infer"]
     if "mcts" in infer.strategies and infer.prm is None:
         need_model("strategy mcts", "prm", "infer.strategies")
+    if "self_consistency" in infer.strategies and not task.checks_answers:
+        problems.append(
+            f"infer.strategies: self_consistency votes on answers; task.kind {task.name!r} has none to vote on "
+            "(remove it, or choose a task kind that reads answers)"
+        )
     if "best_of_n" in infer.strategies:
         for index, reward in enumerate(infer.best_of_n.rewards):
+            if reward.name in ANSWER_REWARDS:
+                problems.append(
+                    f"infer.best_of_n.rewards[{index}]: {reward.name} reads the reference answer, which best-of-N "
+                    "must not see (it would pick the right sample); use one that reads no answer: prm, reward_model, "
+                    "format, length or repetition"
+                )
+                continue
+            if reward.name == "format" and reward.pattern is None and not task.has_format:
+                problems.append(
+                    f"infer.best_of_n.rewards[{index}]: the format reward needs a pattern: task {task.name!r} "
+                    "defines no format"
+                )
             if getattr(reward, "path", None) is None:
                 need_model(f"best_of_n reward {reward.name}", reward.name, f"infer.best_of_n.rewards[{index}]")
     harness = params["evaluate"].harness

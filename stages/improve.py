@@ -215,6 +215,8 @@ def round_problems(settings: Settings, task, params: dict, seed: int, exclude: s
 
     import pandas as pd
 
+    from rlhf.data.contracts import plain_messages
+
     if settings.operands is not None:
         if task.name != "builtin":
             raise ValueError(
@@ -234,7 +236,7 @@ def round_problems(settings: Settings, task, params: dict, seed: int, exclude: s
             if len(problems) == settings.prompts:
                 break
         return [p.prompt for p in problems], [str(p.answer) for p in problems]
-    table = pd.read_parquet(PROMPTS)
+    table = plain_messages(pd.read_parquet(PROMPTS))
     if "answer" not in table:
         table["answer"] = None
     table["answer"] = [a if isinstance(a, str) and a else None for a in table["answer"]]
@@ -255,8 +257,7 @@ def round_problems(settings: Settings, task, params: dict, seed: int, exclude: s
         )
     if len(table) > settings.prompts:
         table = table.sample(n=settings.prompts, random_state=seed)
-    prompts = [p if isinstance(p, str) else [dict(m) for m in p] for p in table["prompt"]]
-    return prompts, table["answer"].tolist()
+    return table["prompt"].tolist(), table["answer"].tolist()
 
 
 # ----------------------------------------------------------------------------- checks
@@ -343,7 +344,9 @@ def sft_rows(path: Path):
     table = pd.read_parquet(path)
     if "messages" not in table:
         return table[["prompt", "completion"]]
-    conversations = [[dict(m) for m in messages] for messages in table["messages"]]
+    from rlhf.data.contracts import plain_messages
+
+    conversations = plain_messages(table)["messages"].tolist()
     return pd.DataFrame(
         {
             "prompt": pd.Series([c[:-1] for c in conversations], dtype=object),
@@ -379,8 +382,7 @@ def evaluate_models(
     """{name: {suite: {"metrics", "outcomes", "digest"}}} of each model on each suite, greedy,
     with KL to SFT (params `evaluate`; custom modelling code with its or the caller's
     `trust_remote_code`)."""
-    import pandas as pd
-
+    from rlhf.data.contracts import read_prepared
     from rlhf.evaluation.suites import evaluate_model, suite_identity
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
@@ -388,7 +390,7 @@ def evaluate_models(
     trust = config.trust_remote_code or trust_remote_code
     tokenizer = load_tokenizer(SFT_DIR, trust)
     reference = load_causal_lm(SFT_DIR, trust, what="models/sft")
-    tables = {suite: pd.read_parquet(EVAL_DIR / f"{suite}.parquet") for suite in suites}
+    tables = {suite: read_prepared(EVAL_DIR / f"{suite}.parquet", "improve") for suite in suites}
     identities = {suite: suite_identity(table) for suite, table in tables.items()}
     results: dict = {}
     for name, path in models.items():

@@ -77,6 +77,23 @@ def summarise(task: Task, answers: list, references: list, seconds: float) -> di
     }
 
 
+def check_draft(draft: str, tokenizer, trust_remote_code: bool) -> None:
+    """The speculative draft is a model directory whose tokenizer is the candidate's: the
+    target verifies the draft's token ids, so they must mean the same text."""
+    from rlhf.models.folders import check_model_dir, resolve_model_dir
+    from rlhf.models.loading import load_tokenizer
+
+    check_model_dir(resolve_model_dir(draft), "infer.speculative.draft")
+    theirs, ours = load_tokenizer(draft, trust_remote_code).get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differ = len(set(theirs.items()) ^ set(ours.items()))
+        raise ValueError(
+            f"infer.speculative.draft {draft}: its tokenizer is not the candidate's ({len(theirs)} tokens against "
+            f"{len(ours)}, {differ} token-id pairs not shared); give a smaller model of the candidate's family, "
+            "trained with the same tokenizer"
+        )
+
+
 def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     import pandas as pd
 
@@ -92,6 +109,8 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     references = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
     candidate = model_dir(config.candidate)
     tokenizer = load_tokenizer(candidate, config.trust_remote_code)
+    if "speculative" in config.strategies:  # before any strategy runs
+        check_draft(config.speculative.draft, tokenizer, config.trust_remote_code)
     model = load_causal_lm(candidate, config.trust_remote_code, what=f"infer.candidate {config.candidate}")
     members = [str(model_dir(name)) for name in config.ensemble.members]
     config = config.model_copy(update={"ensemble": config.ensemble.model_copy(update={"members": members})})

@@ -525,3 +525,20 @@ def test_read_prepared_says_how_to_provide_a_missing_table(tmp_path):
         read_prepared(tmp_path / "prefs.parquet", "rm")
     message = str(error.value)
     assert "rm needs" in message and "prefs.parquet" in message and "prepare.files.prefs" in message
+
+
+def test_a_chat_suite_reads_back_as_json_ready_messages_and_scores_a_sampled_reply(tmp_path):
+    """Parquet gives message lists back as numpy arrays; read_prepared turns them into
+    lists of dicts (reports write them as JSON), and a reward model reads a text reply to a
+    chat prompt as the assistant's message."""
+    from rlhf.data.contracts import read_prepared
+    from rlhf.models.generation import reward_text
+    from rlhf.models.loading import build_tokenizer
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    pd.DataFrame({"prompt": [chat], "answer": ["4"]}).to_parquet(tmp_path / "heldout.parquet")
+    prompt = read_prepared(tmp_path / "heldout.parquet", "infer")["prompt"].iloc[0]
+    assert prompt == chat and json.loads(json.dumps({"prompt": prompt})) == {"prompt": chat}
+    tokenizer = build_tokenizer()
+    reply = [{"role": "assistant", "content": "4"}]
+    assert reward_text(tokenizer, prompt, "4") == reward_text(tokenizer, prompt, reply)

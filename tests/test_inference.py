@@ -296,6 +296,17 @@ def test_mcts_follows_the_step_scorer_to_a_terminal_answer(mixed, tokenizer, tas
 
 
 @pytest.mark.slow
+def test_a_step_cut_off_by_max_step_tokens_is_not_a_step(mixed, tokenizer, task):
+    """The first steps are "12+7=19" (or the mixed model's slip) and the separator, 9
+    characters and tokens: at 16 tokens every sample reaches the separator, at 4 none does,
+    and "12+7" is no step to score or build on."""
+    whole, _ = strategies.next_steps(mixed, tokenizer, PROBLEM, task, (), 4, 0.5, 16, seed=0)
+    assert sum(whole.values()) == 4 and all(step.count("=") == 1 for step in whole)
+    cut, tokens = strategies.next_steps(mixed, tokenizer, PROBLEM, task, (), 4, 0.5, 4, seed=0)
+    assert not cut and tokens > 0, "the tokens were generated (and counted) all the same"
+
+
+@pytest.mark.slow
 def test_mcts_without_a_terminal_completes_the_most_visited_path_greedily(mixed, tokenizer, task):
     """max_depth 1: no path gets past its first step, so none reaches an answer. The most
     visited first step is the one the scorer rates good (12+7=19); the completion is that
@@ -423,3 +434,32 @@ def test_generate_command_prints_one_record_per_prompt(micro_dir, models, tokeni
     assert [r["completion"] for r in records] == expected
     task = get_task()
     assert all(r["samples"] == 1 and r["answer"] == task.extract_answer(r["completion"]) for r in records)
+
+
+def test_a_speculative_draft_with_another_tokenizer_fails_before_any_strategy(tmp_path, tokenizer):
+    """The target verifies the draft's token ids: a draft whose tokenizer differs (one token
+    more) is refused naming the key, as is a draft folder that is not there."""
+    from rlhf.models.folders import ModelNotFoundError
+    from rlhf.models.loading import save_model
+    from stages.infer import check_draft
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, same)
+    check_draft(str(same), tokenizer, False)
+    extended = build_tokenizer()
+    extended.add_tokens(["<tool>"])
+    save_model(build_tiny_model("micro", extended, seed=0), extended, other)
+    with pytest.raises(ValueError, match=r"infer.speculative.draft .*other: its tokenizer is not the candidate's"):
+        check_draft(str(other), tokenizer, False)
+    with pytest.raises(ModelNotFoundError, match=r"infer.speculative.draft directory .*missing does not exist"):
+        check_draft(str(tmp_path / "missing"), tokenizer, False)
+
+
+def test_a_prompt_that_leaves_no_room_to_generate_fails_with_what_to_change(tokenizer):
+    from rlhf.models.generation import PromptTooLongError
+
+    model = build_tiny_model("micro", tokenizer, seed=0, max_length=32)
+    assert len(generate(model, tokenizer, ["1+2\n"], max_new_tokens=8)) == 1
+    long = "1+2+3+4+5+6+7+8+9+10+11+12\n"  # 27 characters: 27 tokens of the built-in tokenizer
+    with pytest.raises(PromptTooLongError, match=r"a prompt of 27 tokens plus max_new_tokens 8 exceeds the model's 32"):
+        generate(model, tokenizer, ["1+2\n", long], max_new_tokens=8)

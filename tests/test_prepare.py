@@ -157,6 +157,21 @@ def test_a_task_without_answers_cannot_feed_answer_rewards_or_derive_step_labels
     assert any(p.startswith("infer.best_of_n.rewards[0]: best_of_n reward prm needs a process") for p in found)
 
 
+def test_inference_strategies_that_cannot_work_for_the_task_fail_in_check_params(tmp_path, params):
+    data = copy.deepcopy(params)
+    data["infer"]["best_of_n"]["rewards"] = [{"name": "answer_match"}, {"name": "format"}, {"name": "length"}]
+    found = problems(tmp_path, data)
+    assert found == [
+        "infer.best_of_n.rewards[0]: answer_match reads the reference answer, which best-of-N must not see (it "
+        "would pick the right sample); use one that reads no answer: prm, reward_model, format, length or repetition",
+        "infer.best_of_n.rewards[1]: the format reward needs a pattern: task 'gsm8k' defines no format",
+    ]
+    data["infer"]["best_of_n"]["rewards"] = [{"name": "length"}]
+    data["task"] = {"kind": "none"}
+    found = problems(tmp_path, data)
+    assert any(p.startswith("infer.strategies: self_consistency votes on answers; task.kind 'none'") for p in found)
+
+
 def test_the_default_gate_of_a_task_without_answers_needs_preference_data(tmp_path, params):
     data = copy.deepcopy(params)
     data["task"] = {"kind": "none"}

@@ -462,4 +462,24 @@ def read_prepared(path: str | Path, stage: str) -> pd.DataFrame:
     # Opened here, not by pyarrow, so that Python's audit hooks see the read (the
     # end-to-end test checks every file a stage reads against its DVC deps).
     with open(path, "rb") as file:
-        return pd.read_parquet(file)
+        table = pd.read_parquet(file)
+    return plain_messages(table)
+
+
+MESSAGE_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages")
+
+
+def plain_messages(table: pd.DataFrame) -> pd.DataFrame:
+    """Conversational columns as Python lists of message dicts: Parquet gives numpy arrays,
+    which neither JSON reports nor `list + list` code take."""
+    for column in MESSAGE_COLUMNS:
+        if column in table and len(table) and not isinstance(table[column].iloc[0], str):
+            table[column] = pd.Series(
+                [
+                    [dict(m) for m in v] if hasattr(v, "__len__") and not isinstance(v, str) else v
+                    for v in table[column]
+                ],
+                index=table.index,
+                dtype=object,
+            )
+    return table

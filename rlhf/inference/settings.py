@@ -45,6 +45,9 @@ class MCTS(StageConfig):
     max_depth: int = Field(8, ge=1, description="most steps in a path")
     widen_below: float = Field(0.5, ge=0, le=1, description="re-expand a node whose children all score below this")
     max_expansions: int = Field(2, ge=1, description="expansions per node (progressive widening)")
+    max_step_tokens: int = Field(
+        64, ge=1, description="most tokens of one step; a sample that reaches it without the separator is cut off"
+    )
 
 
 class Speculative(StageConfig):

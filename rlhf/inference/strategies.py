@@ -191,21 +191,26 @@ def next_steps(
     max_step_tokens: int,
     seed,
 ) -> tuple[Counter, int]:
-    """Sample `k` continuations of a partial solution and cut each at the task's step
+    """Sample `k` continuations of a partial solution, each stopped at the task's step
     separator. Returns the distinct next steps with how often each was sampled, and the
-    tokens generated for them (the whole samples: the text after the separator is
-    generated too, then dropped)."""
+    tokens generated for them. A sample that used all `max_step_tokens` without
+    reaching the separator holds a step cut off mid-way, not a step: it is dropped."""
     separator = task.step_separator
     prefix = prefix_text(tokenizer, prompt, steps, separator)
-    texts = generate(model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed)
+    texts = generate(
+        model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed, stop_strings=[separator]
+    )
+    lengths = count_tokens(tokenizer, texts)  # each plus one for the end of sequence
     counted: Counter = Counter()
-    for text in texts:
+    for text, length in zip(texts, lengths):
+        if separator not in text and length - 1 >= max_step_tokens:
+            continue
         # Exactly as written (a leading space stays), so that the next prefix is the text the
         # model produced; only what follows the step's end is dropped.
         step = text.split(separator)[0].rstrip()
         if step.strip():
             counted[step] += 1
-    return counted, sum(count_tokens(tokenizer, texts))
+    return counted, sum(lengths)
 
 
 def mcts(
@@ -217,7 +222,6 @@ def mcts(
     options: MCTS,
     max_new_tokens: int,
     seed: int = 0,
-    max_step_tokens: int = 16,
 ) -> Answer:
     """Step-level MCTS for one prompt, over the task's steps (a step the task calls final
     ends a path). `step_scorer(prompts, steps_lists)` returns P(good) per step (a PRM's
@@ -244,7 +248,15 @@ def mcts(
             path.append(node)
         if not node.terminal and len(node.steps) < max_depth:
             counted, generated = next_steps(
-                model, tokenizer, prompt, task, node.steps, expand, temperature, max_step_tokens, seed + simulation
+                model,
+                tokenizer,
+                prompt,
+                task,
+                node.steps,
+                expand,
+                temperature,
+                options.max_step_tokens,
+                seed + simulation,
             )
             node.expansions += 1
             tokens += generated

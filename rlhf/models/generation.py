@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rlhf.params import InputError
+
 
 def format_prompt(tokenizer, prompt) -> str:
     """A prompt string as the model sees it: conversational prompts go through the chat
@@ -25,7 +27,24 @@ def reward_text(tokenizer, prompt, completion) -> str:
     for conversational data."""
     if isinstance(prompt, str) and isinstance(completion, str):
         return prompt + completion + tokenizer.eos_token
+    if isinstance(completion, str):  # a sampled reply to a conversational prompt
+        completion = [{"role": "assistant", "content": completion}]
     return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+
+
+class PromptTooLongError(InputError, ValueError):
+    """A prompt and the tokens to generate do not fit in the model's positions."""
+
+
+def check_fits(model, length: int, max_new_tokens: int, text: str) -> None:
+    """Fail with what to change, not an index error deep in the model, when `length` prompt
+    tokens plus `max_new_tokens` exceed the model's `max_position_embeddings`."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and length + max_new_tokens > limit:
+        raise PromptTooLongError(
+            f"a prompt of {length} tokens plus max_new_tokens {max_new_tokens} exceeds the model's {limit} "
+            f"positions (the prompt begins {text[:60]!r}): lower the stage's max_new_tokens, or shorten the prompts"
+        )
 
 
 @torch.inference_mode()
@@ -39,11 +58,12 @@ def generate(
     temperature: float = 1.0,
     num_return_sequences: int = 1,
     seed: int | None = None,
+    stop_strings: list[str] | None = None,
 ) -> list[str]:
     """Completions for `prompts` (greedy unless `do_sample`), decoded without special tokens.
 
     With `num_return_sequences` > 1 the result holds that many completions per prompt,
-    grouped by prompt."""
+    grouped by prompt. A completion ends early at any of `stop_strings` (kept in it)."""
     model.eval()
     if seed is not None:
         torch.manual_seed(seed)
@@ -54,6 +74,8 @@ def generate(
         batch = tokenizer(
             texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
         ).to(model.device)
+        longest = int(batch["attention_mask"].sum(dim=1).argmax())
+        check_fits(model, int(batch["attention_mask"][longest].sum()), max_new_tokens, texts[start + longest])
         output = model.generate(
             **batch,
             max_new_tokens=max_new_tokens,
@@ -64,6 +86,7 @@ def generate(
             num_return_sequences=num_return_sequences,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            **({"stop_strings": stop_strings, "tokenizer": tokenizer} if stop_strings else {}),
         )
         new_tokens = output[:, batch["input_ids"].shape[1] :]
         completions.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
