@@ -233,3 +233,31 @@ def test_lora_all_linear_fits_gpt2_and_qwen2_and_trains_only_adapters(kind):
         optimizer.zero_grad()
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert moved == trainable
+
+
+def test_a_tokenizer_that_starts_text_with_bos_gets_it_wherever_a_prompt_is_read():
+    """Llama, Mistral and Gemma tokenizers put BOS before plain text; training (TRL, the
+    bucketed SFT) tokenizes with it, so generation, reward and PRM inputs, which the project
+    tokenizes without special tokens, carry it in their text: one BOS, never two."""
+    from tokenizers import processors
+
+    from rlhf.models.generation import format_prompt, reward_text, text_start
+    from rlhf.models.loading import build_tokenizer
+    from rlhf.rewards.prm_classifier import encode_steps
+    from rlhf.training.bucketed_sft import tokenize_prompt_completion
+
+    plain = build_tokenizer()
+    assert text_start(plain) == "" and format_prompt(plain, "1+2\n") == "1+2\n", "the built-in tokenizer adds none"
+    llama_like = build_tokenizer()
+    bos = llama_like.bos_token_id
+    llama_like._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{llama_like.bos_token} $A", special_tokens=[(llama_like.bos_token, bos)]
+    )
+    prompt = "1+2\n"
+    trained = tokenize_prompt_completion(llama_like, [prompt], ["1+2=3; answer 3"])["input_ids"][0]
+    read = llama_like(format_prompt(llama_like, prompt), add_special_tokens=False)["input_ids"]
+    assert read[0] == bos and read[1] != bos and trained[: len(read)] == read, "inference reads what training saw"
+    rewarded = llama_like(reward_text(llama_like, prompt, "answer 3"), add_special_tokens=False)["input_ids"]
+    assert rewarded[:2].count(bos) == 1 and rewarded[0] == bos
+    steps = encode_steps(llama_like, prompt, ["1+2=3", "answer 3"], [True, True], separator="; ")["input_ids"]
+    assert steps[: len(read)] == read

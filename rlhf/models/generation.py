@@ -13,20 +13,35 @@ import torch
 from rlhf.params import InputError
 
 
+def text_start(tokenizer) -> str:
+    """The BOS token's text when the tokenizer puts BOS before plain text by default (Llama,
+    Mistral, Gemma), else "": training (TRL, rlhf.training.bucketed_sft) tokenizes plain text
+    with the tokenizer's special tokens, and every prompt the project tokenizes itself is
+    tokenized without them, so the BOS is written into the text (a special token's text
+    reads back as that token)."""
+    bos = tokenizer.bos_token
+    if bos is None:
+        return ""
+    ids, plain = tokenizer("x")["input_ids"], tokenizer("x", add_special_tokens=False)["input_ids"]
+    return bos if len(ids) > len(plain) and ids[0] == tokenizer.bos_token_id else ""
+
+
 def format_prompt(tokenizer, prompt) -> str:
-    """A prompt string as the model sees it: conversational prompts go through the chat
-    template with the generation prompt appended."""
+    """A prompt string as the model sees it in training: plain text after the BOS the
+    tokenizer adds by default (`text_start`), conversational prompts through the chat
+    template with the generation prompt appended. Tokenize it without special tokens."""
     if isinstance(prompt, str):
-        return prompt
+        return text_start(tokenizer) + prompt
     return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
 
 
 def reward_text(tokenizer, prompt, completion) -> str:
     """The text a reward model reads, exactly as TRL's `RewardTrainer` builds it: prompt +
-    completion + EOS for standard data, the chat template over prompt + completion messages
-    for conversational data."""
+    completion + EOS for standard data (after the tokenizer's default BOS), the chat template
+    over prompt + completion messages for conversational data. Tokenize it without special
+    tokens."""
     if isinstance(prompt, str) and isinstance(completion, str):
-        return prompt + completion + tokenizer.eos_token
+        return text_start(tokenizer) + prompt + completion + tokenizer.eos_token
     if isinstance(completion, str):  # a sampled reply to a conversational prompt
         completion = [{"role": "assistant", "content": completion}]
     return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)

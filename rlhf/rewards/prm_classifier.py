@@ -49,30 +49,19 @@ IGNORE = -100
 # ----------------------------------------------------------------------------- inputs
 
 
-def special_prefix(tokenizer) -> list[int]:
-    """[BOS] when the tokenizer puts one before plain text by default (as the causal LM saw
-    text in training), else nothing. Conversational prompts get theirs from the chat template."""
-    bos = tokenizer.bos_token_id
-    ids = tokenizer("x")["input_ids"]
-    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
-    return [bos] if bos is not None and len(ids) > len(plain) and ids[0] == bos else []
-
-
 def encode_steps(
     tokenizer,
     prompt,
     steps: Sequence[str],
     labels: Sequence[bool] | None = None,
     separator: str = DEFAULT_SEPARATOR,
-    prefix: list[int] | None = None,
 ) -> dict[str, list[int]]:
-    """input_ids and token labels of one row. Without `labels` (scoring), each step's
-    position carries GOOD as a placeholder: what matters is where the labels are."""
+    """input_ids and token labels of one row (the prompt as the LM saw it in training:
+    `format_prompt`). Without `labels` (scoring), each step's position carries GOOD as a
+    placeholder: what matters is where the labels are."""
     if labels is not None and len(labels) != len(steps):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels; give one label per step")
-    if prefix is None:
-        prefix = special_prefix(tokenizer) if isinstance(prompt, str) else []
-    input_ids = prefix + tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    input_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
     token_labels = [IGNORE] * len(input_ids)
     separator_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
     if not separator_ids:
@@ -104,10 +93,9 @@ def truncate_to_steps(row: dict[str, list[int]], max_length: int) -> dict[str, l
 def build_dataset(tokenizer, rows, separator: str = DEFAULT_SEPARATOR, max_length: int | None = None) -> Dataset:
     """Tokenized training rows from a validated prm table (prompt, completions, labels).
     Prints how many rows were cut to fit and how many were dropped."""
-    prefix = special_prefix(tokenizer)
     encoded, cut, dropped = [], 0, 0
     for prompt, steps, labels in zip(rows["prompt"], rows["completions"], rows["labels"]):
-        row = encode_steps(tokenizer, prompt, steps, labels, separator, prefix if isinstance(prompt, str) else [])
+        row = encode_steps(tokenizer, prompt, steps, labels, separator)
         if max_length is not None:
             fitted = truncate_to_steps(row, max_length)
             if fitted is None:
@@ -225,11 +213,7 @@ class ClassifierPRM(StepScorer):
         if len(prompts) != len(steps):
             raise ValueError(f"{len(prompts)} prompts but {len(steps)} step lists")
         self.model.eval()
-        prefix = special_prefix(self.tokenizer)
-        rows = [
-            encode_steps(self.tokenizer, p, s, None, self.separator, prefix if isinstance(p, str) else [])
-            for p, s in zip(prompts, steps)
-        ]
+        rows = [encode_steps(self.tokenizer, p, s, None, self.separator) for p, s in zip(prompts, steps)]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         scores: list[list[float]] = [[] for _ in rows]
         # Longest first, in batches of similar length: less padding.
