@@ -463,3 +463,19 @@ def test_a_prompt_that_leaves_no_room_to_generate_fails_with_what_to_change(toke
     long = "1+2+3+4+5+6+7+8+9+10+11+12\n"  # 27 characters: 27 tokens of the built-in tokenizer
     with pytest.raises(PromptTooLongError, match=r"a prompt of 27 tokens plus max_new_tokens 8 exceeds the model's 32"):
         generate(model, tokenizer, ["1+2\n", long], max_new_tokens=8)
+
+
+def test_the_generate_command_takes_the_projects_task(tmp_path):
+    """In a project, rlhf-generate reads answers as params.yaml's task does (here a regex
+    task with its pattern); --task of another kind replaces it; a kind that needs settings
+    it was not given says how to give them."""
+    from rlhf.inference.generate import command_task
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"task": {"kind": "regex", "pattern": r"Final: (\S+)"}}))
+    task = command_task(None, str(params))
+    assert task.name == "regex" and task.extract_answer("work\nFinal: 42") == "42"
+    assert command_task("gsm8k", str(params)).name == "gsm8k"
+    assert command_task(None, str(tmp_path / "none.yaml")).name == "builtin"
+    with pytest.raises(SystemExit, match=r"^--task regex: pattern: required by task kind 'regex'.*--params FILE"):
+        command_task("regex", str(tmp_path / "none.yaml"))

@@ -7,8 +7,9 @@
     rlhf-generate --model models/sft --strategy ensemble --members models/sft models/policy/dpo "12+7-3"
 
 (`python -m rlhf.inference.generate` is the same command.) Prompts come from the
-arguments or, with none, one per line on stdin; the task (`--task`, default the built-in
-one) puts them in the form the model was trained on. Prints one JSON object per prompt:
+arguments or, with none, one per line on stdin; the task (the `task` block of the project's
+params.yaml, or `--task`, else the built-in one) puts them in the form the model was
+trained on and reads their answers and steps. Prints one JSON object per prompt:
 the completion, its answer, tokens generated and samples drawn. Every setting a flag does
 not give keeps the default of `rlhf.inference.settings.Strategies`, the same default that
 params.yaml `infer` has. Best-of-n reranks with the PRM (`--prm`) unless `--reward-model`
@@ -45,7 +46,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
     parser.add_argument("--model", required=True, help="a saved candidate: a local Hugging Face model directory")
-    parser.add_argument("--task", choices=sorted(TASKS), default=TaskConfig().kind, help="reads answers and steps")
+    parser.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        help="the task kind that shapes prompts and reads answers and steps (default: the `task` of --params, "
+        "else the built-in task); a kind with settings (regex's pattern) takes them from --params",
+    )
+    parser.add_argument("--params", default="params.yaml", help="the project's params, for its `task` block")
     parser.add_argument("--strategy", choices=STRATEGIES, default="greedy")
     parser.add_argument("--max-new-tokens", type=int, help=f"default {defaults.max_new_tokens}")
     parser.add_argument(
@@ -92,6 +99,32 @@ def settings_from(args: argparse.Namespace) -> Strategies:
     return Strategies.model_validate(settings)
 
 
+def command_task(kind: str | None, params_path: str):
+    """The task of the command: the `task` block of the project's params (when the file is
+    there and `kind` is not given or is its kind), else `kind` (default the built-in task)
+    with its default settings; a kind that cannot run without settings says how to give them."""
+    from pathlib import Path
+
+    import yaml
+    from pydantic import ValidationError
+
+    block = {}
+    if Path(params_path).is_file():
+        block = (yaml.safe_load(Path(params_path).read_text()) or {}).get("task") or {}
+    if kind is not None and block.get("kind", TaskConfig().kind) != kind:
+        block = {"kind": kind}
+    try:
+        return get_task(TaskConfig(**block))
+    except (ValueError, ValidationError) as error:
+        shown = (
+            error.errors()[0]["msg"].removeprefix("Value error, ") if isinstance(error, ValidationError) else str(error)
+        )
+        raise SystemExit(
+            f"--task {block.get('kind', TaskConfig().kind)}: {shown}. Run the command where params.yaml (or "
+            "--params FILE) sets `task` with that kind and its settings"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.strategy == "speculative" and not args.draft:
@@ -105,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlhf.inference.strategies import run_strategy
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
-    task = get_task(TaskConfig(kind=args.task))
+    task = command_task(args.task, args.params)
     prompts = args.prompts or [line for line in sys.stdin.read().splitlines() if line.strip()]
     prompts = [task.normalize_prompt(p) for p in prompts]
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
