@@ -283,11 +283,20 @@ def input_problems(params: dict) -> list[str]:
     named += [("gate.select_suite", params["gate"].select_suite), ("validate.suite", params["validate"].suite)]
     named += [(f"gate.tests[{i}].suite", t.suite) for i, t in enumerate(params["gate"].tests or [])]
     for key, suite in named:
-        if suite is not None and suite not in suites and suite not in harness_suites:
+        if suite is None or suite in suites:
+            continue
+        if suite in harness_suites and key.startswith("gate."):  # the gate reads the harness's scores too
+            continue
+        if suite in harness_suites:
             problems.append(
-                f"{key}: no eval suite {suite!r} (prepare writes {suites}); add prepare.files.eval_{suite} "
-                "or name one of those (null: the default role)"
+                f"{key}: {suite!r} is an lm-evaluation-harness score, not a suite of problems this stage can run; "
+                f"name one of {suites}"
             )
+            continue
+        problems.append(
+            f"{key}: no eval suite {suite!r} (prepare writes {suites}); add prepare.files.eval_{suite} "
+            "or name one of those (null: the default role)"
+        )
     gate = params["gate"]
     if not task.checks_answers and "prefs" not in available and (gate.tests is None or gate.select_metric is None):
         problems.append(

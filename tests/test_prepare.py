@@ -172,6 +172,17 @@ def test_inference_strategies_that_cannot_work_for_the_task_fail_in_check_params
     assert any(p.startswith("infer.strategies: self_consistency votes on answers; task.kind 'none'") for p in found)
 
 
+def test_a_harness_score_is_a_gate_suite_but_not_a_suite_to_run(tmp_path, params):
+    data = copy.deepcopy(params)
+    data["evaluate"]["harness"] = {"suites": ["heldout"]}
+    data["gate"]["tests"] = [{"metric": "accuracy", "suite": "harness/rlhf_heldout", "relative_to": "sft"}]
+    data["infer"]["suite"] = "harness/rlhf_heldout"
+    assert problems(tmp_path, data) == [
+        "infer.suite: 'harness/rlhf_heldout' is an lm-evaluation-harness score, not a suite of problems this stage "
+        "can run; name one of ['heldout']"
+    ]
+
+
 def test_the_default_gate_of_a_task_without_answers_needs_preference_data(tmp_path, params):
     data = copy.deepcopy(params)
     data["task"] = {"kind": "none"}
