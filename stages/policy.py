@@ -90,7 +90,8 @@ PLOTTED = {
     "loss": ("loss",),
     "reward": ("reward", "score", "rewards/margins"),
     "kl": ("kl",),
-    "accuracy": ("rewards/answer_match/mean", "rewards/accuracies"),
+    # TRL logs each reward function by its name, which build_rewards numbers: 0_answer_match.
+    "accuracy": (r"rewards/(\d+_)?answer_match/mean", "rewards/accuracies"),
 }
 
 
@@ -436,10 +437,13 @@ def training_data(method: str) -> Path:
 
 def plotted_curves(curve: list[dict]) -> dict[str, list[dict]]:
     """The per-quantity curves of PLOTTED that `curve` (rows of step and logged values) has:
-    {quantity: rows of step and the logged name}."""
+    {quantity: rows of step and the logged name} (PLOTTED's names are patterns, in order)."""
+    import re
+
+    logged = list(dict.fromkeys(key for row in curve for key in row))
     out = {}
-    for quantity, names in PLOTTED.items():
-        name = next((n for n in names if any(n in row for row in curve)), None)
+    for quantity, patterns in PLOTTED.items():
+        name = next((k for p in patterns for k in logged if re.fullmatch(p, k)), None)
         if name is not None:
             out[quantity] = [{"step": row["step"], name: row[name]} for row in curve if name in row]
     return out

@@ -49,7 +49,8 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
     if method in ("grpo", "rloo"):
         # Two prompts of two completions per step, scored by the (micro) RM ensemble: a
         # reward that varies continuously, so that the advantages are not all zero.
-        updates |= {"num_generations": 2, "max_completion_length": 8, "rewards": [{"name": "reward_model"}]}
+        rewards = [{"name": "reward_model"}, {"name": "answer_match", "weight": 0.0}]  # the second: accuracy
+        updates |= {"num_generations": 2, "max_completion_length": 8, "rewards": rewards}
     if method == "ppo":
         del updates["per_device_train_batch_size"]  # PPO's batches are rollout_batch_size and mini_batch_size
         updates |= {
@@ -77,6 +78,8 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
         (name,) = set(plotted["reward"][0]) - {"step"}
         assert name == {"dpo": "rewards/margins", "ppo": "score"}.get(method, "reward")
         assert len(plotted["reward"]) == 2 and all(math.isfinite(row[name]) for row in plotted["reward"])
+    if method in ("grpo", "rloo"):
+        assert set(plotted["accuracy"][0]) == {"step", "rewards/1_answer_match/mean"}, "TRL's name for the reward"
     assert not any(p.name.startswith("adapter") for p in out.iterdir()), "adapters are merged on save"
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert changed(weights(sft_project / "models/sft"), weights(out))

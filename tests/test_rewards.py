@@ -22,7 +22,7 @@ from rlhf.rewards.functions import (
     repetition_rule,
     weighted_sum,
 )
-from rlhf.tasks import get_task
+from rlhf.tasks import TaskConfig, get_task
 from rlhf.tasks.base import Task
 
 TASK = get_task()  # the built-in arithmetic task
@@ -73,6 +73,19 @@ def test_numeric_tolerance_reads_the_tasks_answer_as_a_number():
     assert rewards == [1.0, 1.0, 0.0]
 
 
+def test_answer_rewards_read_a_whole_reference_solution_and_pay_nothing_without_one():
+    """GSM8K's answer column holds the whole solution: both answer rewards read "#### 72"
+    from it as the task does ("$72" too); a prompt without an answer (None from TRL, NaN
+    from pandas, an empty cell) gets 0 from both, never an error or a match on "none"."""
+    gsm8k = get_task(TaskConfig(kind="gsm8k"))
+    completions = ["So 72.\n#### 72", "#### 71", "#### 72", "#### 72", "#### none"]
+    answers = ["She sold 48 + 24 = 72.\n#### 72", "$72", None, float("nan"), ""]
+    assert answer_match(["q"] * 5, completions, answer=answers, task=gsm8k) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert numeric_tolerance(["q"] * 5, completions, answer=answers, atol=1, task=gsm8k) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    text = get_task(TaskConfig(kind="regex", pattern=r"Final: (\S+)"))
+    assert answer_match(["q"] * 2, ["Final: none", "Final: nan"], answer=[None, float("nan")], task=text) == [0, 0]
+
+
 def test_format_builtin_and_pattern():
     assert format_match(PROMPTS, COMPLETIONS, task=TASK) == [1.0, 1.0, 1.0, 0.0]
     assert format_match(PROMPTS, COMPLETIONS, pattern=r"[a-z]+", task=TASK) == [0.0, 0.0, 0.0, 1.0]
@@ -98,8 +111,18 @@ def test_constitutional_rules():
 
 
 def test_conversational_completions_are_read_as_text():
+    """The text of every message: a tool call without content adds none, text parts of a
+    multimodal content list are read."""
     completion = [{"role": "assistant", "content": "3+4=7; 7-2=5; answer 5"}]
     assert answer_match(["x"], [completion], answer=["5"], task=TASK) == [1.0]
+    parts = [
+        {"role": "assistant", "content": None, "tool_calls": [{"name": "calc"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "3+4=7; 7-2=5; "}, {"type": "text", "text": "answer 5"}],
+        },
+    ]
+    assert answer_match(["x"], [parts], answer=["5"], task=TASK) == [1.0]
 
 
 def test_weighted_sum_of_declared_rewards():

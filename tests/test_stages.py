@@ -369,3 +369,26 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
         [client.get_experiment_by_name("stages-test").experiment_id], "tags.`rlhf.stage` = 'rollback'"
     )
     assert runs and runs[0].data.tags["rollback.to_version"] == target
+
+
+def test_policy_plots_find_a_reward_under_the_name_trl_logs():
+    """build_rewards numbers the functions (0_reward_model, 1_answer_match) and TRL logs
+    each under its name: the accuracy curve is the answer reward's mean whatever its index."""
+    from stages.policy import plotted_curves
+
+    curve = [
+        {
+            "step": 1,
+            "loss": 0.5,
+            "reward": 0.2,
+            "rewards/0_reward_model/mean": 0.1,
+            "rewards/1_answer_match/mean": 0.25,
+        },
+        {"step": 2, "loss": 0.4, "reward": 0.3, "rewards/0_reward_model/mean": 0.2, "rewards/1_answer_match/mean": 0.5},
+    ]
+    plotted = plotted_curves(curve)
+    assert plotted["accuracy"] == [
+        {"step": 1, "rewards/1_answer_match/mean": 0.25},
+        {"step": 2, "rewards/1_answer_match/mean": 0.5},
+    ]
+    assert set(plotted) == {"loss", "reward", "accuracy"}

@@ -34,7 +34,8 @@ def member_dirs(root: str | Path) -> list[Path]:
     members = sorted(p for p in root.glob(f"{MEMBER_PREFIX}*") if p.is_dir())
     if not members:
         raise FileNotFoundError(
-            f"no reward models in {root} (expected {MEMBER_PREFIX}0, {MEMBER_PREFIX}1, ...); run `dvc repro rm` first"
+            f"no reward models in {root} (expected folders {MEMBER_PREFIX}0, {MEMBER_PREFIX}1, ...: what stage rm "
+            "writes under models/rm); run `dvc repro rm`, or point the reward's `path` at such a folder"
         )
     return members
 

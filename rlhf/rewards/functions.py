@@ -45,24 +45,40 @@ ModelDirs = Mapping[str, "str | Path"]  # reward name -> model folder, for model
 
 
 def completion_text(completion) -> str:
-    """The text of a completion: a string, or the content of conversational messages."""
+    """The text of a completion: a string, or the text content of conversational messages
+    (a message without text, such as a tool call, adds none)."""
     if isinstance(completion, str):
         return completion
-    return "".join(message["content"] for message in completion)
+    return "".join(_message_text(message.get("content")) for message in completion)
+
+
+def _message_text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multimodal parts: their text ones
+        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    return ""
 
 
 def _answers(answer, count: int) -> list:
+    """One reference per completion; None where the prompt has none (a missing cell reads
+    back from Parquet as None or NaN, an empty one as "")."""
     if answer is None:
-        raise ValueError("this reward needs an `answer` column in the prompt data (prompt, answer)")
-    return list(answer) if not isinstance(answer, str) else [answer] * count
+        raise ValueError(
+            "this reward needs an `answer` column in the prompt data: give prepare.files.prompts with prompt and "
+            "answer, or SFT data whose completions state answers the task reads"
+        )
+    answers = list(answer) if not isinstance(answer, str) else [answer] * count
+    return [None if a is None or a != a or (isinstance(a, str) and not a.strip()) else a for a in answers]
 
 
 # ----------------------------------------------------------------------------- functions
 
 
 def answer_match(prompts: Sequence, completions: Sequence, answer=None, *, task: Task, **_) -> list[float]:
+    """1 for a completion that reaches its prompt's answer, else 0 (0 for a prompt without one)."""
     answers = _answers(answer, len(completions))
-    return [float(task.is_correct(completion_text(c), a)) for c, a in zip(completions, answers)]
+    return [float(a is not None and task.is_correct(completion_text(c), a)) for c, a in zip(completions, answers)]
 
 
 def _as_number(text) -> float | None:
@@ -75,12 +91,24 @@ def _as_number(text) -> float | None:
 def numeric_tolerance(
     prompts: Sequence, completions: Sequence, answer=None, atol: float = 0.0, rtol: float = 0.0, *, task: Task, **_
 ) -> list[float]:
+    """1 for a completion whose answer is within atol + rtol * |reference| of its prompt's
+    answer (both read by the task, as answer_match reads them), else 0."""
     rewards = []
     for completion, reference in zip(completions, _answers(answer, len(completions))):
-        predicted, target = _as_number(task.extract_answer(completion_text(completion))), _as_number(reference)
+        predicted = _as_number(task.extract_answer(completion_text(completion)))
+        target = _as_number(_reference(task, reference))
         ok = predicted is not None and target is not None and abs(predicted - target) <= atol + rtol * abs(target)
         rewards.append(float(ok))
     return rewards
+
+
+def _reference(task: Task, reference) -> str | None:
+    if reference is None:
+        return None
+    try:
+        return task.reference_answer(reference)
+    except ValueError:
+        return None
 
 
 def format_match(
