@@ -326,3 +326,19 @@ def test_a_missing_reader_model_fails_naming_the_param(tmp_path, monkeypatch, ml
     rows, held_out, _ = stage.load_labels(stage.Config(), ArithmeticTask(), data, eval_data, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match=r"prm.init 'verifier' \(models/verifier\) directory models/verifier"):
         stage.run(stage.Config(), SEP, Path("models/verifier"), rows, held_out, tmp_path / "out")
+
+
+def test_token_logprobs_in_row_chunks_are_the_whole_batchs(micro_dir):
+    """A logits budget of one row at a time gives the log-probs of one forward over the
+    batch (padding and all), so a large vocabulary is scored without its full logits."""
+    from rlhf.models.loading import load_causal_lm
+    from rlhf.rewards.likelihood import token_logprobs
+
+    tokenizer, lm = build_tokenizer(), load_causal_lm(micro_dir)
+    batch = tokenizer(["1+2\n1+2=3; answer 3", "12+7\nanswer 19", "3\n"], return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        whole = token_logprobs(lm, batch["input_ids"], batch["attention_mask"])
+        one_row = batch["input_ids"].shape[1] * lm.get_output_embeddings().weight.shape[0] * 4
+        chunked = token_logprobs(lm, batch["input_ids"], batch["attention_mask"], logits_budget=one_row)
+    assert whole.shape == (3, batch["input_ids"].shape[1] - 1)
+    assert torch.allclose(chunked, whole, atol=1e-5)

@@ -6,12 +6,25 @@ from __future__ import annotations
 
 import torch
 
+LOGITS_BUDGET = 2**30  # bytes of float32 logits one forward may hold (a 150k vocabulary: about 7k tokens)
 
-def token_logprobs(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T - 1): entry t - 1 is log p(token t | tokens < t), differentiable."""
-    logits = lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()[:, :-1]
-    chosen = logits.gather(2, input_ids[:, 1:, None])[..., 0]
-    return chosen - logits.logsumexp(-1)
+
+def token_logprobs(
+    lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_budget: int = LOGITS_BUDGET
+) -> torch.Tensor:
+    """(B, T - 1): entry t - 1 is log p(token t | tokens < t), differentiable. The rows go
+    through the LM a few at a time, so that their float32 logits (rows x T x vocabulary)
+    stay within `logits_budget` bytes whatever the batch: a large vocabulary's full logits
+    would otherwise take tens of GB for one scoring batch."""
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    rows = max(1, logits_budget // (input_ids.shape[1] * vocab * 4))
+    parts = []
+    for start in range(0, input_ids.shape[0], rows):
+        ids, mask = input_ids[start : start + rows], attention_mask[start : start + rows]
+        logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()[:, :-1]
+        parts.append(logits.gather(2, ids[:, 1:, None])[..., 0] - logits.logsumexp(-1))
+        del logits
+    return torch.cat(parts)
 
 
 def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float = 1e-3, steps: int = 100):
