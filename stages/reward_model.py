@@ -196,6 +196,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     from rlhf.models.compute import is_main, world_size
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
+    from rlhf.rewards.likelihood_rm import pairs_dataset
     from rlhf.training.trainer_setup import checkpoint_dir, discard_checkpoints, fingerprint, last_logged
 
     stage = "rm"
@@ -204,7 +205,13 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     pairs = read_prepared(data, "rm")
     start = time.perf_counter()
     if config.kind == "classifier":
-        train, fit = Dataset.from_pandas(pairs, preserve_index=False), {}
+        # TRL's RewardTrainer leaves out pairs longer than max_length without a word: count
+        # them the way it tokenizes (and fail here when that is every pair).
+        _, dropped = pairs_dataset(tokenizer, pairs, config.max_length)
+        if dropped:
+            print(f"rm: {dropped} of {len(pairs)} pairs are longer than rm.max_length {config.max_length} tokens and "
+                  "are left out of training; raise rm.max_length to keep them")  # fmt: skip
+        train, fit = Dataset.from_pandas(pairs, preserve_index=False), {"dropped_pairs": dropped}
     else:
         head, dataset, fit = likelihood_start(config, init, pairs, tokenizer)
         train = (head, dataset)

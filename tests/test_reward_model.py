@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from datasets import Dataset
 from safetensors.torch import load_file
 
 from rlhf.models.loading import build_tokenizer, load_causal_lm
@@ -286,3 +287,32 @@ def test_accuracy_by_flaw_groups_pairs_by_the_tasks_error_kind():
     assert stage.accuracy_by_flaw(Task(), pairs, chosen, rejected) == {}
     words = pairs.assign(prompt=["capital of France?\n"] * 3)
     assert stage.accuracy_by_flaw(get_task(), words, chosen, rejected) == {}
+
+
+def test_pairs_counted_over_max_length_are_the_ones_trls_reward_trainer_leaves_out(tmp_path):
+    """The classifier kind trains with TRL's RewardTrainer, which drops pairs longer than
+    max_length silently; the stage counts them with pairs_dataset and reports the number.
+    Here two of four pairs are too long, and TRL keeps exactly the other two."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+    from trl import RewardConfig, RewardTrainer
+
+    tokenizer = build_tokenizer()
+    pairs = pd.DataFrame(
+        {
+            "prompt": ["1+2\n", "3+4\n", "1+2+3+4+5+6\n", "2+2\n"],
+            "chosen": ["answer 3", "answer 7", "1+2=3; 3+3=6; 6+4=10; 10+5=15; 15+6=21; answer 21", "answer 4"],
+            "rejected": ["answer 4", "answer 8", "answer 20", "2+2=4; 4+0=4; 4+0=4; 4+0=4; 4+0=4; 4+0=4; answer 4"],
+        }
+    )
+    _, dropped = pairs_dataset(tokenizer, pairs, max_length=24)
+    assert dropped == 2
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = AutoModelForSequenceClassification.from_config(config)
+    args = RewardConfig(output_dir=str(tmp_path), max_length=24, report_to=[], use_cpu=True)
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_pandas(pairs), processing_class=tokenizer
+    )
+    assert len(trainer.train_dataset) == len(pairs) - dropped
