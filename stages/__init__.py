@@ -305,6 +305,8 @@ def input_problems(params: dict) -> list[str]:
             "gate.select_metric"
         )
     problems += difficulty_problems(params, lambda suite: builtin_difficulties(params, suite))
+    from stages.round_data import operands_problem
+
     improve = params["improve"]
     if improve.rounds and not task.checks_answers:
         problems.append(
@@ -318,11 +320,8 @@ def input_problems(params: dict) -> list[str]:
                 f"{round_key(improve, name, 'checks')}: the steps check needs a task that checks steps; "
                 f"task.kind {task.name!r} does not (use answer, vote or prm)"
             )
-        if settings.operands is not None and task.name != "builtin":
-            problems.append(
-                f"{round_key(improve, name, 'operands')}: generates built-in problems, but task.kind is "
-                f"{task.name!r}, whose problems come from data/prepared/prompts.parquet: set it to null"
-            )
+        if settings.operands is not None and operands_problem(task):
+            problems.append(f"{round_key(improve, name, 'operands')}: {operands_problem(task)}")
         if "prm" in settings.checks:
             need_model("the prm check", "prm", round_key(improve, name, "checks"))
         if settings.refine:

@@ -12,18 +12,8 @@ import yaml
 
 from rlhf.params import ParamsError
 from rlhf.tasks.arithmetic import ArithmeticTask
-from stages.improve import (
-    Config,
-    Settings,
-    default_tests,
-    gate,
-    judge_samples,
-    kept_rows,
-    majority,
-    preference_pairs,
-    round_problems,
-    train_candidate,
-)
+from stages.improve import Config, Settings, default_tests, gate, train_candidate
+from stages.round_data import judge_samples, kept_rows, majority, preference_pairs, round_problems
 from tests.conftest import REPO, make_project, run, tiny_params
 
 TASK = ArithmeticTask()
@@ -518,7 +508,7 @@ def test_chat_prompts_train_on_assistant_messages_and_each_problem_pairs_alone(t
     prompt listed twice gives each listing its own pairs (not both problems' samples)."""
     import pandas as pd
 
-    from stages.improve import sft_rows
+    from stages.round_data import sft_rows
 
     chat = [{"role": "user", "content": "2+2?"}]
     right, wrong = [{"completion": "4", "kept": True}], [{"completion": "5", "kept": False}]
