@@ -231,7 +231,36 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
     if feedback is not None and len(feedback):
         add_feedback(tables, origins, feedback, config)
     derive(tables, origins, task, config)
+    check_one_format(tables, origins)
     return tables, origins
+
+
+def check_one_format(tables: dict, origins: dict) -> None:
+    """Every table the policy trains, samples or is evaluated on holds one format, text or
+    messages (each file already does, by its contract): a policy trained through the chat
+    template and sampled or scored without it (or the reverse) is quietly wrong. The PRM's
+    tables may differ (its model may be another)."""
+    from rlhf.data.contracts import DataValidationError, value_format
+
+    formats: dict[str, list[str]] = {}
+    for name, table in tables.items():
+        if kind_of(name) == "prm" or not len(table):
+            continue
+        column = "messages" if "messages" in table.columns else "prompt"
+        formats.setdefault(value_format(table[column].iloc[0]), []).append(name)
+    if len(formats) < 2:
+        return
+    sides = sorted(formats.items())
+    listed = "; ".join(f"{fmt}: " + ", ".join(f"{n} ({origins[n]})" for n in names) for fmt, names in sides)
+    files = [origins[n] for _, names in sides for n in names if Path(origins[n]).exists()]
+    raise DataValidationError(
+        ", ".join(dict.fromkeys(files)) or "prepare",
+        [
+            f"the prepared tables mix formats ({listed}); the policy would be trained with the chat template "
+            "and sampled or evaluated without it, or the reverse. Give every file in one format (all text or "
+            "all messages)"
+        ],
+    )
 
 
 def answer_problems(frame, task) -> list[str]:

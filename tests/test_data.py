@@ -396,14 +396,23 @@ def test_implicit_prompt_with_column_mapping(tmp_path):
 
 
 def test_implicit_prompt_problems_name_the_row(tmp_path):
-    """Row 1 is fine. Row 2: no common prefix. Row 3: identical. Row 4: conversations that
-    differ at the user's turn, so no reply follows the shared prompt. Row 5: no common first
-    message. Row 6: text beside messages."""
+    """Text: row 1 is fine, row 2 has no common prefix, row 3 is identical. Messages: row 1
+    is fine; row 2's conversations differ at the user's turn, so no reply follows the shared
+    prompt; row 3 has no common first message; row 4 puts text beside messages."""
     user = {"role": "user", "content": "q"}
-    rows = [
-        HH[0],
-        {"chosen": "Yes.", "rejected": "No."},
-        {"chosen": "same", "rejected": "same"},
+    text_rows = [HH[0], {"chosen": "Yes.", "rejected": "No."}, {"chosen": "same", "rejected": "same"}]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "text.jsonl", text_rows), "preference")
+    assert error.value.problems == [
+        "row 2: chosen and rejected share no prompt (no common prefix); add a prompt column",
+        "row 3: chosen and rejected are identical",
+    ]
+    conversational = CONVERSATIONAL[0]
+    message_rows = [
+        {
+            "chosen": conversational["prompt"] + conversational["chosen"],
+            "rejected": conversational["prompt"] + conversational["rejected"],
+        },
         {
             "chosen": [{"role": "system", "content": "s"}, user, {"role": "assistant", "content": "a"}],
             "rejected": [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}],
@@ -412,33 +421,55 @@ def test_implicit_prompt_problems_name_the_row(tmp_path):
         {"chosen": "text", "rejected": [user]},
     ]
     with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "p.jsonl", rows), "preference")
+        load_contract(write(tmp_path / "messages.jsonl", message_rows), "preference")
     assert error.value.problems == [
-        "row 2: chosen and rejected share no prompt (no common prefix); add a prompt column",
-        "row 3: chosen and rejected are identical",
-        "row 4: chosen and rejected differ before the reply (at a 'user' message); add a prompt column",
-        "row 5: chosen and rejected share no prompt (no common first message); add a prompt column",
-        "row 6: chosen and rejected must both be text or both be messages",
+        "row 2: chosen and rejected differ before the reply (at a 'user' message); add a prompt column",
+        "row 3: chosen and rejected share no prompt (no common first message); add a prompt column",
+        "row 4: 'chosen' is text, 'rejected' is messages; a row's fields must all be text or all be messages",
     ]
+
+
+def test_one_format_per_file(tmp_path):
+    """TRL reads a dataset's format from its first row and applies the chat template to
+    every field or to none: a file that mixes text and messages, between rows or within a
+    row, fails naming each row, before any model loads."""
+    user = [{"role": "user", "content": "2+2?"}]
+    rows = [
+        {"prompt": "1+1?", "completion": "2"},
+        {"prompt": user, "completion": [{"role": "assistant", "content": "4"}]},
+        {"prompt": user, "completion": "4"},
+        {"prompt": "3+3?", "completion": "6"},
+    ]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "sft.jsonl", rows), "sft")
+    assert error.value.problems == [
+        "row 2: its fields are messages but row 1's are text; a file holds one format (all text or all "
+        "messages): convert the rows, or split them into two files",
+        "row 3: 'prompt' is messages, 'completion' is text; a row's fields must all be text or all be messages",
+    ]
+    prompts = [{"prompt": user, "answer": "4"}, {"prompt": "1+1?", "answer": "2"}]
+    with pytest.raises(DataValidationError, match="row 2: its fields are text but row 1's are messages"):
+        load_contract(write(tmp_path / "prompts.jsonl", prompts), "prompts")
 
 
 def test_identical_chosen_and_rejected(tmp_path):
-    """Compared after normalising: row 2's messages differ only by a key the contract drops."""
+    """Compared after normalising: the conversation's messages differ only by a key the
+    contract drops."""
+    rows = [dict(PREFS[0], rejected=PREFS[0]["chosen"]), PREFS[1]]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "p.jsonl", rows), "preference")
+    assert error.value.problems == ["row 1: chosen and rejected are identical"]
     rows = [
-        dict(PREFS[0], rejected=PREFS[0]["chosen"]),
+        CONVERSATIONAL[0],
         {
-            "prompt": "2+2?",
+            "prompt": [{"role": "user", "content": "2+2?"}],
             "chosen": [{"role": "assistant", "content": "4", "name": "bot"}],
             "rejected": [{"role": "assistant", "content": "4"}],
         },
-        PREFS[1],
     ]
     with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "p.jsonl", rows), "preference")
-    assert error.value.problems == [
-        "row 1: chosen and rejected are identical",
-        "row 2: chosen and rejected are identical",
-    ]
+        load_contract(write(tmp_path / "c.jsonl", rows), "preference")
+    assert error.value.problems == ["row 2: chosen and rejected are identical"]
 
 
 # ----------------------------------------------------------------------------- splits and the Hub

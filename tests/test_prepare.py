@@ -86,6 +86,39 @@ def test_builtin_and_user_files_mix_in_one_prepare(user_files, tmp_path):
         run(Config(builtin=builtin, files=messages), get_task())
 
 
+def test_files_in_two_formats_fail_naming_each_table_and_its_file(user_files, tmp_path):
+    """Chat preference pairs beside text SFT and eval files: DPO would train through the
+    chat template while SFT, sampling and evaluation read plain text. prepare refuses,
+    naming the tables of each format and their files; in one format the same data passes."""
+    chat_pairs = [
+        {
+            "prompt": [{"role": "user", "content": f"{a}+1?"}],
+            "chosen": [{"role": "assistant", "content": f"#### {a + 1}"}],
+            "rejected": [{"role": "assistant", "content": f"#### {a}"}],
+        }
+        for a in range(20)
+    ]
+    user_files["prefs"]["path"] = path = write_jsonl(tmp_path / "chat_prefs.jsonl", chat_pairs)
+    with pytest.raises(DataValidationError) as error:
+        run(Config(source="files", files=user_files), GSM8K)
+    assert path in error.value.path and user_files["sft"]["path"] in error.value.path
+    (problem,) = error.value.problems
+    assert problem.startswith(
+        f"the prepared tables mix formats (messages: prefs ({path}), prefs_eval (derived: 2 pairs held out"
+    )
+    assert f"text: sft ({user_files['sft']['path']}), " in problem and "eval_heldout (" in problem
+    assert problem.endswith("Give every file in one format (all text or all messages)")
+    chat_sft = [
+        {"messages": [{"role": "user", "content": f"{a}+1?"}, {"role": "assistant", "content": f"#### {a + 1}"}]}
+        for a in range(10)
+    ]
+    chat_eval = [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}]
+    user_files["sft"] = {"path": write_jsonl(tmp_path / "chat_sft.jsonl", chat_sft)}
+    user_files["eval_heldout"]["path"] = write_jsonl(tmp_path / "chat_eval.jsonl", chat_eval)
+    tables, _ = run(Config(source="files", files=user_files), GSM8K)
+    assert tables["prompts"]["prompt"].iloc[0] == [{"role": "user", "content": "0+1?"}]
+
+
 def test_an_answer_the_task_cannot_read_fails_in_prepare_naming_file_and_row(user_files, tmp_path):
     """A numeric task's eval answer "N/A" would crash evaluate (or a round, after its
     sampling); prepare refuses it, naming the file and the row."""

@@ -110,6 +110,21 @@ def test_constitutional_rules():
     assert banned_rule(PROMPTS, COMPLETIONS, words=["FIVE", "15"]) == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_rule_rewards_pay_nothing_for_an_empty_completion():
+    """An empty or blank completion keeps every rule (as measures: length 0, no repeats, no
+    banned string), so as rewards they pay it 0: a policy rewarded by rules alone must not
+    learn to say nothing. Non-empty completions score as the rules do."""
+    specs = SPECS.validate_python(
+        [{"name": "length", "max_chars": 22}, {"name": "repetition", "ngram": 2}, {"name": "banned", "words": ["15"]}]
+    )
+    functions, _ = build_rewards(specs, TASK)
+    completions = ["", "   ", "3+4=7", [{"role": "assistant", "content": ""}]]
+    for function in functions:
+        assert function(PROMPTS, completions) == [0.0, 0.0, 1.0, 0.0], function.__name__
+    assert length_rule(PROMPTS, completions) == [1.0] * 4
+    assert banned_rule(PROMPTS, completions, words=["15"]) == [1.0] * 4
+
+
 def test_conversational_completions_are_read_as_text():
     """The text of every message: a tool call without content adds none, text parts of a
     multimodal content list are read."""

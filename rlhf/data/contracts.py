@@ -288,6 +288,7 @@ def validate_contract(
     }
     normalised: dict[str, list] = {c: [] for c in keep}
     prompts: list = []  # split off chosen and rejected, when the prompt is implicit
+    file_format: tuple[str, int] | None = None  # (format of the first good row, its number)
     for index, row in enumerate(frame.itertuples(index=False)):
         record = dict(zip(keep, row))
         row_ok = True
@@ -297,6 +298,14 @@ def validate_contract(
                 problems.append(f"row {index + 1}: {field!r} {problem}")
                 row_ok = False
             normalised[field].append(value)
+        if row_ok:
+            formats = _row_format(normalised, keep)
+            problem = _format_problem(formats, file_format)
+            if problem:
+                problems.append(f"row {index + 1}: {problem}")
+                row_ok = False
+            elif file_format is None and formats:
+                file_format = (next(iter(formats.values())), index + 1)
         if kind == "prm" and row_ok and len(normalised["completions"][-1]) != len(normalised["labels"][-1]):
             problems.append(
                 f"row {index + 1}: 'completions' has {len(normalised['completions'][-1])} steps but "
@@ -321,9 +330,37 @@ def validate_contract(
     return pd.DataFrame({c: pd.Series(values, dtype=object) for c, values in normalised.items()})
 
 
+TEXT_FIELDS = ("prompt", "completion", "chosen", "rejected", "messages")
+
+
+def value_format(value) -> str:
+    """ "text" for a string, "messages" for a conversation (TRL's standard and
+    conversational formats)."""
+    return "text" if isinstance(value, str) else "messages"
+
+
+def _row_format(normalised: dict, fields) -> dict[str, str]:
+    """The format of each text field of the row just checked (its last values)."""
+    return {f: value_format(normalised[f][-1]) for f in fields if f in TEXT_FIELDS}
+
+
+def _format_problem(row: dict[str, str], first: tuple[str, int] | None) -> str | None:
+    """Why a row's text fields do not share one format, or differ from the file's first
+    row: TRL reads a dataset's format from its first row and applies the chat template to
+    all fields or none, so a mixed file would fail (or train wrongly) mid-stage."""
+    formats = set(row.values())
+    if len(formats) > 1:
+        shown = ", ".join(f"{field!r} is {fmt}" for field, fmt in row.items())
+        return f"{shown}; a row's fields must all be text or all be messages"
+    if first is not None and formats and formats != {first[0]}:
+        return (
+            f"its fields are {formats.pop()} but row {first[1]}'s are {first[0]}; a file holds one format "
+            "(all text or all messages): convert the rows, or split them into two files"
+        )
+    return None
+
+
 def _pair_problem(chosen, rejected) -> str | None:
-    if isinstance(chosen, str) != isinstance(rejected, str):
-        return "chosen and rejected must both be text or both be messages"
     if chosen == rejected:
         return "chosen and rejected are identical"
     return None

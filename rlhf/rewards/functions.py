@@ -24,7 +24,8 @@ Kinds:
 * prm — the process reward model's step scores aggregated to one (min, prod or last).
 * length / repetition / banned — constitutional rule checks: 1 when the completion is at
   most `max_chars` long; 1 minus the share of repeated n-grams; 0 when a banned string
-  appears, else 1.
+  appears, else 1. An empty completion gets 0 from each (saying nothing breaks no rule, and
+  would otherwise be the surest way to earn them).
 """
 
 from __future__ import annotations
@@ -120,6 +121,20 @@ def format_match(
         return [float(task.is_well_formatted(completion_text(c))) for c in completions]
     regex = re.compile(pattern, re.DOTALL)
     return [float(bool(regex.fullmatch(completion_text(c).strip()))) for c in completions]
+
+
+def _nothing_for_empty(rule: RewardFn) -> RewardFn:
+    """A rule check as a reward: nothing for an empty (or blank) completion, which keeps
+    every rule trivially, so a policy rewarded by rules would learn to say nothing. The rules
+    themselves stay plain measures (the validator counts repeats and banned strings)."""
+
+    def checked(prompts: Sequence, completions: Sequence, **kwargs) -> list[float]:
+        scores = rule(prompts, completions, **kwargs)
+        return [score if completion_text(c).strip() else 0.0 for c, score in zip(completions, scores)]
+
+    checked.__name__ = rule.__name__
+    checked.__doc__ = rule.__doc__
+    return checked
 
 
 def length_rule(prompts: Sequence, completions: Sequence, max_chars: int = 200, **_) -> list[float]:
@@ -222,19 +237,19 @@ class PRMReward(_Reward):
 class LengthRule(_Reward):
     name: Literal["length"]
     max_chars: int = Field(200, gt=0, description="longest completion that passes")
-    function = staticmethod(length_rule)
+    function = staticmethod(_nothing_for_empty(length_rule))
 
 
 class RepetitionRule(_Reward):
     name: Literal["repetition"]
     ngram: int = Field(3, gt=0, description="n-gram size whose repeats are penalised")
-    function = staticmethod(repetition_rule)
+    function = staticmethod(_nothing_for_empty(repetition_rule))
 
 
 class BannedRule(_Reward):
     name: Literal["banned"]
     words: list[str] = Field(..., min_length=1, description="strings that must not appear (case-insensitive)")
-    function = staticmethod(banned_rule)
+    function = staticmethod(_nothing_for_empty(banned_rule))
 
 
 RewardSpec = Annotated[
