@@ -188,3 +188,31 @@ def test_write_suite_task_rejects_unusable_suites(tmp_path):
         write_suite_task(tmp_path / "ok.parquet", "dev.v2", tmp_path / "tasks", max_new_tokens=8)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         write_suite_task(tmp_path / "absent.parquet", "t", tmp_path / "tasks", max_new_tokens=8)
+
+
+@pytest.mark.slow
+def test_a_tokenizer_that_starts_text_with_bos_gets_it_in_the_harness_as_in_generate(memorised, tmp_path, no_network):
+    """Llama-style tokenizers put BOS before plain text, and the pipeline's `generate` reads
+    prompts with it (as training saw them); the harness lets the tokenizer decide, so its
+    generations are evaluate's. The BOS changes this model's greedy answers, so a harness
+    that left it out would not match."""
+    import copy
+
+    from tokenizers import processors
+
+    from rlhf.models.generation import generate
+
+    model, plain, suite = memorised
+    tokenizer = copy.deepcopy(plain)
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)]
+    )
+    suite.to_parquet(tmp_path / "dev.parquet")
+    write_suite_task(tmp_path / "dev.parquet", "rlhf_dev", tmp_path / "tasks", max_new_tokens=MAX_NEW_TOKENS)
+    results = evaluate_harness(
+        model, tokenizer, ["rlhf_dev"], include_path=tmp_path / "tasks", bootstrap_iters=0, log_samples=True
+    )
+    prompts = suite["prompt"].tolist()
+    ours = generate(model, tokenizer, prompts, MAX_NEW_TOKENS, do_sample=False)
+    assert ours != generate(model, plain, prompts, MAX_NEW_TOKENS, do_sample=False), "the BOS should matter here"
+    assert harness_completions(results, "rlhf_dev") == ours

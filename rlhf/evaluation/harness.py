@@ -14,9 +14,10 @@ rather than re-implementing prompt building, batching and metric aggregation. Tw
   completions short, and after one token when it is empty). Each completion is scored
   by the pipeline's own `Task` (`score_completion`), so the harness accuracy is evaluate's
   accuracy by construction whenever the generations are the same, and they are: run with
-  the default `add_bos_token=False`, `run_harness` encodes prompts as
-  `rlhf.models.generation.generate` does (no special tokens), pads on the left and
-  decodes without special tokens (tests/test_harness.py checks both).
+  the default `add_bos_token=None` (the tokenizer's own choice), `run_harness` encodes
+  prompts as `rlhf.models.generation.generate` does (the BOS a Llama-style tokenizer puts
+  before plain text, nothing else), pads on the left and decodes without special tokens
+  (tests/test_harness.py checks both).
 * `run_harness` evaluates an already-loaded model and tokenizer on harness tasks: names
   from lm-eval's registry, tasks in `include_path` (a folder of task YAMLs, e.g. the one
   `write_suite_task` wrote) or paths to task YAMLs. A suite task opens no connection,
@@ -176,7 +177,7 @@ def evaluate_harness(
     device: str | None = None,
     apply_chat_template: bool | str = False,
     system_instruction: str | None = None,
-    add_bos_token: bool | None = False,
+    add_bos_token: bool | None = None,
     bootstrap_iters: int = 100_000,
     log_samples: bool = False,
 ) -> dict:
@@ -188,9 +189,9 @@ def evaluate_harness(
     task (None keeps each task's own; a suite task's is the one given to
     `write_suite_task`). `device`: moves `model` there first (None: where it is).
     `apply_chat_template`: render prompts through the tokenizer's chat template (True) or a
-    named one, for chat models. `add_bos_token`: False encodes prompts as the pipeline's
-    `generate` does; None lets the tokenizer decide (lm-eval's default, as in published
-    harness numbers). `log_samples`: keep every document and generation under
+    named one, for chat models. `add_bos_token`: None lets the tokenizer decide (lm-eval's
+    default, as in published harness numbers, and what the pipeline's `generate` does);
+    True or False forces a BOS or none. `log_samples`: keep every document and generation under
     ``results["samples"]`` (see `harness_completions`).
     """
     from lm_eval import simple_evaluate
