@@ -139,6 +139,7 @@ def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -
         "candidate": name,
         "metrics": verdict["metrics"],
         "outcomes": champion_outcomes(outcomes, name),
+        "scorers": verdict.get("scorers"),  # the RM and reference that scored `metrics`
         "gate_run_id": run_id,
         "git_commit": git_commit(),
         "model_version": version,

@@ -243,6 +243,15 @@ def accuracy_bars(report: dict) -> dict[str, list[dict]]:
     return bars
 
 
+def scorer_versions() -> dict:
+    """The versions (dvc.lock hashes) of the models that score every candidate: the reward
+    model (reward, its std, win-rate) and the reference (KL, win-rate). The gate compares a
+    candidate with the champion's recorded values only when they were scored by the same."""
+    from rlhf.tracking.runs import output_hash
+
+    return {"rm": output_hash(RM_DIR), "reference": output_hash(candidate_dir(REFERENCE))}
+
+
 def main() -> None:
     import mlflow
 
@@ -256,6 +265,7 @@ def main() -> None:
             config, task, methods, config.suites or eval_suites(params), params["task"]
         )
         report["roles"] = {"decision": decision_suite(params), "report": report_suite(params)}
+        report["scorers"] = scorer_versions()
         if report["roles"]["decision"] == report["roles"]["report"]:
             report["roles"]["note"] = (
                 "one suite serves decisions (the gate, the greedy soup) and reports: its numbers are not an "

@@ -422,10 +422,16 @@ def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
     params = yaml.safe_load((root / "params.yaml").read_text())
     original = params["rm"]["learning_rate"]
     params["rm"]["learning_rate"] = original * 2
+    scorers = json.loads((root / "reports/eval.json").read_text())["scorers"]
     write_params(root, params)
     try:
         output = dvc_repro(root)
         assert sorted(ran(output)) == sorted(["check_params", "rm", "evaluate", "validate", "gate", "infer"]), output
+        # The report names the RM version that scored it (for the gate's champion tests).
+        rescored = json.loads((root / "reports/eval.json").read_text())["scorers"]
+        lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+        assert rescored["rm"] == lock["rm"]["outs"][0]["md5"] != scorers["rm"]
+        assert rescored["reference"] == scorers["reference"] and rescored["reference"].endswith(".dir")
     finally:
         params["rm"]["learning_rate"] = original
         write_params(root, params)

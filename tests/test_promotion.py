@@ -222,6 +222,41 @@ def test_champion_blocks_a_regression():
     assert verdict["candidates"]["good"]["failures"] == ["accuracy[dev] > champion+0.01: 0.5500 > 0.5900 fails" + POINT]
 
 
+def test_a_champion_scored_by_another_reward_model_is_not_compared_on_its_scores():
+    """A task without answers gates on the RM's reward. The champion's reward (5.0) was
+    scored by RM version rm-1; the RM has since been retrained (rm-2, another scale: the
+    candidate's reward is 1.2). The reward test against the champion is not compared (it
+    passes, saying why), the tests measured in this run against SFT still decide, and the
+    promoted record keeps this run's scorer versions. With the same RM version the champion
+    blocks the candidate, as before; a record without versions (older) is compared."""
+    tests = resolve(Config(), capability_gate_task_without_answers(), "dev").tests
+    sft = {"reward": 0.4, "reward_std": 0.1, "win_rate": 0.5, "kl_to_ref": 0.0}
+    good = {"reward": 1.2, "reward_std": 0.1, "win_rate": 0.7, "kl_to_ref": 2.0}
+    report = {"reference": "sft", "candidates": ["good"], "suites": {"dev": {"sft": sft, "good": good}}}
+    report["scorers"] = {"rm": "rm-2", "reference": "sft-1"}
+    champion = record({"reward": 5.0, "win_rate": 0.9}, scorers={"rm": "rm-1", "reference": "sft-1"})
+    verdict = decide(tests, report, champion, "reward", "dev")
+    assert verdict["promote"] == "good" and verdict["scorers"] == report["scorers"]
+    (vs_champion,) = [t for t in verdict["candidates"]["good"]["tests"] if t["name"] == "reward[dev] > champion+0.01"]
+    assert vs_champion["passed"] and vs_champion["reason"] == (
+        "not compared: the champion's 'reward' on 'dev' (5.0000) was scored by another version of the reward "
+        "model (models/rm), which has changed since its promotion"
+    )
+    same_rm = record({"reward": 5.0}, scorers={"rm": "rm-2", "reference": "sft-1"})
+    assert decide(tests, report, same_rm, "reward", "dev")["promote"] is None
+    assert decide(tests, report, record({"reward": 5.0}), "reward", "dev")["promote"] is None
+    both = CapabilityTest(metric="win_rate", relative_to="champion", op=">=", threshold=0.0)
+    moved = record({"win_rate": 0.9}, scorers={"rm": "rm-1", "reference": "sft-0"})
+    (result,) = decide([both], report, moved, "reward", "dev")["candidates"]["good"]["tests"]
+    assert result["passed"] and "the reward model (models/rm) and the reference model (models/sft)" in result["reason"]
+
+
+def capability_gate_task_without_answers():
+    from rlhf.tasks import TaskConfig, get_task
+
+    return get_task(TaskConfig(kind="none"))
+
+
 def test_the_default_minimum_effect_over_the_champion():
     """accuracy > champion + 0.01 by default: good (0.55) is not promoted over a champion
     at 0.545 (0.55 > 0.555 is false: half a point is not enough) but is over one at 0.53

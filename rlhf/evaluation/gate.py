@@ -23,6 +23,14 @@ comparison with no per-problem outcomes (KL, distinct-n, or a champion evaluated
 version of the suite) falls back to the point estimates and says so in its reason; an
 absolute test compares the point estimate with its bound.
 
+Some metrics are scores of other models: reward and its std (the reward model), win-rate
+(the reward model and the reference), KL (the reference). The eval report records which
+versions scored them (`scorers`: their dvc.lock hashes) and the champion's record keeps
+those of its promotion; when one has changed since (the RM retrained on new human
+feedback), the champion's recorded value is on another scale, and a test against it is not
+compared (it passes, saying so) rather than judged on two rulers. The tests against SFT,
+measured in the same run, still hold.
+
 A candidate is promotable only if every test passes; among promotable candidates the one
 with the best selection metric wins. A rejected candidate is reported with the reason of
 every failed test, and the champion does not move.
@@ -42,6 +50,24 @@ from pydantic import BeforeValidator, Field, model_validator
 from rlhf.params import StageConfig
 
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+# The models that score a metric (keys of the eval report's `scorers`), and their names.
+METRIC_SCORERS = {
+    "reward": ("rm",),
+    "reward_std": ("rm",),
+    "win_rate": ("rm", "reference"),
+    "kl_to_ref": ("reference",),
+}
+SCORER_NAMES = {"rm": "reward model (models/rm)", "reference": "reference model (models/sft)"}
+
+
+def changed_scorers(metric: str, current: dict | None, recorded: dict | None) -> list[str]:
+    """The scorers of `metric` whose version differs between this run (`current`) and the
+    champion's promotion (`recorded`); an unknown version on either side (no dvc.lock)
+    counts as unchanged."""
+    current, recorded = current or {}, recorded or {}
+    return [
+        s for s in METRIC_SCORERS.get(metric, ()) if current.get(s) and recorded.get(s) and current[s] != recorded[s]
+    ]
 
 
 def _as_labels(value):
@@ -139,9 +165,12 @@ def run_test(
     paired: Paired | None = None,
     confidence: float = 0.95,
     samples: int = 2000,
+    rescored: Sequence[str] = (),
 ) -> TestResult:
     """`candidate`, `reference`, `champion`: {suite: {metric: value}} of one model each;
-    `paired`: the outcomes behind a relative test, when both sides have them."""
+    `paired`: the outcomes behind a relative test, when both sides have them; `rescored`:
+    the scorers of the metric that changed since the champion was promoted
+    (`changed_scorers`)."""
     name = test.label
 
     def read(metrics: dict):
@@ -171,6 +200,14 @@ def run_test(
         baseline = read(champion)
         if baseline is None:
             return result(True, f"champion has no recorded {what} on {test.suite!r}: not compared")
+        if rescored:
+            changed = " and the ".join(SCORER_NAMES[s] for s in rescored)
+            return result(
+                True,
+                f"not compared: the champion's {what} on {test.suite!r} ({baseline:.4f}) was scored by another "
+                f"version of the {changed}, which has changed since its promotion",
+                baseline,
+            )
     bound = baseline + test.threshold
     if paired is not None and test.relative_to != "absolute":
         from rlhf.evaluation.statistics import paired_difference
@@ -289,6 +326,9 @@ def decide(
                 paired_outcomes(t, name, reference_name, outcomes, champion_outcomes),
                 confidence,
                 samples,
+                changed_scorers(t.metric, report.get("scorers"), champion.get("scorers"))
+                if champion and t.relative_to == "champion"
+                else (),
             )
             for t in tests
         ]
@@ -307,4 +347,9 @@ def decide(
             "suite without answers"
         )
     best = max(passing, key=lambda n: per_model[n][select_suite][select_metric], default=None)
-    return {"promote": best, "candidates": verdicts, "metrics": per_model.get(best) if best else None}
+    return {
+        "promote": best,
+        "candidates": verdicts,
+        "metrics": per_model.get(best) if best else None,
+        "scorers": report.get("scorers"),
+    }

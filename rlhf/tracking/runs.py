@@ -253,6 +253,20 @@ def lock_entry_hash(stage_address: str, lock_path: str | Path = "dvc.lock") -> s
     return hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
 
 
+def output_hash(path: str | Path, lock_path: str | Path = "dvc.lock") -> str | None:
+    """DVC's hash of a stage output (its md5; ``<md5>.dir`` for a folder) as dvc.lock
+    records it: which version of a model produced a number. None without a lock or a stage
+    that outputs `path` (a stage run outside `dvc repro`)."""
+    path, lock = Path(path).as_posix(), Path(lock_path)
+    if not lock.exists():
+        return None
+    for entry in ((yaml.safe_load(lock.read_text()) or {}).get("stages") or {}).values():
+        for out in entry.get("outs") or []:
+            if out.get("path") == path:
+                return out.get("md5")
+    return None
+
+
 def tag_stage_runs_with_lock(parent_run_id: str, lock_path: str | Path = "dvc.lock") -> dict[str, str]:
     """Tag each nested stage run of `parent_run_id` with its dvc.lock entry hash."""
     client = MlflowClient(tracking_uri())
