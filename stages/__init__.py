@@ -111,6 +111,34 @@ def report_suite(params: dict) -> str:
     return "test" if "test" in suites else decision_suite(params)
 
 
+def unevaluated_suites(params: dict) -> list[str]:
+    """With `evaluate.suites` set, the suites the validator and the gate read from the eval
+    report must be among them (each defaults to the decision suite): otherwise validate
+    finds no completions and every gate test a missing metric, after the whole evaluation."""
+    evaluated = params["evaluate"].suites
+    if evaluated is None:
+        return []
+    gate = params["gate"]
+    readers = [("validate.suite", params["validate"].suite), ("gate.select_suite", gate.select_suite)]
+    readers += [(f"gate.tests[{i}].suite", t.suite) for i, t in enumerate(gate.tests or [])]
+    if gate.tests is None:
+        readers.append(("gate.tests", None))
+    fix = "add it to evaluate.suites, or set evaluate.suites: null (every suite)"
+    problems = [
+        f"{key}: suite {suite!r} is read from the eval report, but evaluate.suites is {list(evaluated)}; {fix}"
+        for key, suite in readers
+        if suite is not None and suite not in evaluated and not suite.startswith("harness/")
+    ]
+    defaulted = [key for key, suite in readers if suite is None]
+    decision = decision_suite(params)
+    if defaulted and decision not in evaluated:
+        problems.append(
+            f"evaluate.suites: {list(evaluated)} leaves out the decision suite {decision!r}, which "
+            f"{', '.join(defaulted)} read by default; {fix}"
+        )
+    return problems
+
+
 # ----------------------------------------------------------------------------- inputs
 
 OFFLINE_DATA = {"dpo": "prefs", "simpo": "prefs", "orpo": "prefs", "kto": "unpaired"}
@@ -297,6 +325,7 @@ def input_problems(params: dict) -> list[str]:
             f"{key}: no eval suite {suite!r} (prepare writes {suites}); add prepare.files.eval_{suite} "
             "or name one of those (null: the default role)"
         )
+    problems += unevaluated_suites(params)
     gate = params["gate"]
     if not task.checks_answers and "prefs" not in available and (gate.tests is None or gate.select_metric is None):
         problems.append(

@@ -179,6 +179,27 @@ def test_missing_inputs_name_the_key_that_would_supply_them(tmp_path, params):
     assert len(found) == len(expected)
 
 
+def test_evaluated_suites_hold_what_the_validator_and_the_gate_read(tmp_path, params):
+    """evaluate.suites: [test] leaves out the decision suite (dev) that validate and the
+    gate read by default, and a gate test names heldout: each fails with the params, not
+    after the whole evaluation (validate found no completions, every gate test no metric)."""
+    params["prepare"]["files"]["eval_dev"] = dict(params["prepare"]["files"]["eval_heldout"])
+    params["prepare"]["files"]["eval_test"] = dict(params["prepare"]["files"]["eval_heldout"])
+    params["evaluate"]["suites"] = ["test"]
+    params["gate"]["tests"] = [{"metric": "accuracy", "suite": "heldout", "relative_to": "sft", "op": ">="}]
+    params["gate"]["select_metric"] = "accuracy"
+    fix = "add it to evaluate.suites, or set evaluate.suites: null (every suite)"
+    assert problems(tmp_path, params) == [
+        f"gate.tests[0].suite: suite 'heldout' is read from the eval report, but evaluate.suites is ['test']; {fix}",
+        f"evaluate.suites: ['test'] leaves out the decision suite 'dev', which validate.suite, gate.select_suite "
+        f"read by default; {fix}",
+    ]
+    params["evaluate"]["suites"] = ["test", "dev", "heldout"]
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    load_all(str(path))
+
+
 def test_a_task_without_answers_cannot_feed_answer_rewards_or_derive_step_labels(tmp_path, params):
     data = copy.deepcopy(params)
     data["task"] = {"kind": "none"}
