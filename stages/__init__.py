@@ -303,6 +303,16 @@ def input_problems(params: dict) -> list[str]:
             if getattr(reward, "path", None) is None:
                 need_model(f"best_of_n reward {reward.name}", reward.name, f"infer.best_of_n.rewards[{index}]")
     harness = params["evaluate"].harness
+    if harness and harness.suites and not task.checks_answers:
+        problems.append(
+            f"evaluate.harness.suites: a suite run as a harness task is scored by its answers; task.kind "
+            f"{task.name!r} checks none (remove the suites, or choose a task kind that reads answers)"
+        )
+    if params["merge"].method == "greedy_soup" and not task.checks_answers:
+        problems.append(
+            f"merge.method: greedy_soup adds a model to the soup when it raises task accuracy; task.kind "
+            f"{task.name!r} checks no answers (choose another merge method, or a task kind that reads answers)"
+        )
     named = [("evaluate.suites", s) for s in params["evaluate"].suites or []]
     named += [("evaluate.harness.suites", s) for s in (harness.suites if harness else [])]
     harness_suites = {f"harness/{t}" for t in (harness.tasks if harness else [])}

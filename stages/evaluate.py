@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.evaluation.suites import evaluate_model, suite_identity
@@ -72,6 +72,14 @@ class Harness(StageConfig):
 
     tasks: list[str] = Field(default_factory=list, description="lm-eval task names (its registry or include_path)")
     include_path: str | None = Field(None, description="a folder of your own harness task YAMLs")
+
+    @field_validator("include_path")
+    @classmethod
+    def _is_folder(cls, value):
+        if value is not None and not Path(value).is_dir():
+            raise ValueError(f"{value} is not a folder; point it at a folder of lm-eval task YAMLs")
+        return value
+
     suites: list[str] = Field(
         default_factory=list, description="eval suites also run as harness tasks rlhf_<suite> (a cross-check)"
     )
@@ -145,6 +153,12 @@ def run(
                 f"(the built-in task: dev and test; files: prepare.files.eval_{name})"
             )
         suites[name] = read_prepared(path, "evaluate")
+    workdir = tempfile.TemporaryDirectory() if config.harness else None
+    if config.harness:  # suite tasks written and task names looked up before any model loads
+        from rlhf.evaluation.harness import check_tasks
+
+        names, folders = harness_tasks(config, task_config, Path(workdir.name))
+        check_tasks(names, folders or None)
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
     reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
     judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code)
@@ -153,9 +167,6 @@ def run(
     samples: dict = {name: {} for name in suites}
     completions: dict = {"suites": {n: {"prompts": s["prompt"].tolist(), "models": {}} for n, s in suites.items()}}
     reference_rewards: dict = {}
-    workdir = tempfile.TemporaryDirectory() if config.harness else None
-    if config.harness:
-        names, folders = harness_tasks(config, task_config, Path(workdir.name))
     for model_name, path in dirs.items():
         model = reference if model_name == REFERENCE else load_causal_lm(path, config.trust_remote_code, what=str(path))
         for suite_name, suite in suites.items():

@@ -191,6 +191,28 @@ def test_write_suite_task_rejects_unusable_suites(tmp_path):
 
 
 @pytest.mark.slow
+def test_evaluate_refuses_an_unusable_harness_suite_or_task_before_loading_a_model(tmp_path, monkeypatch):
+    """A chat suite cannot be a harness suite task, and a misspelt harness task is in no
+    registry: stage evaluate says so before it loads (or evaluates) any model; here there
+    is no model at all, so a later check would fail on loading instead."""
+    from rlhf.tasks import get_task
+    from stages import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/prepared/eval").mkdir(parents=True)
+    chat = [[{"role": "user", "content": "1+2?"}], [{"role": "user", "content": "2+2?"}]]
+    pd.DataFrame({"prompt": chat, "answer": ["3", "4"]}).to_parquet("data/prepared/eval/chat.parquet")
+    pd.DataFrame({"prompt": ["1+2\n"], "answer": ["3"]}).to_parquet("data/prepared/eval/dev.parquet")
+    assert not (tmp_path / "models").exists()
+    config = evaluate.Config(harness={"suites": ["chat"]})
+    with pytest.raises(ValueError, match=r"rows \[1, 2\]: 'prompt' is not plain text"):
+        evaluate.run(config, get_task(None), [], ["dev"])
+    config = evaluate.Config(harness={"tasks": ["hellaswagg"], "suites": ["dev"]})
+    with pytest.raises(ValueError, match=r"unknown harness task\(s\) 'hellaswagg' \(close: hellaswag"):
+        evaluate.run(config, get_task(None), [], ["dev"])
+
+
+@pytest.mark.slow
 def test_a_tokenizer_that_starts_text_with_bos_gets_it_in_the_harness_as_in_generate(memorised, tmp_path, no_network):
     """Llama-style tokenizers put BOS before plain text, and the pipeline's `generate` reads
     prompts with it (as training saw them); the harness lets the tokenizer decide, so its

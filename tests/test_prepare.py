@@ -209,6 +209,14 @@ def test_a_task_without_answers_cannot_feed_answer_rewards_or_derive_step_labels
     assert any(p.startswith("policy.grpo.rewards[0]: reward answer_match needs checkable answers") for p in found)
     assert any(p.startswith("infer.strategies: strategy mcts needs a process reward model") for p in found)
     assert any(p.startswith("infer.best_of_n.rewards[0]: best_of_n reward prm needs a process") for p in found)
+    data["evaluate"]["harness"] = {"suites": ["heldout"]}
+    data["merge"]["method"] = "greedy_soup"
+    found = problems(tmp_path, data)
+    assert any(p.startswith("evaluate.harness.suites: a suite run as a harness task is scored by its") for p in found)
+    assert any(p.startswith("merge.method: greedy_soup adds a model to the soup when it raises task") for p in found)
+    data["evaluate"]["harness"]["include_path"] = str(tmp_path / "no_such_folder")
+    (found,) = problems(tmp_path, data)
+    assert found.startswith("evaluate.harness.include_path: ") and "no_such_folder is not a folder" in found
 
 
 def test_inference_strategies_that_cannot_work_for_the_task_fail_in_check_params(tmp_path, params):

@@ -259,6 +259,12 @@ def _samples(results: Mapping, task_name: str, filter_name: str) -> list[dict]:
     return sorted((s for s in samples if s["filter"] == filter_name), key=lambda s: s["doc_id"])
 
 
+def check_tasks(tasks: Sequence[str], include_path=None) -> None:
+    """Fail (naming close matches) when a task is in neither lm-eval's registry nor
+    `include_path`: what a stage calls before it loads any model."""
+    _task_manager([str(t) for t in tasks], include_path)
+
+
 def _task_manager(tasks: list[str], include_path):
     """lm-eval's task index, built from `include_path` alone when every task named is a
     task there or a YAML path (indexing the built-in tasks takes ~9 s), else with the
