@@ -13,6 +13,7 @@ takes paths from its callers.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 from pathlib import Path
@@ -365,6 +366,18 @@ def input_problems(params: dict) -> list[str]:
             need_model("the prm check", "prm", round_key(improve, name, "checks"))
         if settings.refine:
             need_model("refine", "prm", round_key(improve, name, "refine"))
+    from rlhf.evaluation.suites import SUITE_METRICS
+
+    metrics = [(f"gate.tests[{i}].metric", t.metric, t.suite) for i, t in enumerate(gate.tests or [])]
+    metrics.append(("gate.select_metric", gate.select_metric, gate.select_suite))
+    for key, metric, suite in metrics:
+        if metric is not None and metric not in SUITE_METRICS and not (suite or "").startswith("harness/"):
+            close = difflib.get_close_matches(metric, SUITE_METRICS, n=2)
+            problems.append(
+                f"{key}: no metric {metric!r} in an eval suite's report"
+                + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                + f"; one of {', '.join(SUITE_METRICS)} (a harness task's own metrics: name its suite harness/<task>)"
+            )
     for index, test in enumerate(gate.tests or []):
         if test.metric == "accuracy":
             need_answers("metric accuracy", f"gate.tests[{index}]")

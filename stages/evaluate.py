@@ -60,8 +60,6 @@ OUTCOMES = REPORTS_DIR / "outcomes.json"
 SAMPLES = REPORTS_DIR / "samples.json"
 COMPLETIONS = REPORTS_DIR / "completions.json"  # every greedy completion: what stage validate reads
 PLOTS = Path("plots/evaluate")  # <suite>.csv: accuracy per model, the bar plots of `dvc plots show`
-# Metrics with one value per problem: their means get intervals and paired gate tests.
-PER_PROBLEM = ("accuracy", "format_rate", "reward", "win_rate")
 HARNESS_PREFIX = "harness/"  # report["suites"] key of a harness task's scores
 
 

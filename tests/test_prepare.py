@@ -200,6 +200,26 @@ def test_evaluated_suites_hold_what_the_validator_and_the_gate_read(tmp_path, pa
     load_all(str(path))
 
 
+def test_a_gate_metric_no_suite_reports_fails_naming_the_key(tmp_path, params):
+    """A misspelt metric would reject every candidate forever ("metric missing"), and a
+    misspelt selection metric fail once one passes; both are named with the params. A
+    harness suite's metrics are lm-eval's own and are not checked here."""
+    params["gate"]["tests"] = [
+        {"metric": "acuracy", "relative_to": "sft"},
+        {"metric": "acc_norm", "suite": "harness/hellaswag", "relative_to": "sft"},
+    ]
+    params["gate"]["select_metric"] = "format"
+    params["evaluate"]["harness"] = {"tasks": ["hellaswag"]}
+    found = problems(tmp_path, params)
+    assert found[0].startswith(
+        "gate.tests[0].metric: no metric 'acuracy' in an eval suite's report (did you mean accuracy"
+    )
+    assert found[1].startswith(
+        "gate.select_metric: no metric 'format' in an eval suite's report (did you mean format_rate"
+    )
+    assert len(found) == 2, found
+
+
 def test_a_task_without_answers_cannot_feed_answer_rewards_or_derive_step_labels(tmp_path, params):
     data = copy.deepcopy(params)
     data["task"] = {"kind": "none"}

@@ -42,6 +42,20 @@ def summarise(config, outcomes: dict[str, list], difficulty: list | None) -> dic
     return summary
 
 
+# Metrics with one value per problem: their means get intervals (`<name>_low`, `_high`) and
+# paired gate tests; the rest are one number per model and suite.
+PER_PROBLEM = ("accuracy", "format_rate", "reward", "win_rate")
+SUITE_METRICS = (
+    *PER_PROBLEM,
+    *(f"{name}_{end}" for name in PER_PROBLEM for end in ("low", "high")),
+    "kl_to_ref",
+    "reward_std",
+    "distinct_1",
+    "distinct_2",
+    "mean_length",
+    "seconds",
+)
+
 MISSING_DIFFICULTY = "missing"  # the label of a problem whose difficulty cell is empty
 
 
