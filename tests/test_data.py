@@ -130,6 +130,18 @@ def test_prompts_with_optional_answer(tmp_path):
     assert list(frame.columns) == ["prompt"]
 
 
+def test_an_integer_column_with_an_empty_cell_keeps_integer_answers(tmp_path):
+    """Parquet (like `datasets` and the Hub) stores an integer column with an empty cell as
+    floats: answers 3 and 12 read back as 3.0 and 12.0. They are written as `3` and `12`, so
+    an exact check matches the model's `3`; a real fraction stays as it is."""
+    table = pd.DataFrame({"prompt": ["a", "b", "c", "d"], "answer": [3, None, 12, 2.5], "difficulty": [2, 2, None, 3]})
+    table.to_parquet(tmp_path / "prompts.parquet")
+    assert pd.read_parquet(tmp_path / "prompts.parquet")["difficulty"].dtype == "float64"
+    frame = load_contract(tmp_path / "prompts.parquet", "prompts")
+    assert frame["answer"].tolist() == ["3", None, "12", "2.5"]
+    assert frame["difficulty"].tolist() == ["2", "2", None, "3"]
+
+
 def test_every_problem_of_a_preference_file_in_one_error(tmp_path):
     """Row 2 has an empty 'chosen', row 4 has no 'rejected' key, row 5 a whitespace-only
     'prompt': three problems, all named with file, row and field in one error."""

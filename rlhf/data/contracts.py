@@ -482,8 +482,13 @@ def _check_bool_list(value):
 
 
 def _check_answer(value):
+    """An answer (or difficulty label) as text. A whole number read as a float is written as
+    the integer: Parquet, `datasets` and the Hub give an integer column with an empty cell
+    as floats, and `3.0` would not match an answer `3` (nor difficulty `8` a test's 8)."""
     if _is_missing(value):
         return None, None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     text = str(value).strip()
     return text, "is empty" if not text else None
 
