@@ -69,6 +69,9 @@ class Config(StageConfig):
     confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
     bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
     registered_model: str = Field("rlhf-policy", description="MLflow registered model that holds the champion")
+    trust_remote_code: bool = Field(
+        False, description="a candidate with its own modelling code: allow it when logging the champion to MLflow"
+    )
     promote_in_experiments: bool = Field(
         False, description="let a `dvc exp run` move the champion (by default its verdict is only reported)"
     )
@@ -133,7 +136,9 @@ def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -
 
     name = verdict["promote"]
     source = candidate_dir(name)
-    version = log_registered_model(source, config.registered_model, MODEL_ARTIFACT, {"candidate": name})
+    version = log_registered_model(
+        source, config.registered_model, MODEL_ARTIFACT, {"candidate": name}, config.trust_remote_code
+    )
     client = MlflowClient(tracking_uri())
     record = {
         "candidate": name,

@@ -197,3 +197,43 @@ def test_tables_are_run_inputs_with_their_dvc_hash_and_models_carry_their_metric
     assert model.name == "dpo" and model.tags["path"].endswith("models/policy/dpo")
     [metric] = model.metrics
     assert (metric.key, metric.value, metric.dataset_name) == ("dev.accuracy", 0.75, "dev")
+
+
+@pytest.mark.slow
+def test_a_model_with_its_own_code_is_logged_and_loads_from_the_registry(tmp_path, mlflow_store, monkeypatch):
+    """A candidate with custom modelling code (config.json's auto_map), which evaluate
+    loads with trust_remote_code, is logged as the gate logs a champion when
+    gate.trust_remote_code is set, and loads from the registry elsewhere as its own class."""
+    import mlflow
+
+    from rlhf.models.loading import build_tiny_model, build_tokenizer
+    from rlhf.tracking.champion import log_registered_model
+    from rlhf.tracking.runs import setup_experiment
+
+    tokenizer = build_tokenizer()
+    model_dir = tmp_path / "custom"
+    build_tiny_model("micro", tokenizer, seed=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    (model_dir / "configuration_mine.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass MineConfig(LlamaConfig):\n    model_type = 'mine'\n"
+    )
+    (model_dir / "modeling_mine.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_mine import MineConfig\n\n\n"
+        "class MineForCausalLM(LlamaForCausalLM):\n    config_class = MineConfig\n"
+    )
+    config = json.loads((model_dir / "config.json").read_text())
+    config["model_type"] = "mine"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_mine.MineConfig",
+        "AutoModelForCausalLM": "modeling_mine.MineForCausalLM",
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    setup_experiment()
+    with mlflow.start_run():
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            log_registered_model(model_dir, "custom-policy", "model", {"candidate": "dpo"})
+        version = log_registered_model(model_dir, "custom-policy", "model", {"candidate": "dpo"}, True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    pipe = mlflow.transformers.load_model(f"models:/custom-policy/{version}")
+    assert type(pipe.model).__name__ == "MineForCausalLM"

@@ -39,10 +39,13 @@ def install_champion(model_dir: Path, record: dict, staging: Path) -> None:
     (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
-def log_registered_model(model_dir: Path, registered_model: str, artifact_path: str, tags: dict) -> str:
+def log_registered_model(
+    model_dir: Path, registered_model: str, artifact_path: str, tags: dict, trust_remote_code: bool = False
+) -> str:
     """Log the causal LM in `model_dir` to the active run as an MLflow transformers model
     (text-generation) and register it as a new version of `registered_model`; returns the
-    version. The weights are loaded in float32, as they were saved."""
+    version. The weights are loaded in float32, as they were saved; `trust_remote_code`
+    allows a model with its own modelling code (as evaluate loaded it)."""
     import mlflow
     import torch
     import transformers
@@ -51,8 +54,10 @@ def log_registered_model(model_dir: Path, registered_model: str, artifact_path: 
     from rlhf.models.folders import resolve_model_dir
 
     path = str(resolve_model_dir(model_dir))
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     info = mlflow.transformers.log_model(
         transformers_model={"model": model, "tokenizer": tokenizer},
         name=artifact_path,
