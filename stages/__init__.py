@@ -193,8 +193,8 @@ def suite_difficulties(params: dict, suite: str) -> set[str] | None:
 
 def round_key(improve, name: str, field: str) -> str:
     """The params key that sets round `name`'s `field`: its own entry's, or the default it
-    inherits."""
-    own = field in (improve.rounds[name] or {})
+    inherits (the default for a round params do not list)."""
+    own = field in (improve.rounds.get(name) or {})
     return f"improve.rounds.{name}.{field}" if own else f"improve.defaults.{field}"
 
 

@@ -78,6 +78,7 @@ from stages import (
     SFT_DIR,
     difficulty_problems,
     load_model_stage,
+    round_key,
     table_difficulties,
 )
 from stages.round_data import judge_samples, kept_rows, preference_pairs, round_problems, sft_rows
@@ -461,7 +462,9 @@ def train_candidate(
 
         classes, trl_args = dpo_trainer(settings.rpo)
         trust = settings.trust_remote_code or params["evaluate"].trust_remote_code
-        return train_trl(trust, settings.rpo, table, classes, trl_args, out_dir, stage, start=start)
+        name = stage.removeprefix("round-")  # the caller's f"round-{name}"
+        key = f"{round_key(params['improve'], name, 'rpo')}.max_length"
+        return train_trl(trust, settings.rpo, table, classes, trl_args, out_dir, stage, start=start, length_key=key)
     from rlhf.training.sft import train_sft
 
     ewc = (settings.ewc, previous_data) if settings.ewc.strength else None

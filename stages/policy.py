@@ -265,9 +265,14 @@ def stage_name(method: str) -> str:
     return f"policy@{method}" if method in OFFLINE_METHODS else f"rl@{method}"
 
 
+KEY = "policy.{}.max_length"  # an offline method's length limit, named in its messages
+
+
 def train_dpo(config: Config, task: Task, params: DPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     classes, trl_args = dpo_trainer(params)
-    return train_trl(config.trust_remote_code, params, PREFS, classes, trl_args, out_dir, stage)
+    return train_trl(
+        config.trust_remote_code, params, PREFS, classes, trl_args, out_dir, stage, length_key=KEY.format("dpo")
+    )
 
 
 def train_simpo(config: Config, task: Task, params: SimPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -281,14 +286,20 @@ def train_simpo(config: Config, task: Task, params: SimPOParams, out_dir: Path, 
         "simpo_gamma": params.gamma,
         "max_length": params.max_length,
     }
-    return train_trl(config.trust_remote_code, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage)
+    return train_trl(
+        config.trust_remote_code, params, PREFS, (CPOConfig, CPOTrainer), trl_args, out_dir, stage,
+        length_key=KEY.format("simpo"), forced_bos=True,
+    )  # fmt: skip
 
 
 def train_orpo(config: Config, task: Task, params: ORPOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     trl_args = {"beta": params.beta, "max_length": params.max_length}
-    return train_trl(config.trust_remote_code, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage)
+    return train_trl(
+        config.trust_remote_code, params, PREFS, (ORPOConfig, ORPOTrainer), trl_args, out_dir, stage,
+        length_key=KEY.format("orpo"), forced_bos=True,
+    )  # fmt: skip
 
 
 def train_kto(config: Config, task: Task, params: KTOParams, out_dir: Path, stage: str) -> tuple[dict, list[dict]]:
@@ -301,7 +312,9 @@ def train_kto(config: Config, task: Task, params: KTOParams, out_dir: Path, stag
         "max_length": params.max_length,
     }
     classes = reference_trainer(KTOConfig, KTOTrainer, params, trl_args)
-    return train_trl(config.trust_remote_code, params, UNPAIRED, classes, trl_args, out_dir, stage)
+    return train_trl(
+        config.trust_remote_code, params, UNPAIRED, classes, trl_args, out_dir, stage, length_key=KEY.format("kto")
+    )
 
 
 def train_online(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from rlhf.params import InputError
 from rlhf.training.params import DPOParams, TrainingParams
 from stages import CHECKPOINTS_DIR, DATA_DIR, REF_LOGPS_CACHE, SFT_DIR
 
@@ -29,6 +30,8 @@ def train_trl(
     inputs: tuple[Path, ...] = (),
     on_trainer: Callable | None = None,
     start: Path = SFT_DIR,
+    length_key: str | None = None,
+    forced_bos: bool = False,
     **trainer_kwargs,
 ) -> tuple[dict, list[dict]]:
     """Train the model in `start` (the SFT model unless given; a method with a reference
@@ -36,7 +39,10 @@ def train_trl(
     class, its trainer class), on `data`; save the (merged) result into `out_dir`. Returns
     metrics (the last logged value of each of `logged`) and the curve of those values.
     `inputs` are further files the result depends on (reward models), for the checkpoint
-    fingerprint; `on_trainer(trainer)` runs once the trainer is built."""
+    fingerprint; `on_trainer(trainer)` runs once the trainer is built. `length_key` (the
+    params key of `params.max_length`, for the offline methods) drops the rows whose prompt
+    alone fills max_length (`fitting_rows`; `forced_bos`: the trainer puts a BOS before every
+    prompt, as TRL's CPO and ORPO do) and reports how many."""
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
@@ -54,8 +60,11 @@ def train_trl(
     )
 
     tokenizer = load_tokenizer(start, trust_remote_code)
+    table, dropped = read_prepared(data, stage), None
+    if length_key is not None:
+        table, dropped = fitting_rows(table, tokenizer, params.max_length, length_key, data, forced_bos)
     model = load_causal_lm(start, trust_remote_code, what=start.as_posix(), training=True)
-    dataset = Dataset.from_pandas(read_prepared(data, stage), preserve_index=False)
+    dataset = Dataset.from_pandas(table, preserve_index=False)
     key = fingerprint(params, [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
     config_cls, trainer_cls = trl_classes
     args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), **trl_args)
@@ -73,6 +82,7 @@ def train_trl(
     ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
+    penalty = ewc.penalty() if ewc is not None else None  # before LoRA is merged away
     model, state_dict = final_weights(trainer)
     if is_main():  # the other processes of a multi-process launch trained the same weights
         save_model(model, tokenizer, out_dir, state_dict)
@@ -84,10 +94,47 @@ def train_trl(
         "resumed": bool(resumed),
     }
     if ewc is not None:
-        metrics["ewc_penalty"] = ewc.penalty()
+        metrics["ewc_penalty"] = penalty
+    if dropped is not None:
+        metrics["dropped_rows"] = dropped
     if hasattr(trainer, "ref_cache_hit"):
         metrics["ref_logps_cache_hit"] = trainer.ref_cache_hit
     return metrics, log_history_rows(history, logged)
+
+
+class NoRowFitsError(InputError, ValueError):
+    """Every prompt of a table fills the method's max_length."""
+
+
+def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, forced_bos: bool = False):
+    """(`table` without the rows whose prompt alone, tokenized as TRL does, fills
+    `max_length` tokens, how many were dropped). TRL's DPO and KTO drop such rows without a
+    count, and CPO (SimPO) and ORPO cut their completions to nothing, whose mean log-prob
+    is then 0/0 and turns every weight into NaN. `forced_bos`: the trainer prefixes a BOS
+    where the prompt has none (CPO and ORPO, whatever the tokenizer's default). None
+    fitting is an error naming `key`."""
+    from rlhf.models.generation import format_prompt
+
+    bos = tokenizer.bos_token_id if forced_bos else None
+
+    def length(prompt) -> int:
+        ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        return len(ids) + (bos is not None and (not ids or ids[0] != bos))
+
+    lengths = [length(p) for p in table["prompt"]]
+    keep = [n < max_length for n in lengths]
+    dropped = len(keep) - sum(keep)
+    if dropped == len(keep):
+        raise NoRowFitsError(
+            f"{key} {max_length}: every prompt of {path} fills it ({min(lengths)} to {max(lengths)} tokens), "
+            f"leaving no token of a completion to train on; raise {key} above {min(lengths)}"
+        )
+    if dropped:
+        print(
+            f"{key} {max_length}: {dropped} of {len(keep)} rows of {path} have a prompt that fills it (no completion "
+            f"token would be left) and are left out; raise it to keep them (the longest prompt: {max(lengths)} tokens)"
+        )
+    return table[keep].reset_index(drop=True), dropped
 
 
 def consolidate_on_sft(model, tokenizer, params, accumulation: int = 1):

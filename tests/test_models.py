@@ -261,3 +261,25 @@ def test_a_tokenizer_that_starts_text_with_bos_gets_it_wherever_a_prompt_is_read
     assert rewarded[:2].count(bos) == 1 and rewarded[0] == bos
     steps = encode_steps(llama_like, prompt, ["1+2=3", "answer 3"], [True, True], separator="; ")["input_ids"]
     assert steps[: len(read)] == read
+
+
+def test_a_diverged_model_is_refused_not_saved(tmp_path):
+    """A model whose weights hold NaN (a diverged run) fails naming the tensors (the micro
+    model ties its output layer to the embeddings: both) and leaves nothing in its folder;
+    the same model with finite weights saves."""
+    import torch
+
+    from rlhf.models.loading import DivergedError, build_tiny_model, build_tokenizer, save_model
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    save_model(model, tokenizer, tmp_path / "fine")
+    assert (tmp_path / "fine/model.safetensors").is_file()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(
+        DivergedError,
+        match=r"diverged: 2 of 21 weight tensors hold NaN or inf \(model.embed_tokens.weight, lm_head.weight\)",
+    ):
+        save_model(model, tokenizer, tmp_path / "diverged")
+    assert not (tmp_path / "diverged").exists()

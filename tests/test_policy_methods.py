@@ -124,3 +124,68 @@ def test_reference_logps_are_computed_once_per_reference_and_data(sft_project, m
     entries[0].unlink()
     assert run_dpo(beta=0.3)["ref_logps_cache_hit"] is False
     assert pq.read_table(entries[0]).equals(first)
+
+
+@pytest.mark.parametrize("method", ["simpo", "orpo", "dpo", "kto"])
+def test_rows_whose_prompt_fills_max_length_are_left_out_and_counted(sft_project, monkeypatch, method):
+    """max_length at the median prompt length: TRL's CPO (SimPO) and ORPO would cut those
+    rows' completions to nothing (their mean log-prob 0/0 turned every weight into NaN),
+    DPO and KTO drop them without a count. They are left out before training and counted in
+    `dropped_rows`; the saved weights are finite. A max_length no prompt fits in fails
+    naming its key, before any training."""
+    import torch
+    from safetensors.torch import load_file
+
+    import stages.policy
+    from rlhf.models.generation import format_prompt
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.tasks import get_task
+    from stages import load_config
+
+    monkeypatch.chdir(sft_project)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{sft_project / 'mlflow.db'}")
+    tokenizer = load_tokenizer(sft_project / "models/sft")
+    table = "unpaired" if method == "kto" else "prefs"
+    prompts = __import__("pandas").read_parquet(sft_project / f"data/prepared/{table}.parquet")["prompt"]
+    # TRL's CPO and ORPO put a BOS before every prompt (this tokenizer adds none itself).
+    bos = int(method in ("simpo", "orpo"))
+    lengths = sorted(
+        len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) + bos for p in prompts
+    )
+    max_length = lengths[len(lengths) // 2]
+    config = load_config("policy")
+    updates = {"max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1, "learning_rate": 1e-3}
+    params = getattr(config, method)
+    params = type(params).model_validate({**params.model_dump(exclude_unset=True), **updates, "max_length": max_length})
+    config = config.model_copy(update={"offline": [method], "online": [], method: params})
+    out = sft_project / f"models/policy/{method}-short"
+    metrics, _ = stages.policy.run(config, get_task(), method, out)
+    assert metrics["dropped_rows"] == sum(n >= max_length for n in lengths) > 0
+    assert all(torch.isfinite(t).all() for t in load_file(out / "model.safetensors").values())
+
+    short = type(params).model_validate({**params.model_dump(), "max_length": lengths[0]})
+    with pytest.raises(ValueError, match=rf"policy.{method}.max_length {lengths[0]}: every prompt of .* fills it"):
+        stages.policy.run(config.model_copy(update={method: short}), get_task(), method, sft_project / "unused")
+
+
+def test_the_ewc_penalty_of_a_lora_run_is_reported_before_the_merge(sft_project, monkeypatch):
+    """With LoRA, EWC pulls the adapter's weights; the reported penalty is read before the
+    adapter is merged away (after the merge the parameters it names are gone and it read 0)."""
+    import stages.policy
+    from rlhf.tasks import get_task
+    from stages import load_config
+
+    monkeypatch.chdir(sft_project)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{sft_project / 'mlflow.db'}")
+    config = load_config("policy")
+    updates = {
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 1e-2,
+        "lora": {"enabled": True, "r": 4},
+        "ewc": {"strength": 1000.0, "samples": 16},
+    }
+    params = type(config.dpo).model_validate({**config.dpo.model_dump(exclude_unset=True), **updates})
+    config = config.model_copy(update={"offline": ["dpo"], "online": [], "dpo": params})
+    metrics, _ = stages.policy.run(config, get_task(), "dpo", sft_project / "models/policy/dpo-lora-ewc")
+    assert metrics["ewc_penalty"] > 0

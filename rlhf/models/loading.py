@@ -165,9 +165,31 @@ def load_reward_model(path: str | Path, trust_remote_code: bool = False, what: s
     return model.to(placement.device)
 
 
+class DivergedError(RuntimeError):
+    """Training left weights that are not finite numbers: nothing is saved."""
+
+
+def check_finite(weights: dict, what: str) -> None:
+    """Raise `DivergedError` naming the tensors of `weights` (name -> tensor) that hold NaN
+    or inf, so that a diverged run fails instead of saving a model that writes nothing."""
+    import torch
+
+    bad = [
+        name for name, tensor in weights.items() if torch.is_floating_point(tensor) and not torch.isfinite(tensor).all()
+    ]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise DivergedError(
+            f"{what}: training diverged: {len(bad)} of {len(weights)} weight tensors hold NaN or inf ({shown}); "
+            "nothing was saved. Lower the learning rate, or check the logged loss for the step it broke"
+        )
+
+
 def save_model(model, tokenizer, path: str | Path, state_dict: dict | None = None) -> None:
     """`model` (its weights, or `state_dict` when given: gathered weights of a sharded
-    model) as safetensors, and `tokenizer`, into `path`."""
+    model) as safetensors, and `tokenizer`, into `path`; weights that are not finite are
+    refused (`check_finite`)."""
+    check_finite(state_dict if state_dict is not None else model.state_dict(), str(path))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
