@@ -403,3 +403,24 @@ def test_ppo_raises_mean_reward_on_the_builtin_prompts(model_dir, tokenizer, tmp
     first = sum(row["score"] for row in history[:5]) / 5
     last = sum(row["score"] for row in history[-5:]) / 5
     assert last > first + 0.3, f"mean digit share {first:.3f} -> {last:.3f}"
+
+
+def test_rollouts_and_generation_stop_at_the_models_end_of_turn_token():
+    """A chat model's end-of-turn token is often an EOS of its generation config only, not
+    the tokenizer's EOS. A model that emits token X at once, with X among its configured
+    EOS ids: evaluate's generation stops after X (1 token, not the 8 of the budget) and a
+    PPO rollout's response mask ends at X, as TRL's GRPO and RLOO stop."""
+    from rlhf.models.generation import generate
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    x = tokenizer.convert_tokens_to_ids("=")
+    bias = torch.zeros(len(tokenizer))
+    bias[x] = 100.0
+    model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    prompts = ["1+2\n", "3+4+5\n"]
+    assert generate(model, tokenizer, prompts, 8) == ["========"] * 2, "only the tokenizer's EOS: runs to the budget"
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, x]
+    assert generate(model, tokenizer, prompts, 8) == ["="] * 2
+    rollout = generate_rollouts(model, tokenizer, prompts, max_new_tokens=8)
+    assert rollout.response_mask.sum(1).tolist() == [1, 1]

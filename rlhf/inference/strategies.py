@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.inference.settings import MCTS, STRATEGIES, BestOfN, SelfConsistency, Strategies
-from rlhf.models.generation import format_prompt, generate, sample
+from rlhf.models.generation import format_prompt, generate, sample, stop_token_ids
 from rlhf.models.loading import load_causal_lm
 from rlhf.rewards.functions import ModelDirs, build_rewards, weighted_sum
 from rlhf.rewards.prm import load_prm
@@ -332,7 +332,7 @@ def speculative(
             do_sample=False,
             max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop_token_ids(target, tokenizer),
         )
         new = output[0, batch["input_ids"].shape[1] :]
         answers.append(Answer(tokenizer.decode(new, skip_special_tokens=True), len(new)))
@@ -357,6 +357,7 @@ def ensemble_logits(models: Sequence, tokenizer, prompts: Sequence, max_new_toke
     caches = [None] * len(models)
     step_ids = input_ids
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    stops = torch.tensor(stop_token_ids(models[0], tokenizer), device=device)
     generated = []
     for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
@@ -376,7 +377,7 @@ def ensemble_logits(models: Sequence, tokenizer, prompts: Sequence, max_new_toke
         next_ids = torch.where(finished, torch.full_like(next_ids, tokenizer.pad_token_id), next_ids)
         generated.append(next_ids)
         mask = torch.cat([mask, (~finished).long()[:, None]], 1)
-        finished = finished | (next_ids == tokenizer.eos_token_id)
+        finished = finished | torch.isin(next_ids, stops)
         if finished.all():
             break
         step_ids = next_ids[:, None]

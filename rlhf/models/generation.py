@@ -26,6 +26,16 @@ def text_start(tokenizer) -> str:
     return bos if len(ids) > len(plain) and ids[0] == tokenizer.bos_token_id else ""
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS and every EOS of the model's
+    generation config (a chat model's end-of-turn token, e.g. Gemma's `<end_of_turn>` or
+    Qwen's `<|im_end|>`, is often only there), as TRL's GRPO and RLOO stop."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return list(dict.fromkeys(ids + configured))
+
+
 def format_prompt(tokenizer, prompt) -> str:
     """A prompt string as the model sees it in training: plain text after the BOS the
     tokenizer adds by default (`text_start`), conversational prompts through the chat
@@ -100,7 +110,7 @@ def generate(
             top_k=None,
             num_return_sequences=num_return_sequences,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop_token_ids(model, tokenizer),
             **({"stop_strings": stop_strings, "tokenizer": tokenizer} if stop_strings else {}),
         )
         new_tokens = output[:, batch["input_ids"].shape[1] :]

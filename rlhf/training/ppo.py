@@ -52,7 +52,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, Generation
 from rlhf.artifacts import atomic_dir
 from rlhf.models.compute import current, is_main, rank, world_size
 from rlhf.models.folders import check_model_dir, resolve_model_dir
-from rlhf.models.generation import KeyedSampling, format_prompt
+from rlhf.models.generation import KeyedSampling, format_prompt, stop_token_ids
 from rlhf.training.checkpoints import usable_checkpoint
 from rlhf.training.params import PPOParams
 from rlhf.training.trainer_setup import merged_model
@@ -179,7 +179,7 @@ def generate_rollouts(
     so the log-probs are those of the distribution sampled from), and record log pi_old(y_t).
     With `keyed` (a `KeyedSampling` of this `temperature`) each row's draws come from its
     own keyed generator instead of the process's (greedy decoding of its one-hot output)."""
-    eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+    eos_token_id = stop_token_ids(policy, tokenizer) if eos_token_id is None else eos_token_id
     tokenizer.padding_side = "left"
     tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the answer starts
     texts = [format_prompt(tokenizer, p) for p in prompts]
