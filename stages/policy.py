@@ -138,6 +138,9 @@ class OnlineParams(TrainingParams):
     learning_rate: float = Field(3e-5, gt=0, lt=1, description="peak learning rate")
     num_generations: int = Field(8, ge=2, description="completions sampled per prompt (the group)")
     max_completion_length: int = Field(64, gt=0, description="new tokens per completion")
+    max_length: int = Field(
+        128, gt=0, description="EWC only: tokens per SFT row for its Fisher information (TRL feeds prompts whole)"
+    )
     temperature: float = Field(0.7, gt=0, description="sampling temperature (below 1: rollouts closer to greedy)")
     keyed_sampling: bool = Field(False, description=KEYED_SAMPLING)
     beta: float = Field(0.0, ge=0, description="KL coefficient to the SFT reference (0 = no reference model)")
@@ -178,7 +181,9 @@ class OnlineParams(TrainingParams):
 class GRPOParams(OnlineParams):
     """GRPO (Shao et al. 2024): advantages are rewards normalised within each prompt's group."""
 
-    loss_type: str = Field("dapo", description="grpo | dr_grpo | dapo | bnpo | cispo | sapo | ... (TRL's loss types)")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo", description="TRL's GRPO loss types"
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
 
 

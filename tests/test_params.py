@@ -101,6 +101,10 @@ def test_every_config_field_is_documented():
         ("rm", "num_members", 0, "rm.num_members: Input should be greater than or equal to 1 (got 0)"),
         ("sft", "loss_on", "prompt", "sft.loss_on: String should match pattern"),
         ("base", "max_length", 8, "base.max_length: Input should be greater than 8 (got 8)"),
+        # A typo here failed only once the trainer was built (PPO: after every model loaded);
+        # cosine_with_min_lr needs scheduler arguments no param gives.
+        ("sft", "lr_scheduler_type", "cosin", "sft.lr_scheduler_type: Input should be 'linear', 'cosine', "),
+        ("sft", "lr_scheduler_type", "cosine_with_min_lr", "sft.lr_scheduler_type: Input should be 'linear', "),
     ],
 )
 def test_one_bad_key(tmp_path, repo_params, section, key, value, expected):
@@ -148,6 +152,21 @@ def test_unknown_dpo_loss_type_lists_the_known_ones(tmp_path, repo_params):
     assert len(error.problems) == 1
     assert error.problems[0].startswith("policy.dpo.loss_type: Value error, unknown DPO loss type(s) ['ipo2']")
     assert "'hinge'" in error.problems[0]
+
+
+def test_policy_losses_trl_refuses_fail_with_the_params(tmp_path, repo_params):
+    """GRPO's loss type failed after the first batch was sampled and scored, DPO's exo_pair
+    without label smoothing when the trainer was built: both are params errors now."""
+    params = copy.deepcopy(repo_params)
+    params["policy"]["grpo"]["loss_type"] = "gspo"
+    params["policy"]["dpo"]["loss_type"] = "exo_pair"
+    error = params_error(write_params(tmp_path, params))
+    assert len(error.problems) == 2, error.problems
+    assert error.problems[0].startswith("policy.dpo: Value error, loss_type exo_pair needs label_smoothing > 0")
+    assert error.problems[1].startswith("policy.grpo.loss_type: Input should be 'grpo', 'dr_grpo', 'dapo'")
+    params["policy"]["grpo"]["loss_type"] = "dr_grpo"
+    params["policy"]["dpo"]["label_smoothing"] = 1e-3
+    stages.load_all(write_params(tmp_path, params))
 
 
 def test_unknown_policy_method(tmp_path, repo_params):

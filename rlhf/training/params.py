@@ -19,6 +19,13 @@ KEYED_SAMPLING = (
 )
 
 
+# transformers' schedulers that need no further arguments (cosine_with_min_lr, warmup_stable_decay
+# and greedy need lr_scheduler_kwargs; reduce_lr_on_plateau needs an eval metric).
+Scheduler = Literal[
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
+]
+
+
 class TrainingParams(StageConfig):
     """Optimisation settings shared by the training stages (a TRL config subset)."""
 
@@ -26,7 +33,7 @@ class TrainingParams(StageConfig):
     per_device_train_batch_size: int = Field(32, gt=0, description="examples per step per device")
     gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step")
     learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
-    lr_scheduler_type: str = Field("cosine", description="transformers scheduler name")
+    lr_scheduler_type: Scheduler = Field("cosine", description="transformers scheduler name")
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of steps spent warming up")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
@@ -93,7 +100,7 @@ class PPOParams(TrainingParams):
 
     max_steps: int = Field(60, gt=0, description="PPO iterations (one rollout batch and its updates each)")
     learning_rate: float = Field(1e-5, gt=0, lt=1, description="policy learning rate")
-    lr_scheduler_type: str = Field("constant", description="transformers scheduler name, over all updates")
+    lr_scheduler_type: Scheduler = Field("constant", description="transformers scheduler name, over all updates")
     rollout_batch_size: int = Field(64, gt=0, description="prompts sampled per PPO iteration")
     mini_batch_size: int = Field(16, gt=0, description="responses per optimizer step")
     ppo_epochs: int = Field(2, gt=0, description="passes over each rollout batch")
@@ -179,3 +186,10 @@ class DPOParams(OfflineParams):
         if unknown:
             raise ValueError(f"unknown DPO loss type(s) {unknown}; use one of {list(DPO_LOSS_TYPES)}")
         return value
+
+    @model_validator(mode="after")
+    def _exo_needs_smoothing(self):
+        names = [self.loss_type] if isinstance(self.loss_type, str) else self.loss_type
+        if "exo_pair" in names and self.label_smoothing == 0:
+            raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper's value: 1e-3)")
+        return self
