@@ -188,8 +188,13 @@ class DPOParams(OfflineParams):
         return value
 
     @model_validator(mode="after")
-    def _exo_needs_smoothing(self):
+    def _losses_trl_accepts_once(self):
         names = [self.loss_type] if isinstance(self.loss_type, str) else self.loss_type
         if "exo_pair" in names and self.label_smoothing == 0:
             raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper's value: 1e-3)")
+        if "sft" in names and self.sft_weight:
+            raise ValueError(
+                f"loss_type lists sft and sft_weight is {self.sft_weight}: the NLL term would count twice; "
+                "weight it with sft_weight alone (drop sft from loss_type), or set sft_weight: 0"
+            )
         return self
