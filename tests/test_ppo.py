@@ -251,6 +251,30 @@ def test_value_model_loads_from_a_causal_lm_with_a_zero_head_or_from_a_reward_mo
     assert from_rm(ids).logits.shape == (1, 3, 1)
 
 
+def test_an_architecture_without_a_token_classification_class_gets_a_value_head(tokenizer, tmp_path):
+    """transformers has no token-classification class for Gemma 3 (nor OLMo, OPT, GPT-J):
+    the value model is its decoder body with a new, zeroed linear head, V = 0 at the start
+    on every position, and the value loss trains head and body."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from rlhf.training.ppo import ValueHeadModel, token_values
+
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    save_model(Gemma3ForCausalLM(config), tokenizer, tmp_path / "gemma")
+    value_model = load_value_model(tmp_path / "gemma")
+    assert isinstance(value_model, ValueHeadModel)
+    ids, mask = T([[5, 6, 7, 8], [0, 5, 6, 7]]), T([[1, 1, 1, 1], [0, 1, 1, 1]])
+    values = token_values(value_model, ids, mask, response_start=2)
+    assert values.shape == (2, 2) and not values.any()
+    ((values - 1.0) ** 2).mean().backward()
+    assert value_model.score.weight.grad.any() and value_model.score.bias.grad.any()
+    assert not value_model.body.embed_tokens.weight.grad.any(), "a zero head passes no gradient to the body yet"
+
+
 def test_response_mask_keeps_the_first_eos_and_masks_what_follows():
     eos, pad = 2, 0
     ids = T([[5, 6, eos, pad, pad], [5, eos, eos, eos, eos], [5, 6, 7, 8, 9]])

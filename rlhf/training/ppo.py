@@ -351,15 +351,53 @@ def clipped_value_loss(values, old_values, returns, mask, cliprange_value: float
 # ----------------------------------------------------------------------------- value model
 
 
+class ValueHeadModel(torch.nn.Module):
+    """A decoder body (`AutoModel`) with a linear head giving one value per position, for
+    architectures transformers has no token-classification class for (Gemma 3, OLMo, OPT,
+    GPT-J...); called like one (`.logits`, shape (B, T, 1)). Ours because transformers has
+    no generic value head and TRL's (`AutoModelForCausalLMWithValueHead`) left with its old
+    PPO trainer."""
+
+    def __init__(self, body, hidden_size: int):
+        super().__init__()
+        self.body = body
+        self.score = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.score.weight)
+        torch.nn.init.zeros_(self.score.bias)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        hidden = self.body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        return _Values(self.score(hidden.to(self.score.weight.dtype)))
+
+
+@dataclass
+class _Values:
+    logits: torch.Tensor
+
+
 def load_value_model(path: str | Path, trust_remote_code: bool = False):
     """A token-classification model with one output per position (the value head), from a
     causal LM directory (`value_init: sft`: a new head, zero-initialised so that V = 0 at
     the start and the load is deterministic) or a reward-model directory
     (`value_init: rm`: a classifier member's Llama-style `score` head carries over, its new
-    bias at 0; a likelihood member gives its trained LM body and a new, zeroed head)."""
+    bias at 0; a likelihood member gives its trained LM body and a new, zeroed head). An
+    architecture without a token-classification class gets its body and a new, zeroed
+    head (`ValueHeadModel`)."""
+    from transformers import AutoModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
     path = check_model_dir(resolve_model_dir(path), "value model init")
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code, num_labels=1)
     config.classifier_dropout = 0.0
+    custom = "AutoModelForTokenClassification" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES and not custom:
+        body = AutoModel.from_pretrained(
+            str(path), trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True
+        )
+        text = getattr(config, "text_config", None) or config
+        return ValueHeadModel(body, text.hidden_size)
     model, info = AutoModelForTokenClassification.from_pretrained(
         str(path),
         config=config,
