@@ -41,8 +41,9 @@ def train_trl(
     `inputs` are further files the result depends on (reward models), for the checkpoint
     fingerprint; `on_trainer(trainer)` runs once the trainer is built. `length_key` (the
     params key of `params.max_length`, for the offline methods) drops the rows whose prompt
-    alone fills max_length (`fitting_rows`; `forced_bos`: the trainer puts a BOS before every
-    prompt, as TRL's CPO and ORPO do) and reports how many."""
+    alone fills max_length (`fitting_rows`) and reports how many. `forced_bos`: the trainer
+    puts a BOS before every prompt that lacks one (TRL's CPO and ORPO); it is kept to where
+    the tokenizer puts one (`without_forced_bos`)."""
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
@@ -62,7 +63,10 @@ def train_trl(
     tokenizer = load_tokenizer(start, trust_remote_code)
     table, dropped = read_prepared(data, stage), None
     if length_key is not None:
-        table, dropped = fitting_rows(table, tokenizer, params.max_length, length_key, data, forced_bos)
+        table, dropped = fitting_rows(table, tokenizer, params.max_length, length_key, data)
+    trainer_tokenizer = tokenizer
+    if forced_bos:
+        trainer_tokenizer, table = without_forced_bos(tokenizer, table)
     model = load_causal_lm(start, trust_remote_code, what=start.as_posix(), training=True)
     dataset = Dataset.from_pandas(table, preserve_index=False)
     key = fingerprint(params, [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
@@ -72,7 +76,7 @@ def train_trl(
         model=model,
         args=args,
         train_dataset=dataset,
-        processing_class=tokenizer,
+        processing_class=trainer_tokenizer,
         peft_config=params.lora.peft_config(),
         callbacks=tracking_callbacks(),
         **trainer_kwargs,
@@ -106,22 +110,17 @@ class NoRowFitsError(InputError, ValueError):
     """Every prompt of a table fills the method's max_length."""
 
 
-def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, forced_bos: bool = False):
-    """(`table` without the rows whose prompt alone, tokenized as TRL does, fills
-    `max_length` tokens, how many were dropped). TRL's DPO and KTO drop such rows without a
-    count, and CPO (SimPO) and ORPO cut their completions to nothing, whose mean log-prob
-    is then 0/0 and turns every weight into NaN. `forced_bos`: the trainer prefixes a BOS
-    where the prompt has none (CPO and ORPO, whatever the tokenizer's default). None
-    fitting is an error naming `key`."""
+def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path):
+    """(`table` without the rows whose prompt alone, tokenized as it is trained and sampled,
+    fills `max_length` tokens, how many were dropped). TRL's DPO and KTO drop such rows
+    without a count, and CPO (SimPO) and ORPO cut their completions to nothing, whose mean
+    log-prob is then 0/0 and turns every weight into NaN. None fitting is an error naming
+    `key`."""
     from rlhf.models.generation import format_prompt
 
-    bos = tokenizer.bos_token_id if forced_bos else None
-
-    def length(prompt) -> int:
-        ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-        return len(ids) + (bos is not None and (not ids or ids[0] != bos))
-
-    lengths = [length(p) for p in table["prompt"]]
+    lengths = [
+        len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in table["prompt"]
+    ]
     keep = [n < max_length for n in lengths]
     dropped = len(keep) - sum(keep)
     if dropped == len(keep):
@@ -135,6 +134,25 @@ def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, forced
             f"token would be left) and are left out; raise it to keep them (the longest prompt: {max(lengths)} tokens)"
         )
     return table[keep].reset_index(drop=True), dropped
+
+
+def without_forced_bos(tokenizer, table):
+    """(a tokenizer for TRL's CPO and ORPO trainers, `table` for them). Those trainers put a
+    BOS before every prompt that does not start with one, whatever the tokenizer's default;
+    the pipeline samples and scores a prompt as the tokenizer's default (and DPO, KTO and
+    SFT) reads it (`format_prompt`). So they get a copy of the tokenizer without a BOS
+    token, and plain-text prompts carry the BOS in their text when the tokenizer puts one
+    before text (Llama-style); chat prompts keep what their template writes."""
+    import copy
+
+    from rlhf.models.generation import text_start
+
+    start = text_start(tokenizer)
+    trainer_tokenizer = copy.deepcopy(tokenizer)
+    trainer_tokenizer.bos_token = None
+    if start:
+        table = table.assign(prompt=[start + p if isinstance(p, str) else p for p in table["prompt"]])
+    return trainer_tokenizer, table
 
 
 def consolidate_on_sft(model, tokenizer, params, accumulation: int = 1):

@@ -147,10 +147,8 @@ def test_rows_whose_prompt_fills_max_length_are_left_out_and_counted(sft_project
     tokenizer = load_tokenizer(sft_project / "models/sft")
     table = "unpaired" if method == "kto" else "prefs"
     prompts = __import__("pandas").read_parquet(sft_project / f"data/prepared/{table}.parquet")["prompt"]
-    # TRL's CPO and ORPO put a BOS before every prompt (this tokenizer adds none itself).
-    bos = int(method in ("simpo", "orpo"))
     lengths = sorted(
-        len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) + bos for p in prompts
+        len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in prompts
     )
     max_length = lengths[len(lengths) // 2]
     config = load_config("policy")
@@ -189,3 +187,46 @@ def test_the_ewc_penalty_of_a_lora_run_is_reported_before_the_merge(sft_project,
     config = config.model_copy(update={"offline": ["dpo"], "online": [], "dpo": params})
     metrics, _ = stages.policy.run(config, get_task(), "dpo", sft_project / "models/policy/dpo-lora-ewc")
     assert metrics["ewc_penalty"] > 0
+
+
+@pytest.mark.parametrize("bos_default", [False, True], ids=["no-bos", "llama-bos"])
+@pytest.mark.parametrize("method", ["simpo", "orpo"])
+def test_simpo_and_orpo_train_on_the_prompt_tokens_generation_reads(method, bos_default):
+    """TRL's CPO and ORPO put a BOS before every prompt that lacks one, whatever the
+    tokenizer's default. The pipeline samples a prompt as the tokenizer reads text by
+    default (`format_prompt`): no BOS for the built-in tokenizer, one for a Llama-style
+    tokenizer. The trainers' tokenized prompts match that, with the tokenizer the stage
+    gives them (`without_forced_bos`)."""
+    import pandas as pd
+    from datasets import Dataset
+    from tokenizers import processors
+
+    from rlhf.models.generation import format_prompt
+    from rlhf.models.loading import build_tiny_model, build_tokenizer
+    from stages.trl_training import without_forced_bos
+
+    tokenizer = build_tokenizer()
+    if bos_default:
+        tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)]
+        )
+    table = pd.DataFrame(
+        {"prompt": ["12+7\n", "3+4+5\n"], "chosen": ["answer 19", "answer 12"], "rejected": ["answer 1", "answer 2"]}
+    )
+    trainer_tokenizer, trained = without_forced_bos(tokenizer, table)
+    if method == "simpo":
+        from trl.experimental.cpo import CPOConfig as Config
+        from trl.experimental.cpo import CPOTrainer as Trainer
+    else:
+        from trl.experimental.orpo import ORPOConfig as Config
+        from trl.experimental.orpo import ORPOTrainer as Trainer
+    args = Config(output_dir="unused", max_length=64, report_to=[], use_cpu=True)
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Dataset.from_pandas(trained), processing_class=trainer_tokenizer
+    )
+    for row, prompt in zip(trainer.train_dataset, table["prompt"]):
+        read = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        assert row["prompt_input_ids"] == read
+        assert (read[0] == tokenizer.bos_token_id) == bos_default
+        assert row["chosen_input_ids"][: len(read)] == read
