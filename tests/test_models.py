@@ -283,3 +283,34 @@ def test_a_diverged_model_is_refused_not_saved(tmp_path):
     ):
         save_model(model, tokenizer, tmp_path / "diverged")
     assert not (tmp_path / "diverged").exists()
+
+
+def test_rendered_prefixes_are_continued_as_they_are_not_rendered_twice():
+    """Rollouts for step labels, MCTS and refinement continue prefixes already rendered for
+    the model (`format_prompt` plus steps). With a Llama-style tokenizer a second rendering
+    put a second BOS before them: what the model continues must be what one rendering gives,
+    so the rollout completer samples exactly what `sample` samples for the plain prompt."""
+    import torch
+    from tokenizers import processors
+
+    from rlhf.models.generation import format_prompt, sample
+    from rlhf.models.loading import build_tiny_model, build_tokenizer
+    from rlhf.rewards.prm_labels import model_completer
+
+    tokenizer = build_tokenizer()
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)]
+    )
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    with torch.no_grad():  # sharper logits than at initialisation: the input shows in the samples
+        for parameter in model.parameters():
+            parameter.mul_(8)
+    prompts = ["1+2+3\n", "4+5\n"]
+    rendered = [format_prompt(tokenizer, p) for p in prompts]
+    assert all(
+        r.startswith(tokenizer.bos_token) and not r[len(tokenizer.bos_token) :].startswith(tokenizer.bos_token)
+        for r in rendered
+    )
+    expected = sample(model, tokenizer, prompts, 4, 6, 1.0, 8, seed=3)
+    assert model_completer(model, tokenizer, 6, 1.0, batch_size=8, seed=3)(rendered, 4) == expected
+    assert sample(model, tokenizer, rendered, 4, 6, 1.0, 8, seed=3) != expected, "rendered twice: another input"

@@ -125,7 +125,7 @@ def refine(
     flagged = [i for i, r in enumerate(results) if r.status != KEPT]
     if flagged:
         texts = [prefix_text(tokenizer, prompts[i], steps[i][: results[i].bad_step], separator) for i in flagged]
-        groups = sample(model, tokenizer, texts, attempts, max_new_tokens, temperature, batch_size, seed)
+        groups = sample(model, tokenizer, texts, attempts, max_new_tokens, temperature, batch_size, seed, True)
         for i, group in zip(flagged, groups):
             results[i].candidates = [results[i].prefix + rest for rest in group]
         # Every candidate of every flagged solution, scored in one call.

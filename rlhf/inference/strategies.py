@@ -198,8 +198,9 @@ def next_steps(
     separator = task.step_separator
     prefix = prefix_text(tokenizer, prompt, steps, separator)
     texts = generate(
-        model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed, stop_strings=[separator]
-    )
+        model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed, stop_strings=[separator],
+        formatted=True,
+    )  # fmt: skip
     lengths = count_tokens(tokenizer, texts)  # each plus one for the end of sequence
     counted: Counter = Counter()
     for text, length in zip(texts, lengths):
@@ -288,7 +289,8 @@ def mcts(
         node = root
         while node.children:
             node = max(node.children, key=lambda child: child.visits)
-        rest = generate(model, tokenizer, [prefix_text(tokenizer, prompt, node.steps, separator)], max_new_tokens)[0]
+        prefix = prefix_text(tokenizer, prompt, node.steps, separator)
+        rest = generate(model, tokenizer, [prefix], max_new_tokens, formatted=True)[0]
         tokens += count_tokens(tokenizer, [rest])[0]
         completion = join_continuation(node.steps, rest, separator)
         return Answer(completion, tokens, simulations, {"terminal": False, "root_expansions": root.expansions})

@@ -84,16 +84,20 @@ def generate(
     num_return_sequences: int = 1,
     seed: int | None = None,
     stop_strings: list[str] | None = None,
+    formatted: bool = False,
 ) -> list[str]:
     """Completions for `prompts` (greedy unless `do_sample`), decoded without special tokens.
 
     With `num_return_sequences` > 1 the result holds that many completions per prompt,
-    grouped by prompt. A completion ends early at any of `stop_strings` (kept in it)."""
+    grouped by prompt. A completion ends early at any of `stop_strings` (kept in it).
+    `formatted`: the prompts are already texts as the model reads them (`format_prompt`,
+    plus steps written so far), to continue as they are (formatting twice would put a
+    second BOS, or a chat template's text inside plain text)."""
     model.eval()
     if seed is not None:
         torch.manual_seed(seed)
     tokenizer.padding_side = "left"
-    texts = [format_prompt(tokenizer, p) for p in prompts]
+    texts = list(prompts) if formatted else [format_prompt(tokenizer, p) for p in prompts]
     completions: list[str] = []
     for start in range(0, len(texts), batch_size):
         batch = tokenizer(
@@ -118,10 +122,23 @@ def generate(
     return completions
 
 
-def sample(model, tokenizer, prompts: Sequence, n: int, max_new_tokens: int, temperature: float, batch_size: int, seed):
+def sample(
+    model,
+    tokenizer,
+    prompts: Sequence,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    seed,
+    formatted: bool = False,
+):
     """`n` sampled completions per prompt, as one list per prompt; `batch_size` counts
-    sequences, not prompts."""
-    flat = generate(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // n), True, temperature, n, seed=seed)
+    sequences, not prompts; `formatted` as for `generate`."""
+    flat = generate(
+        model, tokenizer, prompts, max_new_tokens, max(1, batch_size // n), True, temperature, n, seed=seed,
+        formatted=formatted,
+    )  # fmt: skip
     return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 

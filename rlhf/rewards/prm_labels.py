@@ -108,7 +108,8 @@ def model_completer(
         calls += 1
         if not prefixes:
             return []
-        return sample(model, tokenizer, prefixes, n, max_new_tokens, temperature, batch_size, seed + calls - 1)
+        # Prefixes arrive rendered (`derive_labels`' render, plus steps): continued as they are.
+        return sample(model, tokenizer, prefixes, n, max_new_tokens, temperature, batch_size, seed + calls - 1, True)
 
     return complete
 
