@@ -457,12 +457,12 @@ def train_candidate(
     """The round's candidate, `start` trained on `table` by `settings.method` into `out_dir`
     (checkpoints under checkpoints/<stage>): sft on kept rows (EWC, when on, with the Fisher
     information of `previous_data`), or rpo on pairs with `start` as the reference."""
+    name = stage.removeprefix("round-")  # the caller's f"round-{name}"
     if settings.method == "rpo":
         from stages.trl_training import dpo_trainer, train_trl
 
         classes, trl_args = dpo_trainer(settings.rpo)
         trust = settings.trust_remote_code or params["evaluate"].trust_remote_code
-        name = stage.removeprefix("round-")  # the caller's f"round-{name}"
         key = f"{round_key(params['improve'], name, 'rpo')}.max_length"
         return train_trl(trust, settings.rpo, table, classes, trl_args, out_dir, stage, start=start, length_key=key)
     from rlhf.training.sft import train_sft
@@ -471,7 +471,9 @@ def train_candidate(
     train = settings.train
     if settings.trust_remote_code:
         train = train.model_copy(update={"trust_remote_code": True})
-    return train_sft(train, start, table, out_dir, CHECKPOINTS_DIR, stage, ewc)
+    return train_sft(
+        train, start, table, out_dir, CHECKPOINTS_DIR, stage, ewc, round_key(params["improve"], name, "train")
+    )
 
 
 def stop(report: dict, name: str, start_dir: Path, out_dir: Path, previous: dict | None, reason: str) -> dict:

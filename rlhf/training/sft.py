@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from rlhf.params import InputError
 from rlhf.training.params import SFTParams
 
 CURVE_KEYS = ("loss", "mean_token_accuracy", "learning_rate")
@@ -27,11 +28,18 @@ def train_sft(
     checkpoints: Path,
     stage: str = "sft",
     ewc=None,
+    section: str | None = None,
 ) -> tuple[dict, list[dict]]:
     """Fine-tune the model in `base_dir` on the SFT table `data`, save the (merged) model
     into `out_dir`; return metrics and the loss curve. `stage` names the checkpoint folder
     under `checkpoints`. `ewc`: (EwcParams, the previous data's SFT table path) for elastic
-    weight consolidation towards `base_dir`'s weights, or None."""
+    weight consolidation towards `base_dir`'s weights, or None. `section`: the params key
+    of `config`, named in errors (default: `stage`).
+
+    Before the model loads: rows longer than `max_length` are counted (`truncated_rows`:
+    TRL cuts their end, EOS included), rows with no completion token left are left out
+    (`dropped_rows`), and conversational rows with `loss_on: completion` need a chat
+    template whose assistant turns TRL can mask (`check_assistant_masking`)."""
     from datasets import Dataset
     from trl import SFTConfig
 
@@ -51,15 +59,24 @@ def train_sft(
         trl_config,
     )
 
+    section = section or stage
     tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
-    model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir), training=True)
     table = read_prepared(data, "sft")
     conversational = "messages" in table.columns
+    only_target = config.loss_on == "completion"
+    if conversational and only_target:
+        check_assistant_masking(tokenizer, section, base_dir)
     if conversational or not isinstance(table["prompt"].iloc[0], str):
-        dataset = Dataset.from_pandas(table, preserve_index=False)
+        lengths = chat_lengths(tokenizer, table)
+        fits = [prompt < config.max_length for prompt, _ in lengths]
+        dataset = Dataset.from_pandas(table[fits].reset_index(drop=True), preserve_index=False)
     else:  # tokenised here in one batched call, to the ids TRL would make row by row
         dataset = tokenize_prompt_completion(tokenizer, table["prompt"].tolist(), table["completion"].tolist())
-    only_target = config.loss_on == "completion"
+        lengths = [(mask.index(1) if 1 in mask else len(mask), len(mask)) for mask in dataset["completion_mask"]]
+        fits = [prompt < config.max_length for prompt, _ in lengths]
+        dataset = dataset.select([i for i, keep in enumerate(fits) if keep])
+    lost = length_report(lengths, fits, config.max_length, f"{section}.max_length", data)
+    model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir), training=True)
     consolidating = ewc is not None and ewc[0].strength > 0
     key = fingerprint(config, [base_dir, data, *([ewc[1]] if consolidating else [])])
     if consolidating:
@@ -92,6 +109,7 @@ def train_sft(
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
+    penalty = consolidation.penalty() if consolidation is not None else None  # before LoRA is merged away
     model, state_dict = final_weights(trainer)
     if is_main():  # the other processes of a multi-process launch trained the same weights
         save_model(model, tokenizer, out_dir, state_dict)
@@ -103,7 +121,76 @@ def train_sft(
         "processes": trainer.args.world_size,
         "train_seconds": time.perf_counter() - start,
         "resumed": bool(resumed),
+        **lost,
     }
     if consolidation is not None:
-        metrics["ewc_penalty"] = consolidation.penalty()
+        metrics["ewc_penalty"] = penalty
     return metrics, log_history_rows(history, CURVE_KEYS)
+
+
+class SFTDataError(InputError, ValueError):
+    """The SFT data cannot be trained as params ask."""
+
+
+def check_assistant_masking(tokenizer, section: str, base_dir: Path) -> None:
+    """`loss_on: completion` with conversational rows trains the assistant's turns only,
+    through the chat template's `{% generation %}` markers: the template must have them,
+    or be one TRL knows how to patch (Llama 3, Qwen, Gemma, Phi-3...). Else fail before the
+    model loads, saying what to change (TRL fails after it, without naming the key)."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    where = f"the tokenizer of {base_dir}"
+    if not tokenizer.chat_template:
+        raise SFTDataError(
+            f"{section}: the SFT data holds conversations (messages) but {where} has no chat template: add one "
+            "(chat_template in tokenizer_config.json), or give prompt/completion text rows"
+        )
+    if has_generation_markers(tokenizer.chat_template):
+        return
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError:
+        raise SFTDataError(
+            f"{section}.loss_on: completion trains on the assistant's messages only, which needs a chat template "
+            f"with {{% generation %}} markers; {where} has none and TRL cannot patch it. Set {section}.loss_on: all "
+            "(every token), give the rows as prompt/completion (the loss then falls on the completion), or use a "
+            "template with the markers"
+        ) from None
+
+
+def chat_lengths(tokenizer, table) -> list[tuple[int, int]]:
+    """(prompt tokens, prompt + completion tokens) of each conversational row (`messages`,
+    or prompt/completion messages) through the chat template."""
+    from rlhf.models.generation import format_prompt
+
+    lengths = []
+    for row in table.itertuples(index=False):
+        if "messages" in table.columns:
+            messages = list(row.messages)
+            prompt = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+        else:
+            prompt, messages = list(row.prompt), list(row.prompt) + list(row.completion)
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        prompt_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        lengths.append((len(prompt_ids), len(tokenizer(full, add_special_tokens=False)["input_ids"])))
+    return lengths
+
+
+def length_report(lengths: list[tuple[int, int]], fits: list[bool], max_length: int, key: str, path: Path) -> dict:
+    """{truncated_rows, dropped_rows} of a table against `max_length`, printed when not 0;
+    no row left is an error naming `key`."""
+    dropped = len(fits) - sum(fits)
+    truncated = sum(1 for (_, full), keep in zip(lengths, fits) if keep and full > max_length)
+    if not any(fits):
+        shortest = min(prompt for prompt, _ in lengths)
+        raise SFTDataError(
+            f"{key} {max_length}: every prompt of {path} fills it (the shortest: {shortest} tokens), leaving no "
+            f"completion token to train on; raise {key} above {shortest}"
+        )
+    if dropped or truncated:
+        print(
+            f"{key} {max_length}: of {len(fits)} rows of {path}, {truncated} are cut at the end (their last tokens "
+            f"and EOS are not trained) and {dropped} have a prompt that fills it and are left out; raise {key} to "
+            f"keep them (the longest row: {max(full for _, full in lengths)} tokens)"
+        )
+    return {"truncated_rows": truncated, "dropped_rows": dropped}
