@@ -111,6 +111,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
         run_name=f"rm-member-{index}",
         # The likelihood kind's rows carry where each response starts, for its collator.
         remove_unused_columns=config.kind == "classifier",
+        trust_remote_code=config.trust_remote_code,  # TRL loads the classifier from its path
     )
     if config.kind == "classifier":
         trainer = RewardTrainer(

@@ -77,7 +77,7 @@ def test_a_hub_id_offline_and_not_cached_names_the_id_and_what_to_do(tmp_path, m
         fetch_from_hub("someone/not-cached-model", None, "base.model")
     message = str(error.value)
     assert "base.model 'someone/not-cached-model'" in message
-    assert "HF_HUB_OFFLINE" in message and "huggingface-cli download someone/not-cached-model" in message
+    assert "HF_HUB_OFFLINE" in message and "hf download someone/not-cached-model" in message
 
 
 def cached_snapshot(cache: Path, repo_id: str, model_dir: Path, commit: str = "0" * 40) -> Path:

@@ -316,3 +316,13 @@ def test_pairs_counted_over_max_length_are_the_ones_trls_reward_trainer_leaves_o
         model=model, args=args, train_dataset=Dataset.from_pandas(pairs), processing_class=tokenizer
     )
     assert len(trainer.train_dataset) == len(pairs) - dropped
+
+
+def test_members_are_read_in_number_order(tmp_path):
+    """Twelve members: member_10 and member_11 come after member_9 (sorted as text they came
+    after member_1, and the per-member metrics named the wrong ones)."""
+    from rlhf.rewards.ensemble import member_dirs
+
+    for index in range(12):
+        (tmp_path / f"member_{index}").mkdir()
+    assert [p.name for p in member_dirs(tmp_path)] == [f"member_{i}" for i in range(12)]

@@ -107,7 +107,7 @@ def fetch_from_hub(repo_id: str, revision: str | None, what: str, trust_remote_c
         raise ModelNotFoundError(
             f"{what} {repo_id!r} is not a local model directory, and the Hugging Face Hub could not "
             f"provide it ({reason}). If you are offline (HF_HUB_OFFLINE=1) or have no network: "
-            f"download it once while online (`huggingface-cli download {repo_id}` fills the cache "
+            f"download it once while online (`hf download {repo_id}` fills the cache "
             "this stage reads), or save it with `save_pretrained` and give that folder. "
             "If the id is a typo of a local path, fix the path."
         ) from error

@@ -31,7 +31,8 @@ def member_dirs(root: str | Path) -> list[Path]:
     reason = absent_reason(root)
     if reason:
         raise FileNotFoundError(f"{root} holds no reward model: {reason}")
-    members = sorted(p for p in root.glob(f"{MEMBER_PREFIX}*") if p.is_dir())
+    members = [p for p in root.glob(f"{MEMBER_PREFIX}*") if p.is_dir() and p.name[len(MEMBER_PREFIX) :].isdigit()]
+    members.sort(key=lambda p: int(p.name[len(MEMBER_PREFIX) :]))  # member_2 before member_10
     if not members:
         raise FileNotFoundError(
             f"no reward models in {root} (expected folders {MEMBER_PREFIX}0, {MEMBER_PREFIX}1, ...: what stage rm "
