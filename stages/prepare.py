@@ -20,11 +20,12 @@ What a user must give: an sft file and one eval suite. Everything else is either
 derived here, and the manifest says which:
 
 * prefs_eval — `heldout_share` of the preference pairs, held out (the RM's held-out set);
+* prm_eval — likewise from a given prm file (the PRM's held-out set);
 * unpaired — the training pairs as unpaired rows (chosen: desirable, rejected: not), for KTO;
 * prompts — the sft prompts, each with the answer the task reads from its demonstration
   (tasks with checkable answers), for the online methods;
-* prm / prm_eval — given files only: stage prm derives step labels by rollouts when none
-  are given (rlhf.rewards.prm_labels).
+* prm — a given file only: stage prm derives step labels by rollouts when none is given
+  (rlhf.rewards.prm_labels).
 
 With no preference file, prefs, prefs_eval and unpaired have no rows: the RM drops out
 and params that need it are errors (check_params names the key that would supply it).
@@ -66,7 +67,7 @@ FILE_KINDS = {
 }
 EVAL_PREFIX = "eval_"
 # What each file can be derived from (prepare itself, or stage prm for the step labels).
-DERIVED_FROM = {"prefs_eval": "prefs", "unpaired": "prefs", "prompts": "sft"}
+DERIVED_FROM = {"prefs_eval": "prefs", "prm_eval": "prm", "unpaired": "prefs", "prompts": "sft"}
 # Pairs chosen on the labelling page (stages.label), added to prefs when the file has rows.
 FEEDBACK_FILE = Path("data/raw/feedback_prefs.jsonl")
 
@@ -119,7 +120,10 @@ class Config(StageConfig):
         default_factory=dict, description="name (sft, prefs, ..., eval_<suite>) -> file; added to builtin tables"
     )
     heldout_share: float = Field(
-        0.1, gt=0, lt=1, description="share of prefs held out as prefs_eval when no prefs_eval file is given"
+        0.1,
+        gt=0,
+        lt=1,
+        description="share of prefs (prm) held out as prefs_eval (prm_eval) when that file is not given",
     )
 
     @model_validator(mode="after")
@@ -311,15 +315,18 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
 
     from rlhf.data.contracts import CONTRACTS
 
+    for name, what in (("prefs", "pairs"), ("prm", "step-labelled solutions")):
+        table = tables.get(name)
+        if table is None or not len(table) or f"{name}_eval" in tables:
+            continue
+        if len(table) < 2:
+            raise ValueError(f"prepare: a {name} file with one row cannot be split; add rows or {name}_eval")
+        order = np.random.default_rng(config.seed).permutation(len(table))
+        held = max(1, round(config.heldout_share * len(table)))
+        tables[f"{name}_eval"] = table.iloc[np.sort(order[:held])].reset_index(drop=True)
+        tables[name] = table.iloc[np.sort(order[held:])].reset_index(drop=True)
+        origins[f"{name}_eval"] = f"derived: {held} {what} held out of {name} (heldout_share {config.heldout_share})"
     prefs = tables.get("prefs")
-    if prefs is not None and len(prefs) and "prefs_eval" not in tables:
-        if len(prefs) < 2:
-            raise ValueError("prepare: a preference file with one pair cannot be split; add pairs or prefs_eval")
-        order = np.random.default_rng(config.seed).permutation(len(prefs))
-        held = max(1, round(config.heldout_share * len(prefs)))
-        tables["prefs_eval"] = prefs.iloc[np.sort(order[:held])].reset_index(drop=True)
-        tables["prefs"] = prefs = prefs.iloc[np.sort(order[held:])].reset_index(drop=True)
-        origins["prefs_eval"] = f"derived: {held} pairs held out of prefs (heldout_share {config.heldout_share})"
     if prefs is not None and len(prefs) and "unpaired" not in tables:
         rows = [
             {"prompt": r.prompt, "completion": completion, "label": label}

@@ -61,6 +61,22 @@ def test_prepare_derives_held_out_pairs_unpaired_rows_and_prompts_with_answers(u
     assert origins["sft"] == user_files["sft"]["path"]
 
 
+def test_a_prm_file_alone_gets_its_held_out_share(user_files, tmp_path):
+    """Step labels given without prm_eval: a share of them is held out as prm_eval, as for
+    preference pairs (the PRM stage needs both; it failed after SFT and the verifier)."""
+    rows = [
+        {"prompt": f"{a}+1+1?", "completions": [f"{a}+1={a + 1}", f"{a + 1}+1={a + 2}"], "labels": [True, a % 2 == 0]}
+        for a in range(10)
+    ]
+    user_files["prm"] = {"path": write_jsonl(tmp_path / "steps.jsonl", rows)}
+    config = Config(source="files", files=user_files, heldout_share=0.2)
+    tables, origins = run(config, GSM8K)
+    assert len(tables["prm_eval"]) == 2 and len(tables["prm"]) == 8
+    assert not set(tables["prm_eval"]["prompt"]) & set(tables["prm"]["prompt"])
+    assert origins["prm_eval"] == "derived: 2 step-labelled solutions held out of prm (heldout_share 0.2)"
+    assert "prm_eval" in config.available()
+
+
 def test_a_task_without_answers_derives_prompts_without_answers(user_files):
     tables, _ = run(Config(source="files", files=user_files), get_task(TaskConfig(kind="none")))
     assert tables["prompts"]["answer"].isna().all()
