@@ -39,13 +39,25 @@ def test_a_folder_with_pickled_weights_is_refused_with_how_to_convert(model_dir)
 def test_a_folder_without_weights_or_tokenizer_lists_what_is_missing(model_dir):
     for file in model_dir.glob("*.safetensors"):
         file.unlink()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (model_dir / name).unlink()
+    (model_dir / "tokenizer.json").unlink()  # tokenizer_config.json stays: it holds no vocabulary
     with pytest.raises(ValueError) as error:
         check_model_dir(model_dir, "base.model")
     message = str(error.value)
     assert "base.model directory" in message and "no *.safetensors weights" in message
-    assert "no tokenizer files" in message and "save_pretrained" in message
+    assert "no tokenizer vocabulary (tokenizer.json" in message and "save_pretrained" in message
+
+
+def test_a_sharded_model_missing_a_shard_names_it(model_dir):
+    """An index naming two shards, one absent: named before anything loads (it was a raw
+    FileNotFoundError from the loader)."""
+    import json
+
+    weights = next(model_dir.glob("*.safetensors"))
+    weights.rename(model_dir / "model-00001-of-00002.safetensors")
+    weight_map = {"lm_head.weight": "model-00001-of-00002.safetensors", "x": "model-00002-of-00002.safetensors"}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ValueError, match=r"names shards the folder lacks: \['model-00002-of-00002.safetensors'\]"):
+        check_model_dir(model_dir, "base.model")
 
 
 def test_a_missing_folder_names_it_without_a_raw_errno(tmp_path):

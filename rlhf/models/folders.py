@@ -24,7 +24,8 @@ BUILTIN_SIZES = {
 
 _CONFIG_FILE = "config.json"
 _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# A vocabulary (tokenizer_config.json alone holds none): fast, SentencePiece, BPE, WordPiece, tiktoken.
+_TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer.model", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
 
 
 def check_nope_layers(size: str, nope_layers) -> None:
@@ -72,8 +73,9 @@ def check_model_dir(path: str | Path, what: str = "model") -> Path:
             )
         else:
             problems.append("no *.safetensors weights")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        problems.append("no tokenizer files (tokenizer.json or tokenizer.model)")
+    problems += missing_shards(path)
+    if not any(p.is_file() for pattern in _TOKENIZER_PATTERNS for p in path.glob(pattern)):
+        problems.append("no tokenizer vocabulary (tokenizer.json, tokenizer.model, vocab.json or *.tiktoken)")
     if problems:
         found = f"Found: {present}"
         raise UnusableModelError(f"{what} directory {path} is not usable: {'; '.join(problems)}. {found}. {how}")
@@ -138,3 +140,18 @@ def resolve_model_dir(path: str | Path) -> Path:
     if pointer.is_file():
         return Path(json.loads(pointer.read_text())["path"])
     return path
+
+
+def missing_shards(path: Path) -> list[str]:
+    """The weight shards an index (`*.safetensors.index.json`) names that the folder lacks."""
+    problems = []
+    for index in path.glob("*.safetensors.index.json"):
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            problems.append(f"{index.name} is not a readable weight index")
+            continue
+        absent = sorted(name for name in shards if not (path / name).is_file())
+        if absent:
+            problems.append(f"{index.name} names shards the folder lacks: {absent}")
+    return problems
