@@ -342,3 +342,21 @@ def test_token_logprobs_in_row_chunks_are_the_whole_batchs(micro_dir):
         chunked = token_logprobs(lm, batch["input_ids"], batch["attention_mask"], logits_budget=one_row)
     assert whole.shape == (3, batch["input_ids"].shape[1] - 1)
     assert torch.allclose(chunked, whole, atol=1e-5)
+
+
+def test_a_classifier_prm_on_an_architecture_without_a_token_head_fails_naming_the_kind(tmp_path):
+    """transformers has no token-classification class for Gemma 3: the classifier PRM says
+    to use the likelihood kind, before any training (it was transformers' raw error)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from rlhf.models.loading import build_tokenizer, save_model
+    from rlhf.rewards.prm_classifier import load_prm_model
+
+    tokenizer = build_tokenizer()
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    save_model(Gemma3ForCausalLM(config), tokenizer, tmp_path / "gemma")
+    with pytest.raises(ValueError, match=r"model type 'gemma3_text'; set prm.kind: likelihood"):
+        load_prm_model(tmp_path / "gemma")

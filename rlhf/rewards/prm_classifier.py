@@ -35,9 +35,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, Trainer, TrainingArguments
 
-from rlhf.models.folders import check_model_dir, resolve_model_dir
+from rlhf.models.folders import UnusableModelError, check_model_dir, resolve_model_dir
 from rlhf.models.generation import format_prompt
-from rlhf.models.loading import load_tokenizer, save_model
+from rlhf.models.loading import load_tokenizer, save_model, token_classification_type
 from rlhf.rewards.steps import DEFAULT_SEPARATOR, PRM_FILE, StepScorer
 from rlhf.training.params import LoraParams, TrainingParams
 from rlhf.training.trainer_setup import tracking_callbacks, trl_config
@@ -119,6 +119,12 @@ def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str 
     from rlhf.models.compute import current
 
     path = check_model_dir(resolve_model_dir(path), what)
+    unsupported = token_classification_type(path, trust_remote_code)
+    if unsupported:
+        raise UnusableModelError(
+            f"{what} {path}: prm.kind classifier puts a token-classification head on the model, and transformers "
+            f"has none for model type {unsupported!r}; set prm.kind: likelihood (it scores steps with the LM itself)"
+        )
     # float32: it is trained (transformers' mixed precision) and scores steps in one pass.
     model = AutoModelForTokenClassification.from_pretrained(
         str(path),

@@ -386,13 +386,13 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False):
     architecture without a token-classification class gets its body and a new, zeroed
     head (`ValueHeadModel`)."""
     from transformers import AutoModel
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    from rlhf.models.loading import token_classification_type
 
     path = check_model_dir(resolve_model_dir(path), "value model init")
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code, num_labels=1)
     config.classifier_dropout = 0.0
-    custom = "AutoModelForTokenClassification" in (getattr(config, "auto_map", None) or {})
-    if config.model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES and not custom:
+    if token_classification_type(path, trust_remote_code):
         body = AutoModel.from_pretrained(
             str(path), trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True
         )
