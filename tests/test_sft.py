@@ -22,13 +22,9 @@ def params(**fields) -> SFTParams:
 
 
 @pytest.fixture
-def base(tmp_path):
-    from rlhf.models.loading import build_tiny_model, build_tokenizer, save_model
-
-    tokenizer = build_tokenizer()
-    path = tmp_path / "base"
-    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, path)
-    return path
+def base(micro_dir):
+    """The untrained micro model and the built-in tokenizer (conftest's micro_dir)."""
+    return micro_dir
 
 
 def test_rows_beyond_max_length_are_counted_and_prompts_that_fill_it_left_out(base, tmp_path, mlflow_store):
