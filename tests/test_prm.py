@@ -65,6 +65,50 @@ def test_labels_sit_on_the_last_token_of_each_separator():
         encode_steps(tokenizer, "1+2\n", ["1+2=3", "answer 3"], [True], separator=SEP)
 
 
+def sentencepiece_like_tokenizer():
+    """A BPE tokenizer behind a Metaspace pre-tokenizer that marks only the start of a text
+    (Llama 2 and Mistral's `prepend_scheme="first"`), trained here on a few solutions."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(prepend_scheme="first")
+    corpus = [f"{a} plus {b} is {a + b}. so the answer is {a + b}." for a in range(20) for b in range(5)]
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+
+
+def test_steps_are_tokenized_as_the_model_wrote_them():
+    """A SentencePiece-style tokenizer puts a word-boundary mark before every text it
+    tokenizes alone: step by step, each step and separator started with one the model never
+    wrote. The completion is tokenized as one text, as written; each label sits on the
+    last token before the next step's text, and the likelihood PRM's spans cover each step's
+    tokens plus the one after."""
+    from rlhf.rewards.prm_likelihood import encode
+
+    tokenizer = sentencepiece_like_tokenizer()
+    steps, separator = ["3 plus 4 is 7.", "so the answer is 7."], " "
+    completion = "3 plus 4 is 7. so the answer is 7. "
+    prompt_ids = tokenizer("q:", add_special_tokens=False)["input_ids"]
+    whole = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    pieces = sum((tokenizer(s + separator, add_special_tokens=False)["input_ids"] for s in steps), [])
+    assert pieces != whole, "piece by piece gives other ids than the text as written"
+    row = encode_steps(tokenizer, "q:", steps, [True, False], separator=separator)
+    assert row["input_ids"] == prompt_ids + whole
+    marked = {i: label for i, label in enumerate(row["labels"]) if label != IGNORE}
+    assert list(marked.values()) == [1, 0]
+    # The separator's space joins the next word (`▁so`): step 1's label is on the token before it.
+    assert tokenizer.decode(row["input_ids"][len(prompt_ids) : list(marked)[0] + 1]) == steps[0]
+    assert list(marked)[1] == len(row["input_ids"]) - 1
+    ids, spans = encode(tokenizer, "q:", steps, separator)
+    assert ids == prompt_ids + tokenizer(separator.join(steps), add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
+    assert [tokenizer.decode(ids[a : b - 1]).strip() for a, b in spans] == steps
+    assert spans[-1][1] == len(ids), "the last step's span ends with EOS"
+
+
 def test_long_rows_keep_their_whole_steps():
     """The 21-token row above: within 15 tokens only step 1 (ending at 10) fits, so it is cut
     to 11 tokens; within 8 tokens not even step 1 fits and the row is dropped."""

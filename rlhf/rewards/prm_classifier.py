@@ -38,7 +38,7 @@ from transformers import AutoModelForTokenClassification, DataCollatorForTokenCl
 from rlhf.models.folders import UnusableModelError, check_model_dir, resolve_model_dir
 from rlhf.models.generation import format_prompt
 from rlhf.models.loading import load_tokenizer, save_model, token_classification_type
-from rlhf.rewards.steps import DEFAULT_SEPARATOR, PRM_FILE, StepScorer
+from rlhf.rewards.steps import DEFAULT_SEPARATOR, PRM_FILE, StepScorer, locate_steps
 from rlhf.training.params import LoraParams, TrainingParams
 from rlhf.training.trainer_setup import tracking_callbacks, trl_config
 
@@ -61,16 +61,25 @@ def encode_steps(
     placeholder: what matters is where the labels are."""
     if labels is not None and len(labels) != len(steps):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels; give one label per step")
-    input_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-    token_labels = [IGNORE] * len(input_ids)
+    prompt_text = format_prompt(tokenizer, prompt)
     separator_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
     if not separator_ids:
         raise ValueError(f"the step separator {separator!r} tokenizes to nothing; choose a visible separator")
+    step_labels = [GOOD if labels is None or labels[i] else BAD for i in range(len(steps))]
+    located = locate_steps(tokenizer, prompt_text, steps, separator, closed=True) if steps else None
+    if located is not None:  # the completion as one text; each label on its separator's last token
+        input_ids, spans = located
+        token_labels = [IGNORE] * len(input_ids)
+        for (_, _, closing), label in zip(spans, step_labels):
+            token_labels[closing] = label
+        if len({closing for _, _, closing in spans}) == len(spans):
+            return {"input_ids": input_ids, "labels": token_labels}
+    input_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    token_labels = [IGNORE] * len(input_ids)
     for index, step in enumerate(steps):
         step_ids = tokenizer(step, add_special_tokens=False)["input_ids"] + separator_ids
-        label = GOOD if labels is None else (GOOD if labels[index] else BAD)
         input_ids += step_ids
-        token_labels += [IGNORE] * (len(step_ids) - 1) + [label]
+        token_labels += [IGNORE] * (len(step_ids) - 1) + [step_labels[index]]
     return {"input_ids": input_ids, "labels": token_labels}
 
 

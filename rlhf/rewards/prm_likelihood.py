@@ -32,7 +32,7 @@ import torch
 from rlhf.models.generation import format_prompt
 from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
 from rlhf.rewards.likelihood import fit_logistic, token_logprobs
-from rlhf.rewards.steps import DEFAULT_SEPARATOR, StepScorer
+from rlhf.rewards.steps import DEFAULT_SEPARATOR, StepScorer, locate_steps
 
 KIND = "likelihood"
 FEATURES = ("step_min_logprob", "running_min_logprob", "step_mean_logprob")
@@ -42,7 +42,12 @@ def encode(tokenizer, prompt, steps: Sequence[str], separator: str) -> tuple[lis
     """Token ids of prompt + steps (each followed by the separator, the last by EOS) and,
     per step, the span [start, end) of the tokens whose log-probs describe it: the step's
     own tokens and the first token after it."""
-    ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    prompt_text = format_prompt(tokenizer, prompt)
+    located = locate_steps(tokenizer, prompt_text, steps, separator, closed=False) if steps else None
+    if located is not None:  # the completion as one text, then EOS
+        ids, spans = located
+        return ids + [tokenizer.eos_token_id], [(first, end + 1) for first, end, _ in spans]
+    ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     separator_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
     spans = []
     for index, step in enumerate(steps):

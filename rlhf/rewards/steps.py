@@ -32,6 +32,45 @@ def aggregate(step_scores: Sequence[float], how: str = "min") -> float:
     return float(step_scores[-1])
 
 
+def locate_steps(tokenizer, prompt_text: str, steps: Sequence[str], separator: str, closed: bool):
+    """Token ids of `prompt_text` (tokenized alone, as generation reads it) followed by the
+    completion the steps make, tokenized as one text (as the model wrote it and as TRL
+    tokenizes a completion), with each step's tokens located by character offsets: per step
+    (its first token, one past its last token, the last token that ends by the end of the
+    separator after it, so before the next step's text; None where nothing follows). `closed`: every step, the last too, is
+    followed by the separator; else the steps are joined by it.
+
+    Tokenizing step by step instead would not give the model's own ids: a SentencePiece
+    tokenizer starts every piece with a word boundary (`▁`), a BPE merges a step's end with
+    the separator (`.\n\n`). None for a tokenizer without offsets (a slow one) or steps
+    whose tokens overlap (a token spanning a whole step): the caller then tokenizes piece by
+    piece."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    completion = separator.join(steps) + (separator if closed else "")
+    encoded = tokenizer(completion, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    located, start = [], 0
+    for index, step in enumerate(steps):
+        end = start + len(step)
+        tokens = [t for t, (a, b) in enumerate(offsets) if b > start and a < end]
+        if not tokens:
+            return None
+        closing = None
+        if closed or index < len(steps) - 1:  # the last token that ends by the separator's end
+            before_next = [t for t, (_, b) in enumerate(offsets) if b <= end + len(separator)]
+            closing = max(before_next + [tokens[-1]])
+        located.append(
+            (len(ids) + tokens[0], len(ids) + tokens[-1] + 1, None if closing is None else len(ids) + closing)
+        )
+        start = end + len(separator)
+    firsts = [first for first, _, _ in located]
+    if any(b <= a for a, b in zip(firsts, firsts[1:])):
+        return None
+    return ids + list(encoded["input_ids"]), located
+
+
 def split_completion(completion: str, separator: str) -> list[str]:
     """Steps of a completion, split on the separator the PRM was trained with, each exactly
     as written (as `Task.split_steps`: a leading space stays)."""
