@@ -454,12 +454,31 @@ def rounds_table(rounds: dict) -> list[str]:
 def summary_markdown(results: list[dict], metrics: dict) -> str:
     lines = ["# rlhf-pipeline run", "", "| stage | status | seconds |", "|---|---|---|"]
     lines += [f"| {r['stage']} | {r['status']} | {r['seconds']:.1f} |" for r in results]
-    if metrics["rm"]:
-        lines += ["", f"Reward-model ensemble held-out pairwise accuracy: **{metrics['rm']['ensemble_accuracy']:.3f}**"]
-    if metrics.get("prm"):
-        lines += ["", f"Process reward model held-out step accuracy: **{metrics['prm']['step_accuracy']:.3f}**"]
-    if metrics["eval"]:
+    for key, what, metric in (
+        ("rm", "Reward-model ensemble held-out pairwise accuracy", "ensemble_accuracy"),
+        ("prm", "Process reward model held-out step accuracy", "step_accuracy"),
+    ):
+        report = metrics.get(key) or {}
+        if report.get(metric) is not None:
+            lines += ["", f"{what}: **{report[metric]:.3f}**"]
+        elif report.get("absent"):  # the stage dropped out (no data for it)
+            lines += ["", f"Stage {key} dropped out: {report['absent']}"]
+    if metrics.get("eval"):
         for suite, models in metrics["eval"]["suites"].items():
+            if suite.startswith("harness/"):  # lm-eval's own metrics
+                lines += [
+                    "",
+                    f"## Harness task `{suite.removeprefix('harness/')}`",
+                    "",
+                    "| model | metrics |",
+                    "|---|---|",
+                ]
+                lines += [
+                    f"| {name} | " + ", ".join(f"{k} {number(v)}" for k, v in m.items() if isinstance(v, float)) + " |"
+                    for name, m in models.items()
+                    if isinstance(m, dict)
+                ]
+                continue
             lines += [
                 "",
                 f"## Eval suite `{suite}`",
@@ -471,7 +490,7 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
                 if isinstance(m, dict):
                     lines.append(
                         f"| {name} | {with_interval(m, 'accuracy')} | {number(m.get('format_rate'))} "
-                        f"| {m['kl_to_ref']:.3f} | {number(m.get('reward'))} | {number(m.get('win_rate'))} |"
+                        f"| {number(m.get('kl_to_ref'))} | {number(m.get('reward'))} | {number(m.get('win_rate'))} |"
                     )
     if metrics.get("infer"):
         infer = metrics["infer"]

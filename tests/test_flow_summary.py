@@ -115,3 +115,29 @@ def test_the_default_is_one_stage_at_a_time_when_a_stage_has_several_processes(t
     assert default_jobs(tmp_path) == 1
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"compute": {"device": "cpu"}}))
     assert default_jobs(tmp_path) in ((1,) if machine_cores() < 2 else (1, 2))
+
+
+def test_the_summary_of_a_run_whose_rm_dropped_out_and_with_a_harness_task():
+    """No preference data: metrics/rm.json says why the RM dropped out (so does the PRM's);
+    a harness task's suite holds lm-eval's metrics, not evaluate's. The summary says so and
+    still ends with the gate (it raised a KeyError after every stage had run)."""
+    from flows.pipeline import summary_markdown
+
+    metrics = {
+        "rm": {"absent": "no preference pairs"},
+        "prm": {"absent": "no step labels"},
+        "eval": {
+            "suites": {
+                "dev": {"sft": {"accuracy": 0.5, "kl_to_ref": 0.0}, "dpo": {"accuracy": 0.7}},
+                "harness/rlhf_dev": {"sft": {"accuracy": 0.5, "accuracy_stderr": 0.05}},
+            }
+        },
+        "gate": {"promote": None, "promoted": False, "champion": None, "candidates": {"dpo": {"passed": True}}},
+    }
+    markdown = summary_markdown([{"stage": "sft", "status": "ran", "seconds": 1.0}], metrics)
+    assert (
+        "Stage rm dropped out: no preference pairs" in markdown and "Stage prm dropped out: no step labels" in markdown
+    )
+    assert "| dpo | 0.700 | n/a | n/a | n/a | n/a |" in markdown
+    assert "## Harness task `rlhf_dev`" in markdown and "| sft | accuracy 0.500, accuracy_stderr 0.050 |" in markdown
+    assert markdown.rstrip().endswith("- dpo: pass")
