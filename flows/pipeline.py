@@ -590,6 +590,8 @@ def run_pipeline(force: set[str], retries: int, pull: bool, push: bool, jobs: in
         mlflow.log_text(markdown, "summary.md")
         if failed:
             mlflow.set_tag("pipeline.failed", ",".join(failed))
+    if failed:  # Compare shows the run as failed, not finished
+        mlflow.MlflowClient().set_terminated(parent.info.run_id, "FAILED")
     for key, rows in tables.items():
         create_table_artifact(table=rows, key=key, description=f"{key.replace('-', ' ')} of this run")
     create_markdown_artifact(

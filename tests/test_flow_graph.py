@@ -64,6 +64,13 @@ def test_the_run_graph_has_the_dags_edges_and_a_failure_stops_only_its_downstrea
     ids = {r.id: name for name, r in by_name.items()}
     edges = {(ids[i.id], name) for name, r in by_name.items() for i in r.task_inputs.get("wait_for", []) if i.id in ids}
     assert edges == {("a", "b"), ("b", "c"), ("a", "d")}, "one edge per dependency in `dvc dag`"
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    (parent,) = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], "tags.`rlhf.stage` = 'pipeline'"
+    )
+    assert parent.info.status == "FAILED" and parent.data.tags["pipeline.failed"] == "b,c", "Compare shows it failed"
 
 
 def test_a_second_flow_in_a_held_workspace_fails_at_once_and_a_killed_holder_frees_it(tmp_path, monkeypatch):

@@ -268,7 +268,8 @@ def output_hash(path: str | Path, lock_path: str | Path = "dvc.lock") -> str | N
 
 
 def tag_stage_runs_with_lock(parent_run_id: str, lock_path: str | Path = "dvc.lock") -> dict[str, str]:
-    """Tag each nested stage run of `parent_run_id` with its dvc.lock entry hash."""
+    """Tag each nested stage run of `parent_run_id` that finished with its dvc.lock entry
+    hash (a failed stage's entry is still the previous run's)."""
     client = MlflowClient(tracking_uri())
     runs = client.search_runs(
         experiment_ids=[client.get_run(parent_run_id).info.experiment_id],
@@ -276,6 +277,8 @@ def tag_stage_runs_with_lock(parent_run_id: str, lock_path: str | Path = "dvc.lo
     )
     tagged = {}
     for run in runs:
+        if run.info.status != "FINISHED":
+            continue
         address = run.data.tags.get(STAGE_TAG)
         digest = lock_entry_hash(address, lock_path) if address else None
         if digest:
