@@ -610,9 +610,10 @@ def run_pipeline(force: set[str], retries: int, pull: bool, push: bool, jobs: in
 DEPLOYMENT = "scheduled"
 
 
-def deploy(pool: str, cron: str, name: str = DEPLOYMENT):
+def deploy(pool: str, cron: str, name: str = DEPLOYMENT, parameters: dict | None = None):
     """This checkout's flow as deployment `rlhf-pipeline/<name>` on process work pool
-    `pool` (created when missing), scheduled by `cron`, one run at a time; its id."""
+    `pool` (created when missing), scheduled by `cron` (UTC), one run at a time, each run
+    with `parameters` (the flow's: force, retries, pull, push, jobs); its id."""
     import asyncio
 
     from prefect.client.orchestration import get_client
@@ -640,7 +641,7 @@ def deploy(pool: str, cron: str, name: str = DEPLOYMENT):
         work_pool_name=pool,
         cron=cron,
         concurrency_limit=1,
-        parameters={"root": str(ROOT)},
+        parameters={**(parameters or {}), "root": str(ROOT)},
         description=f"dvc.yaml's stages through DVC in {ROOT}",
         print_next_steps=False,
         ignore_warnings=True,  # Prefect suggests .serve for a process pool: --serve is that
@@ -661,10 +662,13 @@ def main(argv: list[str] | None = None) -> None:
         "--deploy", action="store_true", help="register a scheduled deployment for a worker (needs a Prefect server)"
     )
     parser.add_argument("--pool", default="rlhf", help="process work pool of --deploy (created when missing)")
-    parser.add_argument("--cron", default="0 3 * * *", help="schedule of --serve and --deploy")
+    parser.add_argument("--cron", default="0 3 * * *", help="schedule of --serve and --deploy (UTC)")
     args = parser.parse_args(argv)
+    # Every run of a schedule takes these, as one run started here would.
+    parameters = {"force": args.force, "retries": args.retries, "pull": args.pull, "push": args.push}
+    parameters |= {"jobs": args.jobs} if args.jobs is not None else {}
     if args.deploy:
-        deployment = deploy(args.pool, args.cron)
+        deployment = deploy(args.pool, args.cron, parameters=parameters)
         print(
             f"deployment rlhf-pipeline/{DEPLOYMENT} ({deployment}) on work pool {args.pool!r}, cron {args.cron!r}.\n"
             f"Start a worker here: prefect worker start --pool {args.pool}\n"
@@ -672,7 +676,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
     if args.serve:
-        pipeline.serve(name="scheduled", cron=args.cron)
+        pipeline.serve(name="scheduled", cron=args.cron, parameters=parameters)
         return
     pipeline(force=args.force, retries=args.retries, pull=args.pull, push=args.push, jobs=args.jobs)
 

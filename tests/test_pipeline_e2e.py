@@ -267,8 +267,8 @@ def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, tmp_path
     prefect = str(Path(sys.executable).parent / "prefect")
     with servers(tmp_path / "servers", names=("prefect",)) as urls:
         env = {"PREFECT_API_URL": urls["prefect"], "PREFECT_HOME": str(tmp_path / "servers/prefect")}
-        out = run([sys.executable, "-m", "flows.pipeline", "--deploy", "--pool", "test-pool", "--cron", "0 3 * * *"],
-                  root, env=env).stdout  # fmt: skip
+        command = ["--deploy", "--pool", "test-pool", "--cron", "0 3 * * *", "--retries", "1"]
+        out = run([sys.executable, "-m", "flows.pipeline", *command], root, env=env).stdout
         assert "prefect worker start --pool test-pool" in out
         deployment = get_json(f"{urls['prefect']}/deployments/name/rlhf-pipeline/scheduled")
         assert deployment["work_pool_name"] == "test-pool"
@@ -277,7 +277,8 @@ def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, tmp_path
         assert deployment["pull_steps"] == [
             {"prefect.deployments.steps.set_working_directory": {"directory": str(root)}}
         ]
-        assert deployment["parameters"] == {"root": str(root)}
+        # Each scheduled run takes the flags given with --deploy.
+        assert deployment["parameters"] == {"force": [], "retries": 1, "pull": False, "push": False, "root": str(root)}
         pool = get_json(f"{urls['prefect']}/work_pools/test-pool")
         assert pool["type"] == "process"
         triggered = run([prefect, "deployment", "run", "rlhf-pipeline/scheduled"], root, env=env).stdout
