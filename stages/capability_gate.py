@@ -110,6 +110,7 @@ def run(
         validation,
     )
     verdict["previous_champion"] = champion["candidate"] if champion else None
+    verdict["champion_record"] = {"pinned": champion.get("pinned")} if champion else None
     return verdict
 
 
@@ -165,26 +166,55 @@ def keep_champion_dir(champion_dir: Path) -> None:
             (staging / "README.md").write_text("No candidate has passed the capability gate yet.\n")
 
 
+def held_back(verdict: dict, config: Config, experiment: str | None, temporary: bool) -> str | None:
+    """Why a passing candidate does not move the champion, or None: a DVC experiment unless
+    `promote_in_experiments` (never from a queued one's temporary copy: the champion it
+    wrote would be discarded while the registry alias moved), or a champion pinned by a
+    rollback."""
+    name = verdict["promote"]
+    if not name:
+        return None
+    again = "run `dvc repro -f gate` in the workspace to promote it"
+    if experiment and temporary:
+        return (
+            f"{name} passed in queued DVC experiment {experiment!r}, which runs in a temporary copy of the project: "
+            f"the champion moves only in the workspace (`dvc exp apply {experiment}`, then {again})"
+        )
+    if experiment and not config.promote_in_experiments:
+        return (
+            f"{name} passed, but this is DVC experiment {experiment!r}: the champion moves only in the workspace's "
+            f"own runs ({again}; gate.promote_in_experiments: true allows it)"
+        )
+    pinned = (verdict.get("champion_record") or {}).get("pinned")
+    if pinned:
+        return (
+            f"{name} passed, but the champion is pinned: {pinned}; `python -m stages.rollback --unpin` lets the gate "
+            "move it again"
+        )
+    return None
+
+
 def main() -> None:
     import mlflow
 
     from rlhf.tasks import get_task
-    from rlhf.tracking.runs import stage_run
+    from rlhf.tracking.runs import project_root, stage_run
 
     params = load_all()
     config = resolve(params["gate"], get_task(params["task"]), decision_suite(params))
     report = read_json(REPORT)
     outcomes = read_json(OUTCOMES) if OUTCOMES.is_file() else None
     validation = read_json(VALIDATION_REPORT) if VALIDATION_REPORT.is_file() else None
+    # A queued experiment runs in a temporary copy of the project, which has no champion
+    # (models/ is not in git): it is judged against the workspace's.
+    workspace_champion = project_root() / CHAMPION_DIR
+    temporary = workspace_champion.resolve() != CHAMPION_DIR.resolve()
     with stage_run("gate", config) as active:
-        verdict = run(config, report, outcomes, CHAMPION_DIR, validation)
-        experiment = os.environ.get(EXPERIMENT_ENV)
-        if verdict["promote"] and experiment and not config.promote_in_experiments:
-            verdict["held_back"] = (
-                f"{verdict['promote']} passed, but this is DVC experiment {experiment!r}: the champion moves only "
-                "in the workspace's own runs (gate.promote_in_experiments: true allows it)"
-            )
-            print(f"gate: {verdict['held_back']}")
+        verdict = run(config, report, outcomes, workspace_champion if temporary else CHAMPION_DIR, validation)
+        held = held_back(verdict, config, os.environ.get(EXPERIMENT_ENV), temporary)
+        if held:
+            verdict["held_back"] = held
+            print(f"gate: {held}")
             verdict["promote"] = None
         if verdict["promote"]:
             record = promote(config, verdict, outcomes, active.info.run_id)

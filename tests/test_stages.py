@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
@@ -311,6 +313,35 @@ def report_where_best(project, name: str) -> dict:
     return report
 
 
+def test_a_queued_experiment_is_judged_against_the_workspaces_champion(project, tmp_path):
+    """`dvc exp run --queue` runs the stages in a temporary copy without models/champion
+    (models/ is not in git; DVC_ROOT names the workspace). Its gate compares with the
+    workspace's champion, not with none, and never promotes, even with
+    promote_in_experiments, whose champion folder would be discarded with the copy."""
+    from tests.test_pipeline_e2e import tree_digest
+
+    copy = tmp_path / "queued"
+    shutil.copytree(project, copy, ignore=shutil.ignore_patterns("champion", "mlflow.db", "mlartifacts"))
+    (copy / "reports/outcomes.json").unlink(missing_ok=True)  # point estimates: the doctored report decides
+    params = yaml.safe_load((copy / "params.yaml").read_text())
+    params["gate"]["tests"].append({"metric": "accuracy", "relative_to": "champion", "op": ">", "threshold": 0.01})
+    (copy / "params.yaml").write_text(yaml.safe_dump(params))
+    record = json.loads((project / "models/champion/champion.json").read_text())
+    report = report_where_best(copy, "merged")
+    report["suites"]["dev"]["merged"]["accuracy"] = record["metrics"]["dev"]["accuracy"]  # no gain over it
+    before = tree_digest(project / "models/champion")
+    env = {"DVC_EXP_NAME": "queued-1", "DVC_ROOT": str(project)}
+    verdict = run_gate_on(copy, report, **env)
+    assert verdict["previous_champion"] == record["candidate"], "the workspace's champion, not none"
+    (failure,) = verdict["candidates"]["merged"]["failures"]
+    assert failure.startswith("accuracy[dev] > champion+0.01: "), "judged against the workspace's champion"
+    params["gate"]["promote_in_experiments"] = True
+    (copy / "params.yaml").write_text(yaml.safe_dump(params))
+    verdict = run_gate_on(copy, report_where_best(copy, "merged"), **env)
+    assert verdict["promoted"] is False and "temporary copy of the project" in verdict["held_back"]
+    assert tree_digest(project / "models/champion") == before
+
+
 def test_a_dvc_experiment_does_not_move_the_champion(project):
     """Under `dvc exp run` (DVC_EXP_NAME set) a passing candidate is reported, not promoted."""
     from tests.test_pipeline_e2e import tree_digest
@@ -369,6 +400,19 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
         [client.get_experiment_by_name("stages-test").experiment_id], "tags.`rlhf.stage` = 'rollback'"
     )
     assert runs and runs[0].data.tags["rollback.to_version"] == target
+    # Pinned: the next gate (a scheduled run, say) holds back even a better candidate,
+    # until --unpin.
+    assert record["pinned"].startswith(f"rolled back from version {current} to version {target}")
+    (second / "reports").mkdir(exist_ok=True)
+    shutil.copytree(project / "models/policy", second / "models/policy", dirs_exist_ok=True)
+    shutil.copy(project / "reports/eval.json", second / "reports/eval.json")
+    verdict = run_gate_on(second, report_where_best(second, "dpo"))
+    assert verdict["promoted"] is False and "the champion is pinned: rolled back from" in verdict["held_back"]
+    assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
+    stages.rollback.main(["--unpin"])
+    assert "pinned" not in json.loads((second / "models/champion/champion.json").read_text())
+    with pytest.raises(SystemExit, match="is not pinned"):
+        stages.rollback.main(["--unpin"])
 
 
 def test_policy_plots_find_a_reward_under_the_name_trl_logs():
