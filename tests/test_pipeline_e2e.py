@@ -431,7 +431,8 @@ def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
         # The report names the RM version that scored it (for the gate's champion tests).
         rescored = json.loads((root / "reports/eval.json").read_text())["scorers"]
         lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
-        assert rescored["rm"] == lock["rm"]["outs"][0]["md5"] != scorers["rm"]
+        (rm_out,) = [out for out in lock["rm"]["outs"] if out["path"] == "models/rm"]
+        assert rescored["rm"] == rm_out["md5"] != scorers["rm"]
         assert rescored["reference"] == scorers["reference"] and rescored["reference"].endswith(".dir")
     finally:
         params["rm"]["learning_rate"] = original
