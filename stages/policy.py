@@ -492,8 +492,7 @@ def main(argv: list[str] | None = None) -> None:
             f"usage: python -m stages.policy METHOD, with METHOD one of policy.offline + policy.online {config.methods}"
         )
     method = argv[0]
-    listed = "offline" if method in config.offline else "online"
-    with stage_run(stage_name(method), config.model_dump(include={listed, method})) as active:
+    with stage_run(stage_name(method), config.model_dump(include={"trust_remote_code", method})) as active:
         with atomic_dir(OUT_ROOT / method) as tmp:
             metrics, curve = run(config, task, method, tmp)
         if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
