@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from rlhf.params import InputError
 from rlhf.training.params import DPOParams, TrainingParams
 from stages import CHECKPOINTS_DIR, DATA_DIR, REF_LOGPS_CACHE, SFT_DIR
 
@@ -106,33 +105,20 @@ def train_trl(
     return metrics, log_history_rows(history, logged)
 
 
-class NoRowFitsError(InputError, ValueError):
-    """Every prompt of a table fills the method's max_length."""
-
-
 def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path):
     """(`table` without the rows whose prompt alone, tokenized as it is trained and sampled,
     fills `max_length` tokens, how many were dropped). TRL's DPO and KTO drop such rows
     without a count, and CPO (SimPO) and ORPO cut their completions to nothing, whose mean
     log-prob is then 0/0 and turns every weight into NaN. None fitting is an error naming
-    `key`."""
+    `key` (`length_report`, as SFT's)."""
     from rlhf.models.generation import format_prompt
+    from rlhf.training.trainer_setup import length_report
 
     lengths = [
         len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in table["prompt"]
     ]
     keep = [n < max_length for n in lengths]
-    dropped = len(keep) - sum(keep)
-    if dropped == len(keep):
-        raise NoRowFitsError(
-            f"{key} {max_length}: every prompt of {path} fills it ({min(lengths)} to {max(lengths)} tokens), "
-            f"leaving no token of a completion to train on; raise {key} above {min(lengths)}"
-        )
-    if dropped:
-        print(
-            f"{key} {max_length}: {dropped} of {len(keep)} rows of {path} have a prompt that fills it (no completion "
-            f"token would be left) and are left out; raise it to keep them (the longest prompt: {max(lengths)} tokens)"
-        )
+    dropped = length_report([(n, n) for n in lengths], keep, max_length, key, path)["dropped_rows"]
     return table[keep].reset_index(drop=True), dropped
 
 

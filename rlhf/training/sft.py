@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlhf.params import InputError
 from rlhf.training.params import SFTParams
+from rlhf.training.trainer_setup import TrainingDataError, length_report
 
 CURVE_KEYS = ("loss", "mean_token_accuracy", "learning_rate")
 
@@ -128,8 +128,7 @@ def train_sft(
     return metrics, log_history_rows(history, CURVE_KEYS)
 
 
-class SFTDataError(InputError, ValueError):
-    """The SFT data cannot be trained as params ask."""
+SFTDataError = TrainingDataError  # the SFT data cannot be trained as params ask
 
 
 def check_assistant_masking(tokenizer, section: str, base_dir: Path) -> None:
@@ -174,23 +173,3 @@ def chat_lengths(tokenizer, table) -> list[tuple[int, int]]:
         prompt_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
         lengths.append((len(prompt_ids), len(tokenizer(full, add_special_tokens=False)["input_ids"])))
     return lengths
-
-
-def length_report(lengths: list[tuple[int, int]], fits: list[bool], max_length: int, key: str, path: Path) -> dict:
-    """{truncated_rows, dropped_rows} of a table against `max_length`, printed when not 0;
-    no row left is an error naming `key`."""
-    dropped = len(fits) - sum(fits)
-    truncated = sum(1 for (_, full), keep in zip(lengths, fits) if keep and full > max_length)
-    if not any(fits):
-        shortest = min(prompt for prompt, _ in lengths)
-        raise SFTDataError(
-            f"{key} {max_length}: every prompt of {path} fills it (the shortest: {shortest} tokens), leaving no "
-            f"completion token to train on; raise {key} above {shortest}"
-        )
-    if dropped or truncated:
-        print(
-            f"{key} {max_length}: of {len(fits)} rows of {path}, {truncated} are cut at the end (their last tokens "
-            f"and EOS are not trained) and {dropped} have a prompt that fills it and are left out; raise {key} to "
-            f"keep them (the longest row: {max(full for _, full in lengths)} tokens)"
-        )
-    return {"truncated_rows": truncated, "dropped_rows": dropped}

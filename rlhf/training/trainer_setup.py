@@ -17,6 +17,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from rlhf.models.compute import current
+from rlhf.params import InputError
 from rlhf.training.checkpoints import usable_checkpoint
 from rlhf.training.params import TrainingParams
 
@@ -197,3 +198,31 @@ def log_history_rows(history: list[dict], keys: tuple[str, ...]) -> list[dict]:
 def last_logged(history: list[dict], key: str) -> float | None:
     values = [h[key] for h in history if key in h]
     return float(values[-1]) if values else None
+
+
+class TrainingDataError(InputError, ValueError):
+    """The training data cannot be trained as params ask (no row fits max_length, a chat
+    template TRL cannot mask)."""
+
+
+def length_report(lengths: list[tuple[int, int]], fits: list[bool], max_length: int, key: str, path: Path) -> dict:
+    """{truncated_rows, dropped_rows} of a table against `max_length`, from each row's
+    (prompt tokens, prompt + completion tokens) and whether it is kept (`fits`: its prompt
+    leaves a completion token), printed when not 0; no row left is an error naming `key`.
+    SFT and the offline policy methods report their rows with it."""
+    dropped = len(fits) - sum(fits)
+    truncated = sum(1 for (_, full), keep in zip(lengths, fits) if keep and full > max_length)
+    if not any(fits):
+        shortest = min(prompt for prompt, _ in lengths)
+        raise TrainingDataError(
+            f"{key} {max_length}: every prompt of {path} fills it (the shortest: {shortest} tokens), leaving no "
+            f"completion token to train on; raise {key} above {shortest}"
+        )
+    counted = [f"{truncated} are cut at the end (their last tokens and EOS are not trained)"] if truncated else []
+    counted += [f"{dropped} have a prompt that fills it and are left out"] if dropped else []
+    if counted:
+        print(
+            f"{key} {max_length}: of {len(fits)} rows of {path}, {' and '.join(counted)}; raise {key} to keep them "
+            f"(the longest row: {max(full for _, full in lengths)} tokens)"
+        )
+    return {"truncated_rows": truncated, "dropped_rows": dropped}
