@@ -68,6 +68,7 @@ from stages.trl_training import (
     SFT_DATA,
     consolidate_on_sft,
     dpo_trainer,
+    fitting_rows,
     reference_trainer,
     train_trl,
 )
@@ -390,11 +391,13 @@ def train_ppo_method(
     from rlhf.training.trainer_setup import checkpoint_dir, fingerprint
 
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
+    # A prompt must leave max_new_tokens of max_length: the rollouts would cut its start.
+    table, dropped = fitting_rows(read_prepared(PROMPTS, stage), tokenizer, params.max_length, "policy.ppo.max_length",
+                                  PROMPTS, room=params.max_new_tokens)  # fmt: skip
     policy = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
     reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
     value_init = SFT_DIR if params.value_init == "sft" else member_dirs(RM_DIR)[0]
     value_model = load_value_model(value_init, config.trust_remote_code)
-    table = read_prepared(PROMPTS, stage)
     functions, weights = build_rewards(params.rewards, task, REWARD_MODEL_DIRS, config.trust_remote_code)
     ewc = consolidate_on_sft(policy, tokenizer, params)
     inputs = [SFT_DIR, PROMPTS, value_init, *model_paths(params.rewards, REWARD_MODEL_DIRS)]
@@ -430,6 +433,7 @@ def train_ppo_method(
         "steps": len(history),
         "processes": world_size(),
         "resumed": resumed,
+        "dropped_rows": dropped,
     }
     if ewc is not None:
         metrics["ewc_penalty"] = ewc.penalty()

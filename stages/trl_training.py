@@ -105,20 +105,21 @@ def train_trl(
     return metrics, log_history_rows(history, logged)
 
 
-def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path):
-    """(`table` without the rows whose prompt alone, tokenized as it is trained and sampled,
-    fills `max_length` tokens, how many were dropped). TRL's DPO and KTO drop such rows
-    without a count, and CPO (SimPO) and ORPO cut their completions to nothing, whose mean
-    log-prob is then 0/0 and turns every weight into NaN. None fitting is an error naming
-    `key` (`length_report`, as SFT's)."""
+def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: int = 1):
+    """(`table` without the rows whose prompt, tokenized as it is trained and sampled, leaves
+    fewer than `room` of `max_length` tokens for the completion, how many were dropped).
+    TRL's DPO and KTO drop rows whose prompt fills max_length without a count, CPO (SimPO)
+    and ORPO cut their completions to nothing, whose mean log-prob is then 0/0 and turns
+    every weight into NaN, and PPO's rollouts (room: max_new_tokens) would cut the prompt's
+    start. None fitting is an error naming `key` (`length_report`, as SFT's)."""
     from rlhf.models.generation import format_prompt
     from rlhf.training.trainer_setup import length_report
 
     lengths = [
         len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in table["prompt"]
     ]
-    keep = [n < max_length for n in lengths]
-    dropped = length_report([(n, n) for n in lengths], keep, max_length, key, path)["dropped_rows"]
+    keep = [n + room <= max_length for n in lengths]
+    dropped = length_report([(n, n) for n in lengths], keep, max_length, key, path, room)["dropped_rows"]
     return table[keep].reset_index(drop=True), dropped
 
 

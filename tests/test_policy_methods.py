@@ -166,6 +166,45 @@ def test_rows_whose_prompt_fills_max_length_are_left_out_and_counted(sft_project
         stages.policy.run(config.model_copy(update={method: short}), get_task(), method, sft_project / "unused")
 
 
+def test_ppo_leaves_out_prompts_that_leave_no_room_for_a_response(sft_project, monkeypatch):
+    """PPO's rollouts keep max_new_tokens of max_length for the response and cut a longer
+    prompt's start (its question gone, a silent change of the task). Such prompts are left
+    out before any model loads and counted in `dropped_rows`; none fitting fails naming
+    policy.ppo.max_length and the least value that fits."""
+    import pandas as pd
+
+    import stages.policy
+    from rlhf.models.generation import format_prompt
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.tasks import get_task
+    from stages import load_config
+
+    monkeypatch.chdir(sft_project)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{sft_project / 'mlflow.db'}")
+    tokenizer = load_tokenizer(sft_project / "models/sft")
+    prompts = pd.read_parquet(sft_project / "data/prepared/prompts.parquet")["prompt"]
+    lengths = sorted(
+        len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in prompts
+    )
+    new_tokens, median = 8, lengths[len(lengths) // 2]
+    config = load_config("policy")
+    updates = {"max_steps": 1, "rollout_batch_size": 4, "mini_batch_size": 2, "max_new_tokens": new_tokens}
+    updates |= {"logging_steps": 1, "rewards": [{"name": "reward_model"}], "max_length": median + new_tokens}
+    params = type(config.ppo).model_validate({**config.ppo.model_dump(exclude_unset=True), **updates})
+    config = config.model_copy(update={"offline": [], "online": ["ppo"], "ppo": params})
+    metrics, _ = stages.policy.run(config, get_task(), "ppo", sft_project / "models/policy/ppo-short")
+    assert metrics["dropped_rows"] == sum(n > median for n in lengths) > 0
+
+    short = type(params).model_validate(
+        {**params.model_dump(exclude_unset=True), "max_length": lengths[0] + new_tokens - 1}
+    )
+    with pytest.raises(
+        ValueError, match=rf"policy.ppo.max_length {lengths[0] + new_tokens - 1}: every prompt .* at least "
+        rf"{lengths[0] + new_tokens}"
+    ):  # fmt: skip
+        stages.policy.run(config.model_copy(update={"ppo": short}), get_task(), "ppo", sft_project / "unused")
+
+
 def test_the_ewc_penalty_of_a_lora_run_is_reported_before_the_merge(sft_project, monkeypatch):
     """With LoRA, EWC pulls the adapter's weights; the reported penalty is read before the
     adapter is merged away (after the merge the parameters it names are gone and it read 0)."""

@@ -93,7 +93,8 @@ class EwcParams(StageConfig):
 
 class PPOParams(TrainingParams):
     """PPO with a KL penalty to the reference (Ouyang et al. 2022). `max_steps` counts PPO
-    iterations and `max_length` bounds prompt + response (long prompts lose their start).
+    iterations and `max_length` bounds prompt + response (the stage leaves out a prompt longer
+    than max_length - max_new_tokens, and counts it).
     Inherited keys not used: per_device_train_batch_size and gradient_accumulation_steps
     (rollout_batch_size and mini_batch_size set the batches) and gradient_checkpointing.
     PPO runs in float32 on `compute.device`."""

@@ -205,21 +205,25 @@ class TrainingDataError(InputError, ValueError):
     template TRL cannot mask)."""
 
 
-def length_report(lengths: list[tuple[int, int]], fits: list[bool], max_length: int, key: str, path: Path) -> dict:
+def length_report(
+    lengths: list[tuple[int, int]], fits: list[bool], max_length: int, key: str, path: Path, room: int = 1
+) -> dict:
     """{truncated_rows, dropped_rows} of a table against `max_length`, from each row's
     (prompt tokens, prompt + completion tokens) and whether it is kept (`fits`: its prompt
-    leaves a completion token), printed when not 0; no row left is an error naming `key`.
-    SFT and the offline policy methods report their rows with it."""
+    leaves `room` completion tokens), printed when not 0; no row left is an error naming
+    `key`. SFT, the offline policy methods and PPO report their rows with it."""
     dropped = len(fits) - sum(fits)
     truncated = sum(1 for (_, full), keep in zip(lengths, fits) if keep and full > max_length)
     if not any(fits):
         shortest = min(prompt for prompt, _ in lengths)
+        left = "no completion token" if room == 1 else f"fewer than the {room} tokens of a completion"
         raise TrainingDataError(
-            f"{key} {max_length}: every prompt of {path} fills it (the shortest: {shortest} tokens), leaving no "
-            f"completion token to train on; raise {key} above {shortest}"
+            f"{key} {max_length}: every prompt of {path} fills it (the shortest: {shortest} tokens), leaving {left} "
+            f"to train on; raise {key} to at least {shortest + room}"
         )
     counted = [f"{truncated} are cut at the end (their last tokens and EOS are not trained)"] if truncated else []
-    counted += [f"{dropped} have a prompt that fills it and are left out"] if dropped else []
+    fills = "fills it" if room == 1 else f"leaves fewer than {room} tokens of it"
+    counted += [f"{dropped} have a prompt that {fills} and are left out"] if dropped else []
     if counted:
         print(
             f"{key} {max_length}: of {len(fits)} rows of {path}, {' and '.join(counted)}; raise {key} to keep them "
