@@ -355,11 +355,12 @@ def input_problems(params: dict) -> list[str]:
         )
     for name in improve.rounds:
         settings = improve.settings(name)
-        if "steps" in settings.checks and not task.checks_steps:
-            problems.append(
-                f"{round_key(improve, name, 'checks')}: the steps check needs a task that checks steps; "
-                f"task.kind {task.name!r} does not (use answer, vote or prm)"
-            )
+        for key in ("checks", "prefer"):
+            if "steps" in getattr(settings, key) and not task.checks_steps:
+                problems.append(
+                    f"{round_key(improve, name, key)}: the steps check needs a task that checks steps; "
+                    f"task.kind {task.name!r} does not (use answer, vote or prm)"
+                )
         if settings.operands is not None and operands_problem(task):
             problems.append(f"{round_key(improve, name, 'operands')}: {operands_problem(task)}")
         if "prm" in settings.checks:

@@ -25,7 +25,10 @@ for easy-to-hard generalisation (Lee et al., 2025):
    (it states the majority answer of its problem's samples, held by at least
    `min_vote_share` of them: no answer key), `prm` (every step scored at least
    `prm_threshold` by the PRM: no answer key); with `refine`, a rejected sample is repaired
-   from its first bad step (rlhf.inference.refine) and kept if the repair passes;
+   from its first bad step (rlhf.inference.refine) and kept if the repair passes; `prefer`
+   ranks a problem's kept samples: those passing its checks too come first (a chain that
+   reaches the right answer by a path the task's step check rejects is kept, but trained on
+   only where the problem has no better one);
 4. the candidate is the starting model trained by `method`:
    `sft`, rejection-sampling fine-tuning on at most `keep_per_prompt` kept samples per
    problem, plus a `replay` share of earlier data (the SFT data and every earlier round's
@@ -121,6 +124,11 @@ class Settings(StageConfig):
     )
     min_vote_share: float = Field(0.5, gt=0, le=1, description="vote: the majority's least share of the samples")
     prm_threshold: float = Field(0.5, gt=0, lt=1, description="prm: least P(good) of every step")
+    prefer: list[Literal["steps"]] = Field(
+        [],
+        description="among a problem's kept samples, those that pass these checks too are trained on first "
+        "(steps: every step right and in the problem's order); unlike `checks`, none is left out",
+    )
     refine: bool = Field(False, description="repair rejected samples from their first bad step (PRM-guided)")
     refine_attempts: int = Field(4, gt=0, description="continuations sampled per repair")
     keep_per_prompt: int = Field(1, gt=0, description="most distinct kept samples per problem")
@@ -403,6 +411,16 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
         "problems_with_a_kept_sample": _mean([any(r["kept"] for r in g) for g in verdicts]),
         "sample_accuracy": _mean([row["correct"] for row in flat if row["correct"] is not None]),
         "kept_accuracy": _mean([row["correct"] for row in flat if row["kept"] and row["correct"] is not None]),
+        **(
+            {
+                "kept_preferred_samples": sum(row["kept"] and row["preferred"] for row in flat),
+                "problems_with_a_preferred_sample": _mean(
+                    [any(r["kept"] and r["preferred"] for r in g) for g in verdicts]
+                ),
+            }
+            if settings.prefer
+            else {}
+        ),
         "training_rows": len(train),
         "new_rows": len(kept),
         "replay_rows": replay_rows,

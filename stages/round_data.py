@@ -113,7 +113,7 @@ def judge_samples(settings: Settings, task, prompts, answers, samples, prm) -> l
             row = {"completion": completion, "correct": task.is_correct(completion, answer) if checkable else None}
             if "answer" in settings.checks:
                 row["answer_check"] = bool(row["correct"])
-            if "steps" in settings.checks:  # every step good, and the last one the final answer
+            if "steps" in settings.checks or "steps" in settings.prefer:  # every step good, the last one final
                 labels, steps = task.check_steps(prompts[i], completion), task.split_steps(completion)
                 row["steps_check"] = bool(labels and steps) and all(labels) and task.is_final_step(steps[-1])
             if "vote" in settings.checks:
@@ -122,16 +122,18 @@ def judge_samples(settings: Settings, task, prompts, answers, samples, prm) -> l
                 row["prm_score"] = scores[i][j]
                 row["prm_check"] = scores[i][j] >= settings.prm_threshold
             row["kept"] = all(row[f"{check}_check"] for check in settings.checks)
+            row["preferred"] = all(row[f"{check}_check"] for check in settings.prefer)
             rows.append(row)
         verdicts.append(rows)
     return verdicts
 
 
 def kept_rows(prompts, verdicts, keep_per_prompt: int) -> list[dict]:
-    """At most `keep_per_prompt` distinct kept completions per problem: the model's own
-    samples before repairs, and among those the most often sampled first (a check on the
-    answer also passes a chain with a slip that happens to land on it; the sound chain is
-    the one the model writes most often), ties in sample order."""
+    """At most `keep_per_prompt` distinct kept completions per problem: those passing the
+    round's `prefer` checks first, the model's own samples before repairs, and among those
+    the most often sampled first (a check on the answer also passes a chain with a slip that
+    happens to land on it; the sound chain is the one the model writes most often), ties in
+    sample order."""
     return [
         {"prompt": prompt, "completion": as_completion(prompt, text)}
         for prompt, group in zip(prompts, verdicts)
@@ -146,7 +148,8 @@ def ranked_kept(group: list[dict]) -> list[str]:
     kept = [row for row in group if row["kept"]]
     counts = Counter(row["completion"] for row in kept)  # in order of first sampling
     refined = {row["completion"] for row in kept if row.get("source") == "refined"}
-    return sorted(counts, key=lambda text: (text in refined, -counts[text]))  # stable: ties keep that order
+    other = {row["completion"] for row in kept if not row.get("preferred", True)}
+    return sorted(counts, key=lambda text: (text in other, text in refined, -counts[text]))  # stable: ties as sampled
 
 
 def as_completion(prompt, text: str):

@@ -185,6 +185,13 @@ def test_the_steps_check_needs_a_task_that_checks_steps(tmp_path):
     assert f"improve.rounds.r1.checks: {need}" in error.value.problems
     assert error.value.problems.count(f"improve.defaults.checks: {need}") == 1  # r2 and r3 inherit it: named once
 
+    data["improve"]["defaults"]["checks"] = ["answer"]
+    data["improve"]["rounds"] = {"r1": {"after": "sft", "prefer": ["steps"]}}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError) as error:
+        load_all(str(path))
+    assert f"improve.rounds.r1.prefer: {need}" in error.value.problems
+
 
 def test_kept_rows_take_the_most_sampled_right_chain_before_a_lucky_one_and_repairs_last():
     sound, lucky = "3+4=7; 7-2=5; answer 5", "3+4=8; 8-2=5; answer 5"  # a slip that lands on 5
@@ -197,6 +204,24 @@ def test_kept_rows_take_the_most_sampled_right_chain_before_a_lucky_one_and_repa
     assert rows == [{"prompt": "p", "completion": sound}]
     ranked = [r["completion"] for r in kept_rows(["p"], [group], keep_per_prompt=3)]
     assert ranked == [sound, lucky, "3+4=7; 7-2=5;  answer 5"]
+
+
+def test_prefer_steps_trains_first_on_a_right_chain_in_the_problems_order_and_keeps_the_others():
+    """`prefer: [steps]`: a problem whose samples reach its answer in the problem's order and
+    in another order trains on the in-order chain, though the other was sampled more often;
+    a problem with only the other kind still keeps it (unlike `checks: [steps]`), and rpo's
+    chosen chain follows the same order."""
+    in_order, reordered, wrong = "3+4=7; 7+5=12; answer 12", "3+5=8; 8+4=12; answer 12", "3+4=7; 7+5=13; answer 13"
+    prompts, answers = ["3+4+5\n", "3+4+5\n"], ["12", "12"]
+    samples = [[reordered, reordered, in_order, wrong], [reordered, wrong, wrong, reordered]]
+    plain = judge_samples(Settings(checks=["answer"]), TASK, prompts, answers, samples, None)
+    assert [r["completion"] for r in kept_rows(prompts, plain, 1)] == [reordered, reordered]
+    preferring = judge_samples(Settings(checks=["answer"], prefer=["steps"]), TASK, prompts, answers, samples, None)
+    assert [[r["kept"] for r in group] for group in preferring] == [[r["kept"] for r in group] for group in plain]
+    assert [r["completion"] for r in kept_rows(prompts, preferring, 1)] == [in_order, reordered]
+    assert [p["chosen"] for p in preference_pairs(prompts, preferring, 1)] == [in_order, reordered]
+    filtering = judge_samples(Settings(checks=["answer", "steps"]), TASK, prompts, answers, samples, None)
+    assert [r["completion"] for r in kept_rows(prompts, filtering, 1)] == [in_order]
 
 
 def test_rpo_pairs_put_each_kept_chain_over_the_mistake_the_model_makes_most():
