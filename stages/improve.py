@@ -80,11 +80,20 @@ from stages import (
     REPORTS_DIR,
     SFT_DIR,
     difficulty_problems,
+    eval_suites,
     load_model_stage,
     round_key,
     table_difficulties,
 )
-from stages.round_data import judge_samples, kept_rows, preference_pairs, round_problems, sft_rows
+from stages.round_data import (
+    eval_prompts,
+    judge_samples,
+    kept_rows,
+    majority,
+    preference_pairs,
+    round_problems,
+    sft_rows,
+)
 
 ROUNDS_DIR = MODELS_DIR / "rounds"
 ROUND_DATA = Path("data/rounds")
@@ -365,7 +374,8 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     from rlhf.models.generation import sample
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
-    exclude = {p for s in suites for p in pd.read_parquet(EVAL_DIR / f"{s}.parquet")["prompt"].astype(str)}
+    # No problem of any eval suite (not only those this round evaluates) is a training problem.
+    exclude = eval_prompts(eval_suites(params))
     prompts, answers = round_problems(settings, task, params, seed, exclude, f"improve.rounds.{name}")
     trust = settings.trust_remote_code
     prm = None
@@ -441,12 +451,13 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     report["curve"] = curve
 
     # 5: evaluate and gate.
-    models = {"candidate": candidate_dir}
-    if previous is None:
-        models = {"sft": SFT_DIR, **({"start": start_dir} if after != "sft" else {}), **models}
-    results = evaluate_models(params, task, models, suites, settings.trust_remote_code)
-    sft_eval = previous["sft"] if previous else results["sft"]
-    start_eval = previous["winner_eval"] if previous else results.get("start", results.get("sft"))
+    if previous is None:  # one pass loads each model once
+        models = {"sft": SFT_DIR, **({"start": start_dir} if after != "sft" else {}), "candidate": candidate_dir}
+        results = evaluate_models(params, task, models, suites, trust)
+        sft_eval, start_eval = results["sft"], results.get("start", results["sft"])
+    else:
+        sft_eval, start_eval = earlier_evals(params, task, suites, previous, start_dir, trust)
+        results = evaluate_models(params, task, {"candidate": candidate_dir}, suites, trust)
     verdict = gate(settings, tests, name, sft_eval, start_eval, results["candidate"])
     passed = verdict["promote"] == name
     report |= {
@@ -467,6 +478,17 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     candidate_dir.rmdir()
     report |= {"stopped": False, "stopped_at": None, "winner": name, "winner_eval": results["candidate"]}
     return report
+
+
+def earlier_evals(params, task, suites: list[str], previous: dict, start_dir: Path, trust: bool):
+    """(SFT's, the start's) evaluation on `suites`, from the report of the round before (the
+    start): a suite that round did not evaluate (this round evaluates more) is evaluated here."""
+    sft_eval, start_eval = dict(previous["sft"]), dict(previous["winner_eval"])
+    if missing := [s for s in suites if s not in sft_eval]:
+        sft_eval |= evaluate_models(params, task, {"sft": SFT_DIR}, missing, trust)["sft"]
+    if missing := [s for s in suites if s not in start_eval]:
+        start_eval |= evaluate_models(params, task, {"start": start_dir}, missing, trust)["start"]
+    return sft_eval, start_eval
 
 
 def train_candidate(
@@ -529,9 +551,10 @@ def repair_rejected(settings: Settings, task, model, tokenizer, prm, prompts, an
     )  # fmt: skip
     repaired = [(i, r.refined) for (i, _), r in zip(rejected, results) if r.status == "repaired"]
     if repaired:
+        own = [[row["completion"] for row in verdicts[i] if row.get("source") != "refined"] for i, _ in repaired]
         rechecked = judge_samples(
             settings, task, [prompts[i] for i, _ in repaired], [answers[i] for i, _ in repaired],
-            [[text] for _, text in repaired], prm,
+            [[text] for _, text in repaired], prm, votes=[majority(task, group) for group in own],
         )  # fmt: skip
         for (i, _), [row] in zip(repaired, rechecked):
             verdicts[i].append({**row, "source": "refined"})

@@ -81,6 +81,15 @@ def test_checks_keep_the_right_samples():
     )
     assert [[r["kept"] for r in group] for group in by_vote] == [[False] * 4, [True, True, True, False]]
     assert majority(TASK, samples[1]) == ("8", 0.75)
+    # A repair of problem 2 that states 7 is judged against its problem's samples (whose
+    # majority, 8, it does not state), not as a group of one whose majority it is.
+    alone = judge_samples(Settings(checks=["vote"], min_vote_share=0.6), TASK, ["3+4\n"], [None], [[right]], None)
+    assert alone[0][0]["kept"], "a group of one is its own majority"
+    repair = judge_samples(
+        Settings(checks=["vote"], min_vote_share=0.6), TASK, ["3+4\n"], [None], [[right]], None,
+        votes=[majority(TASK, samples[1])],
+    )  # fmt: skip
+    assert not repair[0][0]["kept"]
     assert kept_rows(["a", "b"], by_answer, keep_per_prompt=2) == [
         {"prompt": "a", "completion": right},
         {"prompt": "b", "completion": right},
@@ -407,7 +416,8 @@ def test_rounds_as_dvc_stages(tmp_path):
             },
             "rounds": {
                 "r1": {"after": "sft"},
-                "r2": {"after": "rounds/r1", "tests": never},
+                # r2 evaluates a suite r1 did not: SFT and its start are evaluated on it too.
+                "r2": {"after": "rounds/r1", "tests": never, "suites": ["dev", "test"]},
                 "r3": {"after": "rounds/r2"},
                 # A PRM bar no micro-model step clears: every sample is rejected and repaired.
                 "fix": {"after": "sft", "refine": True, "refine_attempts": 2, "prm_threshold": 0.999},
@@ -424,6 +434,7 @@ def test_rounds_as_dvc_stages(tmp_path):
     assert reports["r1"]["passed"] and reports["r1"]["winner"] == "r1" and reports["r1"]["data"]["new_rows"] > 0
     assert reports["r2"]["passed"] is False and reports["r2"]["stopped_at"] == "r2"
     assert "kl_to_ref" in reports["r2"]["stop_reason"]
+    assert set(reports["r2"]["sft"]) == set(reports["r2"]["winner_eval"]) == {"dev", "test"}
     assert reports["r3"]["stopped_at"] == "r2" and reports["r3"]["trained"] is False
     sft, r1, r2, r3 = (_weights(root / f"models/{m}") for m in ("sft", "rounds/r1", "rounds/r2", "rounds/r3"))
     assert any(not torch.equal(sft[k], r1[k]) for k in sft), "round 1 trained"
@@ -526,6 +537,18 @@ def test_round_problems_of_a_user_table(tmp_path, monkeypatch):
     chat = [{"role": "user", "content": "What is 2 plus 2?"}]
     write([{"prompt": chat, "answer": "4"}])
     assert round_problems(Settings(), task, {}, 0, set()) == ([chat], ["4"]), "a chat prompt: a list of messages"
+
+    # A conversation with a system turn in an eval suite file (Parquet reads it back as an
+    # array of dicts) is that suite's problem, as prompts.parquet reads it too.
+    from stages.round_data import eval_prompts
+
+    system = [{"role": "system", "content": "Be brief."}, *chat]
+    write([{"prompt": system, "answer": "4"}, {"prompt": chat, "answer": "4"}])
+    (tmp_path / "data/prepared/eval").mkdir()
+    pd.DataFrame({"prompt": pd.Series([system], dtype=object), "answer": ["4"]}).to_parquet(
+        tmp_path / "data/prepared/eval/test.parquet"
+    )
+    assert round_problems(Settings(), task, {}, 0, eval_prompts(["test"])) == ([chat], ["4"])
 
 
 def test_chat_prompts_train_on_assistant_messages_and_each_problem_pairs_alone(tmp_path):
