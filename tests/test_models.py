@@ -326,3 +326,24 @@ def test_rendered_prefixes_are_continued_as_they_are_not_rendered_twice():
     expected = sample(model, tokenizer, prompts, 4, 6, 1.0, 8, seed=3)
     assert model_completer(model, tokenizer, 6, 1.0, batch_size=8, seed=3)(rendered, 4) == expected
     assert sample(model, tokenizer, rendered, 4, 6, 1.0, 8, seed=3) != expected, "rendered twice: another input"
+
+
+def test_a_continuation_keeps_the_word_boundary_its_first_token_carries():
+    """A SentencePiece-style decoder (Llama 2, Mistral) drops the word-boundary space of the
+    first token it decodes: the new tokens alone gave "7." where the model wrote " 7.", and
+    prompt + completion tokenized as another sequence than the one sampled (a round trains on
+    that text). A continuation is the decoded whole less the decoded prompt."""
+    from rlhf.models.generation import decode_continuations
+    from tests.test_prm import sentencepiece_like_tokenizer
+
+    tokenizer = sentencepiece_like_tokenizer()
+    prompt = "3 plus 4 is"
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    whole = tokenizer(prompt + " 7.", add_special_tokens=False)["input_ids"]
+    assert whole[: len(prompt_ids)] == prompt_ids and tokenizer.decode(whole[len(prompt_ids) :]) == "7."
+    pad = tokenizer.convert_tokens_to_ids("</s>")  # a batch's left padding (special: not decoded)
+    sequences = torch.tensor([[pad, *whole], [*whole[:1], *whole]])
+    completions = decode_continuations(tokenizer, sequences, len(prompt_ids) + 1)
+    assert completions[0] == " 7."
+    assert tokenizer(prompt + completions[0], add_special_tokens=False)["input_ids"] == whole
+    assert completions[1] == " 7."  # another prompt ("3 3 plus 4 is"), the same continuation

@@ -117,9 +117,21 @@ def generate(
             eos_token_id=stop_token_ids(model, tokenizer),
             **({"stop_strings": stop_strings, "tokenizer": tokenizer} if stop_strings else {}),
         )
-        new_tokens = output[:, batch["input_ids"].shape[1] :]
-        completions.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+        completions.extend(decode_continuations(tokenizer, output, batch["input_ids"].shape[1]))
     return completions
+
+
+def decode_continuations(tokenizer, sequences, prompt_length: int) -> list[str]:
+    """The text each row of `sequences` (prompt, then generated tokens) adds after its first
+    `prompt_length` tokens, special tokens left out: the decoded whole less the decoded
+    prompt. Decoding the new tokens alone loses the word-boundary space of the first one
+    with SentencePiece-style decoders (Llama 2, Mistral): the prompt and that text would then
+    tokenize as another sequence than the one sampled, and a round would train on it. Where
+    the decoded prompt is not a prefix of the decoded whole, the new tokens alone."""
+    heads = tokenizer.batch_decode(sequences[:, :prompt_length], skip_special_tokens=True)
+    wholes = tokenizer.batch_decode(sequences, skip_special_tokens=True)
+    alone = tokenizer.batch_decode(sequences[:, prompt_length:], skip_special_tokens=True)
+    return [w[len(h) :] if w.startswith(h) else a for h, w, a in zip(heads, wholes, alone)]
 
 
 def sample(
