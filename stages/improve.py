@@ -24,7 +24,8 @@ for easy-to-hard generalisation (Lee et al., 2025):
    the built-in task: a right answer reached by a wrong path fails it), `vote`
    (it states the majority answer of its problem's samples, held by at least
    `min_vote_share` of them: no answer key), `prm` (every step scored at least
-   `prm_threshold` by the PRM: no answer key); with `refine`, a rejected sample is repaired
+   `prm_threshold` by the PRM: no answer key); a sample cut at `max_new_tokens` is never
+   kept; with `refine`, a rejected sample is repaired
    from its first bad step (rlhf.inference.refine) and kept if the repair passes; `prefer`
    ranks a problem's kept samples: those passing its checks too come first (a chain that
    reaches the right answer by a path the task's step check rejects is kept, but trained on
@@ -126,7 +127,7 @@ class Settings(StageConfig):
     )
     samples: int = Field(8, gt=0, description="completions sampled per problem")
     temperature: float = Field(0.7, gt=0, description="sampling temperature")
-    max_new_tokens: int = Field(96, gt=0, description="new tokens per sample")
+    max_new_tokens: int = Field(96, gt=0, description="new tokens per sample (one cut here is never kept)")
     batch_size: int = Field(256, gt=0, description="sequences per generation batch")
     checks: list[Literal["answer", "steps", "vote", "prm"]] = Field(
         ["answer"], min_length=1, description="what a kept sample passes: answer | steps | vote | prm (all listed)"
@@ -385,11 +386,11 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
         prm = load_prm(PRM_DIR, trust)
     tokenizer = load_tokenizer(start_dir, trust)
     model = load_causal_lm(start_dir, trust, what=str(start_dir))
-    samples = sample(
+    samples, finished = sample(
         model, tokenizer, prompts, settings.samples, settings.max_new_tokens, settings.temperature,
-        settings.batch_size, seed,
+        settings.batch_size, seed, return_finished=True,
     )  # fmt: skip
-    verdicts = judge_samples(settings, task, prompts, answers, samples, prm)
+    verdicts = judge_samples(settings, task, prompts, answers, samples, prm, finished=finished)
     repair = repair_rejected(settings, task, model, tokenizer, prm, prompts, answers, verdicts, seed)
     del model
 
@@ -417,6 +418,8 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
         "problems": len(prompts),
         "samples": len(flat),
         "kept_samples": sum(row["kept"] for row in flat),
+        # cut at max_new_tokens before they ended: never kept
+        "unfinished_samples": sum(not row["finished"] for row in flat),
         "kept_share": _mean([row["kept"] for row in flat]),
         "problems_with_a_kept_sample": _mean([any(r["kept"] for r in g) for g in verdicts]),
         "sample_accuracy": _mean([row["correct"] for row in flat if row["correct"] is not None]),

@@ -113,11 +113,14 @@ def majority(task, completions: list[str]) -> tuple[str | None, float]:
     return answer, count / len(completions)
 
 
-def judge_samples(settings: Settings, task, prompts, answers, samples, prm, votes=None) -> list[list[dict]]:
+def judge_samples(
+    settings: Settings, task, prompts, answers, samples, prm, votes=None, finished=None
+) -> list[list[dict]]:
     """Per problem, per sample: whether each of `settings.checks` passes, and `kept`. The
     vote check compares with the majority of each problem's `samples`, or with `votes` (per
     problem, `majority`'s answer and share) when given: a repair is judged against its
-    problem's own samples, not as a group of one."""
+    problem's own samples, not as a group of one. A sample `finished` marks False (cut at
+    max_new_tokens before it ended) is never kept: training on it would teach to stop there."""
     scores = None
     if "prm" in settings.checks:
         flat_prompts = [p for p, group in zip(prompts, samples) for _ in group]
@@ -143,7 +146,8 @@ def judge_samples(settings: Settings, task, prompts, answers, samples, prm, vote
             if "prm" in settings.checks:
                 row["prm_score"] = scores[i][j]
                 row["prm_check"] = scores[i][j] >= settings.prm_threshold
-            row["kept"] = all(row[f"{check}_check"] for check in settings.checks)
+            row["finished"] = finished[i][j] if finished else True
+            row["kept"] = row["finished"] and all(row[f"{check}_check"] for check in settings.checks)
             row["preferred"] = all(row[f"{check}_check"] for check in settings.prefer)
             rows.append(row)
         verdicts.append(rows)

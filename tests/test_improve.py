@@ -90,6 +90,11 @@ def test_checks_keep_the_right_samples():
         votes=[majority(TASK, samples[1])],
     )  # fmt: skip
     assert not repair[0][0]["kept"]
+    # A sample cut at max_new_tokens is not kept, whatever its text passes.
+    cut = judge_samples(
+        Settings(checks=["answer"]), TASK, ["3+4\n"], ["7"], [[right, right]], None, finished=[[True, False]]
+    )
+    assert [r["kept"] for r in cut[0]] == [True, False] and [r["answer_check"] for r in cut[0]] == [True, True]
     assert kept_rows(["a", "b"], by_answer, keep_per_prompt=2) == [
         {"prompt": "a", "completion": right},
         {"prompt": "b", "completion": right},

@@ -347,3 +347,21 @@ def test_a_continuation_keeps_the_word_boundary_its_first_token_carries():
     assert completions[0] == " 7."
     assert tokenizer(prompt + completions[0], add_special_tokens=False)["input_ids"] == whole
     assert completions[1] == " 7."  # another prompt ("3 3 plus 4 is"), the same continuation
+
+
+def test_generate_tells_a_completion_cut_by_the_budget_from_one_that_ended():
+    """`return_finished`: a completion that met a stop token ended; one that ran into
+    max_new_tokens did not (a round never keeps it: its text stops mid-solution)."""
+    from rlhf.models.generation import generate
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    prompts = ["1+2+3\n", "4+5\n", "6-1\n", "7+7+7\n"]
+    texts, finished = generate(model, tokenizer, prompts, 1, do_sample=True, num_return_sequences=4, seed=0,
+                               return_finished=True)  # fmt: skip
+    assert len(finished) == len(texts) == 16
+    assert finished == [text == "" for text in texts], "one token each: ended only where it was the EOS"
+    assert not all(finished)
+    model.generation_config.eos_token_id = list(range(len(tokenizer)))  # every token ends a completion
+    texts, finished = generate(model, tokenizer, prompts, 5, do_sample=True, seed=0, return_finished=True)
+    assert all(finished) and all(len(text) <= 1 for text in texts)

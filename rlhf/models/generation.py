@@ -85,20 +85,25 @@ def generate(
     seed: int | None = None,
     stop_strings: list[str] | None = None,
     formatted: bool = False,
-) -> list[str]:
+    return_finished: bool = False,
+):
     """Completions for `prompts` (greedy unless `do_sample`), decoded without special tokens.
 
     With `num_return_sequences` > 1 the result holds that many completions per prompt,
     grouped by prompt. A completion ends early at any of `stop_strings` (kept in it).
     `formatted`: the prompts are already texts as the model reads them (`format_prompt`,
     plus steps written so far), to continue as they are (formatting twice would put a
-    second BOS, or a chat template's text inside plain text)."""
+    second BOS, or a chat template's text inside plain text). `return_finished`: also
+    whether each completion ended (a stop token or string) before `max_new_tokens` cut it,
+    as (completions, finished)."""
     model.eval()
     if seed is not None:
         torch.manual_seed(seed)
     tokenizer.padding_side = "left"
     texts = list(prompts) if formatted else [format_prompt(tokenizer, p) for p in prompts]
     completions: list[str] = []
+    finished: list[bool] = []
+    stops = stop_token_ids(model, tokenizer)
     for start in range(0, len(texts), batch_size):
         batch = tokenizer(
             texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
@@ -114,11 +119,17 @@ def generate(
             top_k=None,
             num_return_sequences=num_return_sequences,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=stop_token_ids(model, tokenizer),
+            eos_token_id=stops,
             **({"stop_strings": stop_strings, "tokenizer": tokenizer} if stop_strings else {}),
         )
         completions.extend(decode_continuations(tokenizer, output, batch["input_ids"].shape[1]))
-    return completions
+        new = output[:, batch["input_ids"].shape[1] :]
+        # A row that ended shows a stop token, or the padding that follows a stop string; a
+        # batch shorter than the budget ended every row.
+        enders = [*stops, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])]
+        ended = torch.isin(new, torch.tensor(enders, dtype=new.dtype, device=new.device)).any(dim=1)
+        finished.extend((ended | (new.shape[1] < max_new_tokens)).tolist())
+    return (completions, finished) if return_finished else completions
 
 
 def decode_continuations(tokenizer, sequences, prompt_length: int) -> list[str]:
@@ -144,14 +155,17 @@ def sample(
     batch_size: int,
     seed,
     formatted: bool = False,
+    return_finished: bool = False,
 ):
     """`n` sampled completions per prompt, as one list per prompt; `batch_size` counts
-    sequences, not prompts; `formatted` as for `generate`."""
-    flat = generate(
+    sequences, not prompts; `formatted` and `return_finished` as for `generate` (finished
+    flags grouped the same way)."""
+    flat, finished = generate(
         model, tokenizer, prompts, max_new_tokens, max(1, batch_size // n), True, temperature, n, seed=seed,
-        formatted=formatted,
+        formatted=formatted, return_finished=True,
     )  # fmt: skip
-    return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+    groups = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+    return (groups, [finished[i * n : (i + 1) * n] for i in range(len(prompts))]) if return_finished else groups
 
 
 # A prime below 2**61 for mixing the key's parts into one generator seed.
