@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import sys
+from functools import partial
 from pathlib import Path
 
 from rlhf.params import PARAMS_FILE, InputError, ParamsError, read_params, validate_params
@@ -321,7 +322,13 @@ def input_problems(params: dict) -> list[str]:
     named += [("infer.suite", infer.suite), ("merge.greedy_soup_suite", params["merge"].greedy_soup_suite)]
     named += [("gate.select_suite", params["gate"].select_suite), ("validate.suite", params["validate"].suite)]
     named += [(f"gate.tests[{i}].suite", t.suite) for i, t in enumerate(params["gate"].tests or [])]
-    for key, suite in named:
+    improve = params["improve"]
+    for name in improve.rounds:  # a round's suites (an inherited default named once)
+        settings, key = improve.settings(name), partial(round_key, improve, name)
+        named += [(key("suites"), s) for s in settings.suites or []]
+        named += [(key("progress_suite"), settings.progress_suite), (key("retention_suite"), settings.retention_suite)]
+        named += [(f"{key('tests')}[{i}].suite", t.suite) for i, t in enumerate(settings.tests or [])]
+    for key, suite in dict.fromkeys(named):
         if suite is None or suite in suites:
             continue
         if suite in harness_suites and key.startswith("gate."):  # the gate reads the harness's scores too
@@ -347,7 +354,6 @@ def input_problems(params: dict) -> list[str]:
     problems += difficulty_problems(params, lambda suite: builtin_difficulties(params, suite))
     from stages.round_data import operands_problem
 
-    improve = params["improve"]
     if improve.rounds and not task.checks_answers:
         problems.append(
             f"improve.rounds: a round keeps samples and gates its candidate by their answers; task.kind "
@@ -367,6 +373,21 @@ def input_problems(params: dict) -> list[str]:
             need_model("the prm check", "prm", round_key(improve, name, "checks"))
         if settings.refine:
             need_model("refine", "prm", round_key(improve, name, "refine"))
+        after = improve.rounds[name]["after"]
+        methods = [*policy.offline, *policy.online]
+        if after.startswith("policy/") and after.removeprefix("policy/") not in methods:
+            problems.append(
+                f"improve.rounds.{name}.after: {after} is not trained: policy.offline and policy.online list "
+                f"{methods}; start from policy/<one of those>, or add the method"
+            )
+        from stages.improve import round_tests
+
+        evaluated, tests = round_tests(settings, params)
+        if unread := sorted({t.suite for t in tests if t.suite in suites} - set(evaluated)):
+            problems.append(
+                f"{round_key(improve, name, 'suites')}: the round's tests read {unread}, which it does not "
+                f"evaluate ({evaluated}); add them, or set the tests' suites"
+            )
     from rlhf.evaluation.suites import SUITE_METRICS
 
     metrics = [(f"gate.tests[{i}].metric", t.metric, t.suite) for i, t in enumerate(gate.tests or [])]

@@ -368,6 +368,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     if missing:
         raise ValueError(f"improve: the round's tests read suites {missing} that it does not evaluate ({suites})")
     check_difficulties(params, name)
+    check_start(name, after, start_dir)
     started = time.perf_counter()
     seed = round_seed(settings.seed, name)
 
@@ -481,6 +482,19 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     candidate_dir.rmdir()
     report |= {"stopped": False, "stopped_at": None, "winner": name, "winner_eval": results["candidate"]}
     return report
+
+
+def check_start(name: str, after: str, start_dir: Path) -> None:
+    """The round's start holds a model (before any problem is drawn or model loaded): the
+    champion's folder holds none until a candidate has passed the gate."""
+    from rlhf.models.folders import UnusableModelError, check_model_dir
+
+    if after == "champion" and not (start_dir / "config.json").is_file():
+        raise UnusableModelError(
+            f"improve.rounds.{name}.after: champion: {start_dir} holds no model, as no candidate has passed the "
+            "gate yet; run the gate first (dvc repro gate), or start the round from sft"
+        )
+    check_model_dir(start_dir, f"improve.rounds.{name}.after ({after})")
 
 
 def earlier_evals(params, task, suites: list[str], previous: dict, start_dir: Path, trust: bool):

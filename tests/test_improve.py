@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -501,6 +502,43 @@ def test_rounds_a_user_task_cannot_feed_fail_in_check_params(tmp_path):
     ]
     for line in expected:
         assert sum(p.startswith(line) for p in found) == 1, (line, found)
+
+
+def test_a_rounds_suites_and_start_are_checked_before_compute(tmp_path, monkeypatch):
+    """A round's suite names, a suite its tests read but it does not evaluate, and a start
+    from a policy method the params do not train fail in check_params naming the key; a
+    start from a champion folder without a model (nothing promoted yet) fails before any
+    problem is drawn, saying so."""
+    from rlhf.models.folders import UnusableModelError
+    from stages import load_all
+    from stages.improve import check_start
+
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["improve"]["defaults"]["retention_suite"] = "tset"
+    data["improve"]["rounds"] = {
+        "r1": {"after": "policy/ppo", "suites": ["devv"], "progress_suite": "dev_lng"},
+        "r2": {"after": "rounds/r1", "retention_suite": "dev", "suites": ["dev_long"]},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError) as error:
+        load_all(str(path))
+    found = error.value.problems
+    expected = [
+        "improve.rounds.r1.suites: no eval suite 'devv'",
+        "improve.rounds.r1.progress_suite: no eval suite 'dev_lng'",
+        "improve.defaults.retention_suite: no eval suite 'tset'",
+        "improve.rounds.r1.after: policy/ppo is not trained: policy.offline and policy.online list ['dpo']",
+        "improve.rounds.r2.suites: the round's tests read ['dev'], which it does not evaluate (['dev_long'])",
+    ]
+    for line in expected:
+        assert sum(p.startswith(line) for p in found) == 1, (line, found)
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models/champion").mkdir(parents=True)
+    (tmp_path / "models/champion/README.md").write_text("no champion yet")
+    with pytest.raises(UnusableModelError, match=r"^improve.rounds.r1.after: champion: models/champion holds no model"):
+        check_start("r1", "champion", Path("models/champion"))
 
 
 def test_round_problems_of_a_user_table(tmp_path, monkeypatch):
