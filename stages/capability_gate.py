@@ -110,7 +110,9 @@ def run(
         validation,
     )
     verdict["previous_champion"] = champion["candidate"] if champion else None
-    verdict["champion_record"] = {"pinned": champion.get("pinned")} if champion else None
+    verdict["champion_record"] = (
+        {"pinned": champion.get("pinned"), "model_version": champion.get("model_version")} if champion else None
+    )
     return verdict
 
 
@@ -132,7 +134,7 @@ def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from rlhf.tracking.champion import CHAMPION_RECORD, install_champion, log_registered_model, set_champion_alias
+    from rlhf.tracking.champion import CHAMPION_RECORD, install_champion, log_registered_model, moving_champion
     from rlhf.tracking.runs import git_commit, tracking_uri
 
     name = verdict["promote"]
@@ -151,10 +153,9 @@ def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -
         "model_version": version,
     }
     mlflow.log_dict(record, CHAMPION_RECORD)  # what a rollback to this version restores
-    with atomic_dir(CHAMPION_DIR) as staging:
+    # The folder and the alias move together: until then the registry's champion is the old one.
+    with moving_champion(client, config.registered_model, version, CHAMPION_DIR) as staging:
         install_champion(source, record, staging)
-    # The alias moves last: until here the registry's champion is still the old one.
-    set_champion_alias(client, config.registered_model, version)
     return record
 
 
@@ -166,11 +167,15 @@ def keep_champion_dir(champion_dir: Path) -> None:
             (staging / "README.md").write_text("No candidate has passed the capability gate yet.\n")
 
 
-def held_back(verdict: dict, config: Config, experiment: str | None, temporary: bool) -> str | None:
+def held_back(
+    verdict: dict, config: Config, experiment: str | None, temporary: bool, registry: tuple = (None, None)
+) -> str | None:
     """Why a passing candidate does not move the champion, or None: a DVC experiment unless
     `promote_in_experiments` (never from a queued one's temporary copy: the champion it
-    wrote would be discarded while the registry alias moved), or a champion pinned by a
-    rollback."""
+    wrote would be discarded while the registry alias moved), a registry champion other than
+    the one models/champion holds (another clone moved it: `registry` is the registry's
+    (champion version, pin), `registry_champion`), or a champion pinned by a rollback, here
+    or in the registry."""
     name = verdict["promote"]
     if not name:
         return None
@@ -185,13 +190,32 @@ def held_back(verdict: dict, config: Config, experiment: str | None, temporary: 
             f"{name} passed, but this is DVC experiment {experiment!r}: the champion moves only in the workspace's "
             f"own runs ({again}; gate.promote_in_experiments: true allows it)"
         )
-    pinned = (verdict.get("champion_record") or {}).get("pinned")
+    version, registry_pin = registry
+    local = (verdict.get("champion_record") or {}).get("model_version")
+    if version is not None and version != local:
+        holds = f"version {local}" if local else "no champion"
+        return (
+            f"{name} passed, but the registry's champion is version {version} and {CHAMPION_DIR} holds {holds} "
+            f"(another clone moved it): `python -m stages.rollback --sync` brings {CHAMPION_DIR} to version "
+            f"{version}; then {again}"
+        )
+    pinned = (verdict.get("champion_record") or {}).get("pinned") or registry_pin
     if pinned:
         return (
             f"{name} passed, but the champion is pinned: {pinned}; `python -m stages.rollback --unpin` lets the gate "
             "move it again"
         )
     return None
+
+
+def registry_state(config: Config) -> tuple[str | None, str | None]:
+    """The registry's (champion version, pin) (rlhf.tracking.champion.registry_champion)."""
+    from mlflow.tracking import MlflowClient
+
+    from rlhf.tracking.champion import registry_champion
+    from rlhf.tracking.runs import tracking_uri
+
+    return registry_champion(MlflowClient(tracking_uri()), config.registered_model)
 
 
 def main() -> None:
@@ -211,7 +235,7 @@ def main() -> None:
     temporary = workspace_champion.resolve() != CHAMPION_DIR.resolve()
     with stage_run("gate", config) as active:
         verdict = run(config, report, outcomes, workspace_champion if temporary else CHAMPION_DIR, validation)
-        held = held_back(verdict, config, os.environ.get(EXPERIMENT_ENV), temporary)
+        held = held_back(verdict, config, os.environ.get(EXPERIMENT_ENV), temporary, registry_state(config))
         if held:
             verdict["held_back"] = held
             print(f"gate: {held}")

@@ -3,17 +3,23 @@
     python -m stages.rollback --list           # the versions, their candidates, the alias
     python -m stages.rollback --version 2      # models/champion and the alias back to version 2
     python -m stages.rollback --unpin          # let the gate move the champion again
+    python -m stages.rollback --sync           # models/champion to the registry's champion
 
 Promotion backwards: version 2's weights, tokenizer and champion record (the one its gate
-logged) replace models/champion atomically, then the registry alias `champion` moves to
-version 2, and an MLflow run tagged `rlhf.stage=rollback` records who moved it from which
-version to which. A failure before the alias moves leaves both where they were.
+logged) replace models/champion and the registry alias `champion` moves to version 2
+together (rlhf.tracking.champion.moving_champion: a failure leaves both where they were),
+and an MLflow run tagged `rlhf.stage=rollback` records who moved it from which version to
+which.
 
-The restored champion is pinned: its record says who rolled it back, and the gate holds
-back any candidate while it is (the next scheduled run would otherwise promote again the
-candidate just rolled back from, which beat version 2 before). `--unpin` clears the pin;
-the next gate then compares against the restored record, so a candidate must beat
-version 2 to move it forward.
+The restored champion is pinned, in its record and in the registry (tag `rlhf.pinned` of
+the registered model): every clone's gate holds back any candidate while it is (the next
+scheduled run would otherwise promote again the candidate just rolled back from, which beat
+version 2 before). `--unpin` clears both pins; the next gate then compares against the
+restored record, so a candidate must beat version 2 to move it forward.
+
+Clones that share a tracking store share the registry but not models/champion: after a
+rollback (or a promotion) in one, the others' gates hold back until `--sync` brings their
+models/champion to the registry's champion (its pin included); the alias does not move.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def rollback(version: str, registered_model: str) -> dict:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from rlhf.tracking.champion import CHAMPION_RECORD, read_champion, restore_version, set_champion_alias
+    from rlhf.tracking.champion import CHAMPION_RECORD, moving_champion, read_champion, restore_version, set_pin
     from rlhf.tracking.runs import setup_experiment, tracking_uri
 
     setup_experiment()
@@ -60,7 +66,13 @@ def rollback(version: str, registered_model: str) -> dict:
     known = {v["version"]: v for v in list_versions(client, registered_model)}
     if version not in known:
         raise SystemExit(
-            f"rollback: {registered_model!r} has no version {version} (versions: {sorted(known, key=int) or 'none'})"
+            f"rollback: {registered_model!r} has no version {version} (versions: {sorted(known, key=int) or 'none'}); "
+            f"is MLFLOW_TRACKING_URI the store the gate promoted into ({tracking_uri()})?"
+        )
+    if known[version]["champion"]:
+        raise SystemExit(
+            f"rollback: version {version} is the champion already (`python -m stages.rollback --sync` brings "
+            f"{CHAMPION_DIR} to it)"
         )
     # Where the alias points now: the registry is the record, whichever clone this runs in
     # (a fresh clone has no models/champion of its own).
@@ -70,36 +82,69 @@ def rollback(version: str, registered_model: str) -> dict:
         moved_from = previous.get("model_version")
     tags = {"rlhf.stage": "rollback", "rollback.from_version": str(moved_from), "rollback.to_version": version}
     with mlflow.start_run(run_name=f"rollback-to-v{version}", tags=tags):
-        with atomic_dir(CHAMPION_DIR) as staging:
+        with moving_champion(client, registered_model, version, CHAMPION_DIR) as staging:
             record = restore_version(client, registered_model, version, staging)
             at = time.strftime("%Y-%m-%dT%H:%M:%S")
             record["restored"] = {"from_version": moved_from, "at": at}
             record["pinned"] = f"rolled back from version {moved_from} to version {version} at {at}"
             (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        set_champion_alias(client, registered_model, version)
+        set_pin(client, registered_model, record["pinned"])
         mlflow.log_dict(record, CHAMPION_RECORD)
     return record
 
 
-def unpin() -> dict:
-    """Clear the pin of models/champion's record (atomically), so that the next gate may
-    move the champion; an MLflow run records it. Returns the record."""
+def sync(registered_model: str) -> dict:
+    """Bring models/champion to the registry's champion (another clone sharing the tracking
+    store moved it), its pin included; the alias stays. Returns the record."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from rlhf.tracking.champion import CHAMPION_RECORD, registry_champion, restore_version
+    from rlhf.tracking.runs import setup_experiment, tracking_uri
+
+    setup_experiment()
+    client = MlflowClient(tracking_uri())
+    version, pin = registry_champion(client, registered_model)
+    if version is None:
+        raise SystemExit(
+            f"rollback: {registered_model!r} has no champion in the registry at {tracking_uri()} (nothing promoted "
+            "there yet; is MLFLOW_TRACKING_URI the store the gate promoted into?)"
+        )
+    with mlflow.start_run(run_name=f"sync-to-v{version}", tags={"rlhf.stage": "rollback", "rollback.sync": version}):
+        with atomic_dir(CHAMPION_DIR) as staging:
+            record = restore_version(client, registered_model, version, staging)
+            record = {k: v for k, v in record.items() if k != "pinned"} | ({"pinned": pin} if pin else {})
+            (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        mlflow.log_dict(record, CHAMPION_RECORD)
+    return record
+
+
+def unpin(registered_model: str) -> dict:
+    """Clear the pin of models/champion's record (atomically) and the registry's, so that
+    the next gate may move the champion; an MLflow run records it. Returns the record."""
     import shutil
 
     import mlflow
+    from mlflow.tracking import MlflowClient
 
-    from rlhf.tracking.champion import CHAMPION_RECORD, read_champion
-    from rlhf.tracking.runs import setup_experiment
+    from rlhf.tracking.champion import CHAMPION_RECORD, read_champion, registry_champion, set_pin
+    from rlhf.tracking.runs import setup_experiment, tracking_uri
 
-    record = read_champion(CHAMPION_DIR)
-    if not record or not record.get("pinned"):
-        raise SystemExit(f"rollback: the champion in {CHAMPION_DIR} is not pinned")
     setup_experiment()
-    with mlflow.start_run(run_name="unpin", tags={"rlhf.stage": "rollback", "rollback.unpinned": record["pinned"]}):
-        with atomic_dir(CHAMPION_DIR) as staging:
-            shutil.copytree(CHAMPION_DIR, staging, dirs_exist_ok=True)
-            record = {k: v for k, v in record.items() if k != "pinned"}
-            (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    client = MlflowClient(tracking_uri())
+    record = read_champion(CHAMPION_DIR) or {}
+    _, registry_pin = registry_champion(client, registered_model)
+    pinned = record.get("pinned") or registry_pin
+    if not pinned:
+        raise SystemExit(f"rollback: the champion is not pinned ({CHAMPION_DIR} nor the registry's)")
+    with mlflow.start_run(run_name="unpin", tags={"rlhf.stage": "rollback", "rollback.unpinned": pinned}):
+        if registry_pin:
+            set_pin(client, registered_model, None)
+        if record.get("pinned"):
+            with atomic_dir(CHAMPION_DIR) as staging:
+                shutil.copytree(CHAMPION_DIR, staging, dirs_exist_ok=True)
+                record = {k: v for k, v in record.items() if k != "pinned"}
+                (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         mlflow.log_dict(record, CHAMPION_RECORD)
     return record
 
@@ -110,12 +155,18 @@ def main(argv: list[str] | None = None) -> None:
     action.add_argument("--list", action="store_true", help="list the registry versions")
     action.add_argument("--version", help="the registry version to make the champion again (pinned)")
     action.add_argument("--unpin", action="store_true", help="let the gate move the champion again")
+    action.add_argument("--sync", action="store_true", help="models/champion to the registry's champion")
     args = parser.parse_args(argv)
-    if args.unpin:
-        record = unpin()
-        print(f"rollback: the champion ({record['candidate']}) is no longer pinned; the next gate may move it")
-        return
     registered_model = load_config("gate").registered_model
+    if args.unpin:
+        record = unpin(registered_model)
+        print(f"rollback: the champion ({record.get('candidate')}) is no longer pinned; the next gate may move it")
+        return
+    if args.sync:
+        record = sync(registered_model)
+        pinned = f", pinned: {record['pinned']}" if record.get("pinned") else ""
+        print(f"rollback: {CHAMPION_DIR} holds the registry's champion, version {record['model_version']}{pinned}")
+        return
     if args.list:
         from mlflow.tracking import MlflowClient
 

@@ -389,6 +389,8 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
     with pytest.raises(SystemExit, match="has no version 99"):
         stages.rollback.main(["--version", "99"])
+    with pytest.raises(SystemExit, match=f"version {current} is the champion already"):
+        stages.rollback.main(["--version", current])
     stages.rollback.main(["--version", str(target)])
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
     record = json.loads((second / "models/champion/champion.json").read_text())
@@ -406,13 +408,41 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     (second / "reports").mkdir(exist_ok=True)
     shutil.copytree(project / "models/policy", second / "models/policy", dirs_exist_ok=True)
     shutil.copy(project / "reports/eval.json", second / "reports/eval.json")
-    verdict = run_gate_on(second, report_where_best(second, "dpo"))
+    verdict = run_gate_on(second, report_where_best(second, "dpo"), MLFLOW_TRACKING_URI=uri)
     assert verdict["promoted"] is False and "the champion is pinned: rolled back from" in verdict["held_back"]
+    assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
+    # The first workspace still holds version `current`: its gate (its scheduled run) does
+    # not promote over the rollback either, and says how to catch up.
+    verdict = run_gate_on(project, report_where_best(project, "dpo"))
+    assert verdict["promoted"] is False
+    assert (
+        f"the registry's champion is version {target} and models/champion holds version {current}"
+        in (verdict["held_back"])
+    )
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
     stages.rollback.main(["--unpin"])
     assert "pinned" not in json.loads((second / "models/champion/champion.json").read_text())
     with pytest.raises(SystemExit, match="is not pinned"):
         stages.rollback.main(["--unpin"])
+    monkeypatch.chdir(project)
+    stages.rollback.main(["--sync"])  # the first workspace catches up: the registry's champion, its pin cleared
+    synced = json.loads((project / "models/champion/champion.json").read_text())
+    assert synced["model_version"] == target and "pinned" not in synced
+    assert not changed(champion, weights(project / "models/champion"))
+
+    # The folder and the alias move together: an alias that cannot move (no such version)
+    # leaves the folder as it was.
+    from mlflow.exceptions import MlflowException
+
+    from rlhf.tracking.champion import moving_champion
+    from tests.test_pipeline_e2e import tree_digest
+
+    before = tree_digest(project / "models/champion")
+    with pytest.raises(MlflowException):
+        with moving_champion(client, "rlhf-policy", "999", project / "models/champion") as staging:
+            (staging / "config.json").write_text("{}")
+    assert tree_digest(project / "models/champion") == before
+    assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
 
 
 def test_policy_plots_find_a_reward_under_the_name_trl_logs():

@@ -8,21 +8,29 @@ alias ``champion`` to a new model version. The version is an MLflow transformers
     mlflow.transformers.load_model("models:/rlhf-policy@champion")
 
 gives a pipeline with the champion's weights and tokenizer; the record is logged beside it
-in the gate's run (`champion.json`). The caller names the folder; the alias moves last, so
-until the folder is in place the registry still points at the old champion.
+in the gate's run (`champion.json`). The caller names the folder; the alias moves as the
+last step before the folder is put in place, and moves back if that fails
+(`moving_champion`): the registry and the folder name the same version, or both the old one.
 
 Rollback (`restore_version`) is promotion backwards: an earlier version's weights,
-tokenizer and record become models/champion (atomically), then the alias moves to it.
+tokenizer and record become models/champion (atomically) and the alias moves to it. It
+pins the champion in the registry too (tag `rlhf.pinned` of the registered model), so that
+every clone's gate holds back while it is pinned, not only the clone that rolled back.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from rlhf.artifacts import atomic_dir
 
 CHAMPION_RECORD = "champion.json"
 CHAMPION_ALIAS = "champion"
+PIN_TAG = "rlhf.pinned"  # on the registered model: why the champion may not move
 # Where mlflow.transformers keeps the parts of a logged model.
 MODEL_BINARY = "model"
 TOKENIZER_PART = "components/tokenizer"
@@ -75,6 +83,49 @@ def log_registered_model(
 
 def set_champion_alias(client, registered_model: str, version: str) -> None:
     client.set_registered_model_alias(registered_model, CHAMPION_ALIAS, version)
+
+
+def registry_champion(client, registered_model: str) -> tuple[str | None, str | None]:
+    """(the version the registry's champion alias names, the registry's pin): None for
+    either where there is none (nothing registered or promoted yet, not pinned)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        model = client.get_registered_model(registered_model)
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None, None
+        raise
+    version = (model.aliases or {}).get(CHAMPION_ALIAS)
+    return (None if version is None else str(version)), (model.tags or {}).get(PIN_TAG)
+
+
+def set_pin(client, registered_model: str, pin: str | None) -> None:
+    """Pin the registry's champion with the reason `pin`, or clear the pin (None)."""
+    if pin is None:
+        client.delete_registered_model_tag(registered_model, PIN_TAG)
+    else:
+        client.set_registered_model_tag(registered_model, PIN_TAG, pin)
+
+
+@contextmanager
+def moving_champion(client, registered_model: str, version: str, champion_dir: Path) -> Iterator[Path]:
+    """An atomic_dir for `champion_dir` that also moves the registry alias to `version`:
+    the alias moves after the caller has filled the staging folder (a failure before leaves
+    both as they were), and moves back if putting the folder in place then fails."""
+    previous, _ = registry_champion(client, registered_model)
+    moved = False
+    try:
+        with atomic_dir(champion_dir) as staging:
+            yield staging
+            set_champion_alias(client, registered_model, version)
+            moved = True
+    except BaseException:
+        if moved and previous is not None:
+            set_champion_alias(client, registered_model, previous)
+        elif moved:
+            client.delete_registered_model_alias(registered_model, CHAMPION_ALIAS)
+        raise
 
 
 def restore_version(client, registered_model: str, version: str, staging: Path) -> dict:
