@@ -124,6 +124,52 @@ def test_the_file_is_validated_at_start_and_labelled_prompts_are_not_asked_again
         PreferenceFile(path)
 
 
+def test_a_file_of_another_format_is_refused_before_a_row_of_the_other_kind_lands(tmp_path, micro_dir):
+    """The page appends prompt/chosen/rejected rows of its prompts' kind. Into a file of
+    text prompts, chat prompts are refused when the app starts and a chat row is refused
+    before it is written (the file would no longer load: one format per file); a file of
+    chosen/rejected conversations without a prompt column is refused at start."""
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1\n", "chosen": "answer 2", "rejected": "answer 3"}) + "\n")
+    chat = [{"role": "user", "content": "1+2?"}]
+    with pytest.raises(DataValidationError, match="its rows have text prompts, and the prompts to label: messages"):
+        create_app(micro_dir, [chat], path)
+    out = PreferenceFile(path)
+    from rlhf.feedback.app import preference_row
+
+    with pytest.raises(DataValidationError, match="a preference file holds one format"):
+        out.append(preference_row(chat, "3", "4"))
+    assert len(rows(path)) == 1 and len(load_contract(path, "preference")) == 1
+
+    implicit = tmp_path / "hh.jsonl"
+    turn = [{"role": "user", "content": "hi"}]
+    implicit.write_text(
+        json.dumps({"chosen": [*turn, {"role": "assistant", "content": "hello"}],
+                    "rejected": [*turn, {"role": "assistant", "content": "go away"}]}) + "\n"
+    )  # fmt: skip
+    with pytest.raises(DataValidationError, match="no prompt field"):
+        create_app(micro_dir, [chat], implicit)
+
+
+def test_two_pages_on_one_file_do_not_ask_what_the_other_has_labelled(tmp_path):
+    """Two people, two pages (two processes, here two sessions), one file: each page reads
+    what the other appended before it draws its next pair."""
+    path = tmp_path / "prefs.jsonl"
+    prompts = ["1+1\n", "2+2\n", "3+3\n", "4+4\n"]
+    first = LabellingSession(lambda prompt, seed: ["a", "b"], prompts, PreferenceFile(path))
+    second = LabellingSession(lambda prompt, seed: ["a", "b"], prompts, PreferenceFile(path))
+    labelled = []
+    for _ in range(2):
+        for session in (first, second):
+            pair = session.pair()
+            if pair is not None:
+                labelled.append(pair.prompt)
+                session.choose(pair.id, "a")
+    assert sorted(labelled) == sorted(set(labelled)), "no prompt labelled twice"
+    assert [row["prompt"] for row in rows(path)] == labelled
+    assert first.pair() is None and second.pair() is None and first.out.rows == second.out.rows == 4
+
+
 def test_the_preference_file_must_lie_inside_the_project(tmp_path, monkeypatch):
     import stages.label
 

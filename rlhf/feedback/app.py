@@ -21,6 +21,10 @@ preference contract (`rlhf.data.contracts`) straight into the JSONL file the cal
   button, a double click) saves nothing, and a page of another site cannot post a label it
   has not seen. `allowed_hosts` turns away requests for other host names (DNS rebinding).
 * ``GET /api/count``: how many labels the file holds, and how many prompts are left.
+* A file holds one format: prompts and rows of the other kind (messages for text, or a
+  file of chosen/rejected conversations without a prompt column) are refused when the app
+  starts. Two pages on one file (two people labelling) append under an exclusive lock and
+  skip the prompts the other has labelled.
 
     app = create_app("models/champion", prompts, "data/raw/feedback_prefs.jsonl")
     uvicorn.run(app, host="127.0.0.1", port=8765)
@@ -93,44 +97,89 @@ def preference_row(prompt, chosen: str, rejected: str) -> dict:
     }
 
 
+def prompt_kind(prompt) -> str:
+    return "text" if isinstance(prompt, str) else "messages"
+
+
 class PreferenceFile:
-    """A JSONL preference file that only grows by validated, fsynced rows."""
+    """A JSONL preference file that only grows by validated, fsynced rows of one format
+    (the file's first row's: text or messages prompts, an explicit prompt column). Another
+    process may append to it too (a second labelling page): `refresh` reads what it added,
+    and each append holds an exclusive lock on the file."""
 
     def __init__(self, path: str | Path):
-        from rlhf.data.contracts import load_contract
-
         self.path = Path(path)
         self.rows = 0
         self.prompts: set[str] = set()
-        self._needs_newline = False
-        if self.path.is_file():
-            data = self.path.read_bytes()
-            self._needs_newline = bool(data) and not data.endswith(b"\n")
-            if data.strip():
-                frame = load_contract(self.path, "preference")  # a bad file fails here, naming row and field
-                self.rows = len(frame)
-                self.prompts = {prompt_key(p) for p in frame["prompt"]}
+        self.kind: str | None = None  # "text" or "messages": the prompts of the rows so far
+        self._read = 0  # bytes of the file read so far
+        self.refresh(validate=True)
+
+    def refresh(self, validate: bool = False) -> None:
+        """Read the rows appended since the last read (by this process or another); with
+        `validate`, check the whole file by the preference contract first (a bad file fails
+        here, naming row and field, and a file without a prompt column, or whose prompts
+        are not all of one kind, cannot take the page's rows)."""
+        from rlhf.data.contracts import DataValidationError, load_contract
+
+        if not self.path.is_file():
+            return
+        data = self.path.read_bytes()
+        if validate and data.strip():
+            load_contract(self.path, "preference")
+        # Whole lines only (another page may be writing one now), but all of a file checked
+        # whole (one edited by hand may lack a final newline).
+        end = len(data) if validate else data.rfind(b"\n") + 1
+        new, self._read = data[self._read : max(end, self._read)], max(end, self._read)
+        for line in new.decode("utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                if "prompt" not in row:
+                    raise DataValidationError(
+                        self.path,
+                        ["its rows have no prompt field (chosen and rejected conversations); the page appends "
+                         "prompt, chosen, rejected rows: label into another file"],
+                    )  # fmt: skip
+                prompt = row["prompt"]
+                self.rows += 1
+                self.prompts.add(prompt_key(prompt))
+                self.kind = self.kind or prompt_kind(prompt)
+
+    def check_kind(self, prompt, what: str) -> None:
+        """A DataValidationError unless `prompt` is of the file's kind (text or messages)."""
+        from rlhf.data.contracts import DataValidationError
+
+        if self.kind is not None and prompt_kind(prompt) != self.kind:
+            raise DataValidationError(
+                self.path,
+                [f"its rows have {self.kind} prompts, and {what}: {prompt_kind(prompt)}; a preference file "
+                 "holds one format: label into another file"],
+            )  # fmt: skip
 
     def append(self, row: dict) -> None:
-        """Validate `row` by the preference contract, then append it as one line (raises
-        `DataValidationError`, writing nothing, when the contract refuses it)."""
+        """Validate `row` by the preference contract and the file's format, then append it
+        as one line under an exclusive lock (raises `DataValidationError`, writing nothing,
+        when either refuses it)."""
+        import fcntl
+
         import pandas as pd
 
         from rlhf.data.contracts import validate_contract
 
         frame = pd.DataFrame({key: pd.Series([value], dtype=object) for key, value in row.items()})
         validate_contract(frame, "preference", self.path)
-        line = json.dumps(row, ensure_ascii=False) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as file:
-            if self._needs_newline:  # a file edited by hand without a final newline
+            fcntl.flock(file, fcntl.LOCK_EX)  # one writer at a time; released on close
+            self.refresh()  # what another page appended meanwhile
+            self.check_kind(row["prompt"], "this row")
+            line = json.dumps(row, ensure_ascii=False) + "\n"
+            if self._read and not self.path.read_bytes().endswith(b"\n"):  # edited by hand, no final newline
                 line = "\n" + line
             file.write(line)
             file.flush()
             os.fsync(file.fileno())
-        self._needs_newline = False
-        self.rows += 1
-        self.prompts.add(prompt_key(row["prompt"]))
+        self.refresh()
 
 
 @dataclass
@@ -179,8 +228,12 @@ class LabellingSession:
         """The pair on show, sampling the next one when there is none; None when no prompt
         is left."""
         with self.lock:
+            if self.current is None:
+                self.out.refresh()  # another page on the same file may have labelled some
             while self.current is None and self.queue:
                 prompt, answer = self.queue.pop(0)
+                if prompt_key(prompt) in self.out.prompts:
+                    continue
                 for _ in range(self.max_tries):
                     self._draws += 1
                     shown = distinct_two(self.sampler(prompt, self.seed + self._draws))
@@ -346,6 +399,7 @@ def create_app(
         raise ValueError("no prompts to label")
     check_model_dir(resolve_model_dir(model_dir), "model to label")  # before transformers looks on the Hub
     out = PreferenceFile(out_path)
+    out.check_kind(plain_prompt(prompts[0]), "the prompts to label")
     tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     model = load_causal_lm(model_dir, trust_remote_code=trust_remote_code, what="model to label")
     sampler = model_sampler(model, tokenizer, n, max_new_tokens, temperature)
