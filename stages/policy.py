@@ -70,6 +70,7 @@ from stages.trl_training import (
     dpo_trainer,
     fitting_rows,
     reference_trainer,
+    sft_ewc_examples,
     train_trl,
 )
 
@@ -394,12 +395,13 @@ def train_ppo_method(
     # A prompt must leave max_new_tokens of max_length: the rollouts would cut its start.
     table, dropped = fitting_rows(read_prepared(PROMPTS, stage), tokenizer, params.max_length, "policy.ppo.max_length",
                                   PROMPTS, room=params.max_new_tokens)  # fmt: skip
+    ewc_data = sft_ewc_examples(tokenizer, params, "policy.ppo.max_length")
     policy = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
     reference = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
     value_init = SFT_DIR if params.value_init == "sft" else member_dirs(RM_DIR)[0]
     value_model = load_value_model(value_init, config.trust_remote_code)
     functions, weights = build_rewards(params.rewards, task, REWARD_MODEL_DIRS, config.trust_remote_code)
-    ewc = consolidate_on_sft(policy, tokenizer, params)
+    ewc = consolidate_on_sft(policy, ewc_data, params)
     inputs = [SFT_DIR, PROMPTS, value_init, *model_paths(params.rewards, REWARD_MODEL_DIRS)]
     key = fingerprint(params, inputs + ([SFT_DATA] if params.ewc.strength else []))
 

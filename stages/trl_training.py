@@ -63,6 +63,7 @@ def train_trl(
     table, dropped = read_prepared(data, stage), None
     if length_key is not None:
         table, dropped = fitting_rows(table, tokenizer, params.max_length, length_key, data)
+    ewc_data = sft_ewc_examples(tokenizer, params, length_key or f"policy.{stage.split('@')[-1]}.max_length")
     trainer_tokenizer = tokenizer
     if forced_bos:
         trainer_tokenizer, table = without_forced_bos(tokenizer, table)
@@ -82,7 +83,7 @@ def train_trl(
     )
     if on_trainer is not None:
         on_trainer(trainer)
-    ewc = consolidate_on_sft(trainer.model, tokenizer, params, params.gradient_accumulation_steps)
+    ewc = consolidate_on_sft(trainer.model, ewc_data, params, params.gradient_accumulation_steps)
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
     penalty = ewc.penalty() if ewc is not None else None  # before LoRA is merged away
@@ -142,17 +143,28 @@ def without_forced_bos(tokenizer, table):
     return trainer_tokenizer, table
 
 
-def consolidate_on_sft(model, tokenizer, params, accumulation: int = 1):
-    """EWC towards the weights `model` starts from (the SFT model's, unless a round trains
-    on), with the Fisher information of the SFT data (params `ewc`); None when
-    `ewc.strength` is 0."""
+def sft_ewc_examples(tokenizer, params, key: str):
+    """The SFT data's examples for EWC (`rlhf.training.ewc.ewc_examples`, at
+    `params.max_length`, named `key` in its messages), or None when `ewc.strength` is 0.
+    Before the model loads: a max_length no row fits fails here."""
     if not params.ewc.strength:
         return None
     from rlhf.data.contracts import read_prepared
-    from rlhf.training.ewc import consolidate
+    from rlhf.training.ewc import ewc_examples
 
     table = read_prepared(SFT_DATA, "sft")
-    return consolidate(model, tokenizer, table, params.ewc, params.max_length, 1.0 / accumulation, params.seed)
+    return ewc_examples(tokenizer, table, params.ewc, params.max_length, params.seed, key, SFT_DATA)
+
+
+def consolidate_on_sft(model, examples, params, accumulation: int = 1):
+    """EWC towards the weights `model` starts from (the SFT model's, unless a round trains
+    on), with the Fisher information of the SFT data's `examples` (`sft_ewc_examples`);
+    None when there are none (`ewc.strength` 0)."""
+    if examples is None:
+        return None
+    from rlhf.training.ewc import consolidate
+
+    return consolidate(model, examples, params.ewc.strength, 1.0 / accumulation)
 
 
 def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf.training.ewc import attach, completion_examples, consolidate, fisher_diagonal
+from rlhf.training.ewc import attach, completion_examples, consolidate, ewc_examples, fisher_diagonal
 from rlhf.training.params import EwcParams
 
 
@@ -130,10 +130,27 @@ def test_consolidate_samples_the_table_and_reads_conversations(micro):
             ]
         }
     )
-    ewc = consolidate(model, tokenizer, table, EwcParams(strength=1.0, samples=4), max_length=32)
+    examples = ewc_examples(tokenizer, table, EwcParams(strength=1.0, samples=4), 32, 0, "sft.max_length", "t")
+    assert len(examples) == 4
+    ewc = consolidate(model, examples, strength=1.0)
     assert ewc.handles and ewc.penalty() == 0.0, "anchored at the current weights"
     assert any(float(f.sum()) > 0 for f in ewc.fisher.values())
     ewc.remove()
+
+
+def test_rows_with_no_room_for_a_completion_are_counted_and_none_fitting_names_the_key(micro, capsys):
+    """EWC measures on the SFT rows at the training method's max_length: a row whose
+    prompt fills it has nothing to measure. It is left out and counted; none fitting fails,
+    before the model would load, naming the key and the file."""
+    from rlhf.training.trainer_setup import TrainingDataError
+
+    _, tokenizer = micro
+    table = pd.DataFrame({"prompt": ["1+1\n", "1+1+1+1+1+1+1+1+1+1+1+1\n"], "completion": ["2", "12"]})
+    params = EwcParams(strength=1.0)
+    assert len(ewc_examples(tokenizer, table, params, 12, 0, "policy.dpo.max_length", "sft.parquet")) == 1
+    assert "policy.dpo.max_length 12: 1 of the 2 rows of sft.parquet that EWC measures on" in capsys.readouterr().out
+    with pytest.raises(TrainingDataError, match=r"^policy.dpo.max_length 3: every one of the 2 rows of sft.parquet"):
+        ewc_examples(tokenizer, table, params, 3, 0, "policy.dpo.max_length", "sft.parquet")
 
 
 def test_policy_params_take_ewc_and_ppo_refuses_it_with_lora():

@@ -50,6 +50,33 @@ def test_rows_beyond_max_length_are_counted_and_prompts_that_fill_it_left_out(ba
     assert not (tmp_path / "never").exists()
 
 
+def test_sft_with_ewc_pulls_towards_its_start_and_a_max_length_no_earlier_row_fits_fails_first(
+    base, tmp_path, mlflow_store
+):
+    """SFT with EWC (a round's method sft): the penalty is reported after training (the
+    weights left their start). Earlier data none of whose prompts fits max_length fails
+    before the model loads, naming the key (a round's train.max_length) and the file."""
+    from rlhf.training.params import EwcParams
+    from rlhf.training.sft import SFTDataError, train_sft
+
+    data, earlier = tmp_path / "sft.parquet", tmp_path / "earlier.parquet"
+    pd.DataFrame({"prompt": ["1+1\n", "2+2\n", "3+3\n", "4+4\n"], "completion": ["2", "4", "6", "8"]}).to_parquet(data)
+    pd.DataFrame({"prompt": ["5+5\n", "6+6\n"], "completion": ["10", "12"]}).to_parquet(earlier)
+    ewc = (EwcParams(strength=10.0), earlier)
+    metrics, _ = train_sft(
+        params(max_length=12, learning_rate=1e-2), base, data, tmp_path / "out", tmp_path / "ckpt", "round-r1", ewc,
+        "improve.rounds.r1.train",
+    )  # fmt: skip
+    assert metrics["ewc_penalty"] > 0
+    pd.DataFrame({"prompt": ["1234+5678+9\n"] * 2, "completion": ["6913"] * 2}).to_parquet(earlier)
+    with pytest.raises(
+        SFTDataError, match=r"^improve.rounds.r1.train.max_length 12: every one of the 2 rows of .*earlier"
+    ):
+        train_sft(params(max_length=12), base, data, tmp_path / "never", tmp_path / "ckpt", "round-r1", ewc,
+                  "improve.rounds.r1.train")  # fmt: skip
+    assert not (tmp_path / "never").exists()
+
+
 def test_conversations_need_a_template_that_can_mask_the_assistant(base, tmp_path, mlflow_store):
     """loss_on: completion on `messages` rows trains the assistant's turns through the
     template's generation markers. A template without them, which TRL cannot patch, fails

@@ -133,12 +133,32 @@ def table_texts(tokenizer, table) -> tuple[list[str], list[str]]:
     return [format_prompt(tokenizer, p) for p, _ in pairs], [c for _, c in pairs]
 
 
-def consolidate(model, tokenizer, table, params, max_length: int, scale: float = 1.0, seed: int = 0) -> EWC:
-    """EWC for `model` against the previous data `table` (an SFT table): the Fisher of at
-    most `params.samples` of its rows, drawn with `seed`, then `attach` with
-    `params.strength` (`rlhf.training.params.EwcParams`)."""
+def ewc_examples(tokenizer, table, params, max_length: int, seed: int, key: str, path) -> list[dict]:
+    """The examples EWC measures its Fisher information on: at most `params.samples` rows
+    of the SFT table `table` (read from `path`), drawn with `seed`, tokenized as SFT trains
+    them. A row whose prompt fills `max_length` has no completion token to measure: it is
+    left out and counted (printed); none left is a `TrainingDataError` naming `key`. Call
+    it before the model loads."""
+    from rlhf.training.trainer_setup import TrainingDataError
+
     if len(table) > params.samples:
         table = table.sample(n=params.samples, random_state=seed)
     prompts, completions = table_texts(tokenizer, table)
     examples = completion_examples(tokenizer, prompts, completions, max_length)
-    return attach(model, fisher_diagonal(model, examples), params.strength, scale)
+    if not examples:
+        raise TrainingDataError(
+            f"{key} {max_length}: every one of the {len(table)} rows of {path} that EWC measures its Fisher "
+            f"information on has a prompt that fills it; raise {key}, or set ewc.strength: 0"
+        )
+    if len(examples) < len(table):
+        print(
+            f"{key} {max_length}: {len(table) - len(examples)} of the {len(table)} rows of {path} that EWC measures "
+            f"on have a prompt that fills it and are left out of its Fisher information; raise {key} to keep them"
+        )
+    return examples
+
+
+def consolidate(model, examples: Sequence[dict], strength: float, scale: float = 1.0) -> EWC:
+    """EWC for `model` at its current weights, with the Fisher information of `examples`
+    (`ewc_examples`), `attach`ed with `strength`."""
+    return attach(model, fisher_diagonal(model, examples), strength, scale)

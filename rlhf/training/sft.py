@@ -76,8 +76,15 @@ def train_sft(
         fits = [prompt < config.max_length for prompt, _ in lengths]
         dataset = dataset.select([i for i, keep in enumerate(fits) if keep])
     lost = length_report(lengths, fits, config.max_length, f"{section}.max_length", data)
-    model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir), training=True)
     consolidating = ewc is not None and ewc[0].strength > 0
+    if consolidating:
+        from rlhf.training.ewc import ewc_examples
+
+        previous = read_prepared(ewc[1], "sft")
+        examples = ewc_examples(
+            tokenizer, previous, ewc[0], config.max_length, config.seed, f"{section}.max_length", ewc[1]
+        )
+    model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir), training=True)
     key = fingerprint(config, [base_dir, data, *([ewc[1]] if consolidating else [])])
     if consolidating:
         key += "-" + fingerprint(ewc[0], [])[:8]
@@ -103,9 +110,7 @@ def train_sft(
     if consolidating:
         from rlhf.training.ewc import consolidate
 
-        previous = read_prepared(ewc[1], "sft")
-        scale = 1.0 / config.gradient_accumulation_steps
-        consolidation = consolidate(trainer.model, tokenizer, previous, ewc[0], config.max_length, scale, config.seed)
+        consolidation = consolidate(trainer.model, examples, ewc[0].strength, 1.0 / config.gradient_accumulation_steps)
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
