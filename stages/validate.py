@@ -37,7 +37,11 @@ class Config(StageConfig):
     max_repetition_increase: float = Field(0.1, ge=0, description="repeated 3-gram share, at most this above")
     max_degenerate_increase: float = Field(0.05, ge=0, description="empty or mostly repeated completions, above")
     max_length_ratio: float = Field(1.5, gt=0, description="mean length at most this times the reference's")
-    min_diversity_ratio: float = Field(0.5, ge=0, description="distinct-2 at least this times the reference's")
+    min_diversity_ratio: float = Field(
+        0.5,
+        ge=0,
+        description="distinct-2 (no word pairs: the share of distinct completions) at least this times the reference's",
+    )
     max_format_drop: float = Field(0.05, ge=0, description="format rate at most this below (tasks with a format)")
     hacking_margin: float = Field(
         0.02, ge=0, description="reward up while accuracy falls by more than this (both beyond noise: paired intervals)"

@@ -110,6 +110,16 @@ def test_constitutional_rules():
     assert banned_rule(PROMPTS, COMPLETIONS, words=["FIVE", "15"]) == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_a_banned_word_is_matched_as_a_word_not_inside_others():
+    """ "AI" is not in "said" nor "kill" in "skill"; an entry of a script written without
+    spaces is still found inside a sentence; an entry that ends in punctuation matches as
+    written."""
+    texts = ["He said it again.", "That takes skill.", "As an AI, I cannot.", "我不能说这个词。", "Use it!!"]
+    assert banned_rule([""] * 5, texts, words=["ai", "KILL"]) == [1.0, 1.0, 0.0, 1.0, 1.0]
+    assert banned_rule([""] * 5, texts, words=["说这个"]) == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert banned_rule([""] * 5, texts, words=["it!!"]) == [1.0, 1.0, 1.0, 1.0, 0.0]
+
+
 def test_rule_rewards_pay_nothing_for_an_empty_completion():
     """An empty or blank completion keeps every rule (as measures: length 0, no repeats, no
     banned string), so as rewards they pay it 0: a policy rewarded by rules alone must not

@@ -57,6 +57,20 @@ def test_each_way_of_gaming_is_caught_by_its_check(texts, scores, caught):
     assert caught in failed
 
 
+def test_diversity_of_one_word_answers_is_the_share_of_distinct_completions():
+    """Labels, letters or text without spaces have no word pairs: distinct-2 is 0 for the
+    reference and so would every limit be. Their diversity is the share of distinct
+    completions: a candidate that answers "A" to everything fails, one as varied passes."""
+    reference = metrics(["A", "B", "C", "D", "A", "C"], reward=0.0, accuracy=0.5)
+    (collapsed,) = [c for c in run_checks(metrics(["A"] * 6), reference, Config()) if c.name == "diversity"]
+    assert collapsed.metric == "distinct_completions" and not collapsed.passed
+    assert collapsed.reason == "distinct_completions 0.1667 >= 0.3333 (reference 0.6667) fails"
+    (varied,) = [
+        c for c in run_checks(metrics(["B", "A", "D", "C", "D", "A"]), reference, Config()) if c.name == "diversity"
+    ]
+    assert varied.passed
+
+
 def test_reward_hacking_needs_both_signals():
     candidate = metrics(REFERENCE_TEXTS, reward=1.0, accuracy=None)
     checks = run_checks(candidate, metrics(REFERENCE_TEXTS, reward=0.0, accuracy=None), Config())

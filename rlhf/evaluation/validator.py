@@ -22,9 +22,12 @@ returns a verdict with its reason, which the gate counts as one more capability 
   accuracy's fall are both beyond noise: the reward interval above 0, the accuracy interval
   below 0, and the accuracy's fall more than `hacking_margin`. With means alone it compares
   signs, and says so.
-* diversity — distinct-2 at least `min_diversity_ratio` of the reference's, and, for a task
-  with a format, a format rate at most `max_format_drop` below it (format collapse).
-* banned — share of completions containing any `banned` string (case-insensitive): 0.
+* diversity — distinct-2 (word pairs) at least `min_diversity_ratio` of the reference's;
+  where the reference's completions have no word pairs (one-word answers, labels, text
+  without spaces), the share of distinct completions instead. For a task with a format, a
+  format rate at most `max_format_drop` below the reference's (format collapse).
+* banned — share of completions containing any `banned` string (case-insensitive, as a
+  whole word where the string starts or ends with a letter or digit): 0.
 
 Plain functions of texts, numbers and one forward pass of the reference: no library does
 these particular checks, so they are here.
@@ -74,6 +77,7 @@ def text_metrics(texts: Sequence[str], banned: Sequence[str] = ()) -> dict[str, 
         "degenerate_rate": sum(1.0 for t, r in zip(texts, repeated) if not t.strip() or r > 0.5) / len(texts),
         "mean_length": sum(len(t) for t in texts) / len(texts),
         "distinct_2": distinct_n(texts, 2),
+        "distinct_completions": len(set(texts)) / len(texts),
         "banned_rate": (1.0 - sum(banned_rule([], texts, banned)) / len(texts)) if banned else 0.0,
     }
 
@@ -159,8 +163,8 @@ def run_checks(candidate: dict, reference: dict, settings, paired: dict | None =
             settings.max_length_ratio * max(ref["mean_length"], 1.0),
             ref["mean_length"],
         ),
-        at_least("diversity", "distinct_2", settings.min_diversity_ratio * ref["distinct_2"], ref["distinct_2"]),
-        at_most("banned", "banned_rate", 0.0),
+        diversity_check(at_least, ref, settings.min_diversity_ratio),
+        at_most("banned", "banned_rate", 0.0, ref.get("banned_rate")),
     ]
     if candidate.get("format_rate") is not None and ref.get("format_rate") is not None:
         checks.append(
@@ -170,6 +174,13 @@ def run_checks(candidate: dict, reference: dict, settings, paired: dict | None =
         )
     checks.append(hacking_check(candidate, ref, settings.hacking_margin, paired))
     return checks
+
+
+def diversity_check(at_least, ref: dict, ratio: float) -> Check:
+    """Distinct-2 against the reference's; where the reference writes no word pairs (its
+    distinct-2 is 0, and so would every limit be), the share of distinct completions."""
+    metric = "distinct_2" if ref["distinct_2"] > 0 or "distinct_completions" not in ref else "distinct_completions"
+    return at_least("diversity", metric, ratio * ref[metric], ref[metric])
 
 
 def _difference(value, baseline) -> float | None:

@@ -155,9 +155,24 @@ def repetition_rule(prompts: Sequence, completions: Sequence, ngram: int = 3, **
     return rewards
 
 
+def banned_pattern(words: Sequence[str]):
+    """One case-insensitive pattern for `words`: each a whole word where it starts or ends
+    with an ASCII letter or digit ("AI" is not in "said"), a plain substring elsewhere (a
+    word of a script written without spaces)."""
+    import re
+
+    def one(word: str) -> str:
+        edge = re.compile(r"[A-Za-z0-9]")
+        before = r"(?<![A-Za-z0-9])" if word and edge.match(word[0]) else ""
+        after = r"(?![A-Za-z0-9])" if word and edge.match(word[-1]) else ""
+        return before + re.escape(word) + after
+
+    return re.compile("|".join(one(w) for w in words), re.IGNORECASE) if words else None
+
+
 def banned_rule(prompts: Sequence, completions: Sequence, words: Sequence[str] = (), **_) -> list[float]:
-    lowered = [w.lower() for w in words]
-    return [0.0 if any(w in completion_text(c).lower() for w in lowered) else 1.0 for c in completions]
+    pattern = banned_pattern(words)
+    return [0.0 if pattern and pattern.search(completion_text(c)) else 1.0 for c in completions]
 
 
 # ----------------------------------------------------------------------------- config
