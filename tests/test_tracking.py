@@ -237,3 +237,15 @@ def test_a_model_with_its_own_code_is_logged_and_loads_from_the_registry(tmp_pat
     monkeypatch.chdir(tmp_path / "elsewhere")
     pipe = mlflow.transformers.load_model(f"models:/custom-policy/{version}")
     assert type(pipe.model).__name__ == "MineForCausalLM"
+
+
+def test_a_tracking_uri_that_is_a_bare_path_names_the_uri_to_write(monkeypatch, tmp_path):
+    """MLflow reads a bare path as its retired file store and fails deep in a stage; the
+    project fails first, naming the variable and the sqlite URI of that file."""
+    from rlhf.tracking.runs import TrackingURIError, tracking_uri
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "mlflow.db"))
+    with pytest.raises(TrackingURIError, match=rf"set MLFLOW_TRACKING_URI=sqlite:///{tmp_path}/mlflow.db for"):
+        tracking_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -37,6 +37,8 @@ import mlflow
 import yaml
 from mlflow.tracking import MlflowClient
 
+from rlhf.params import InputError
+
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
 DEFAULT_EXPERIMENT = "rlhf-pipeline"
 PARENT_RUN_ENV = "RLHF_PARENT_RUN_ID"
@@ -138,8 +140,24 @@ def project_root() -> Path:
     return Path(os.environ.get("DVC_ROOT", os.getcwd())).resolve()
 
 
+class TrackingURIError(InputError, ValueError):
+    """MLFLOW_TRACKING_URI is a bare path, which MLflow reads as its retired file store."""
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
+    """MLFLOW_TRACKING_URI, else the project's sqlite store. A bare path (no scheme) fails
+    naming the variable and the URI to write instead."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return f"sqlite:///{project_root() / 'mlflow.db'}"
+    if "://" not in uri and not uri.startswith("databricks"):
+        path = Path(uri).expanduser().resolve()
+        store = path if path.suffix == ".db" else path / "mlflow.db"
+        raise TrackingURIError(
+            f"MLFLOW_TRACKING_URI={uri}: a path, not a URI (MLflow reads a path as its retired file store); set "
+            f"MLFLOW_TRACKING_URI=sqlite:///{store} for a database file, or http://<host>:<port> for a tracking server"
+        )
+    return uri
 
 
 def experiment_name() -> str:
