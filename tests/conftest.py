@@ -98,6 +98,24 @@ def write_params(root: Path, params: dict) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def params_problems(tmp_path: Path, data: dict) -> list[str]:
+    """The problems check_params finds in the params `data` (written to tmp_path); it must find some."""
+    from rlhf.params import ParamsError
+    from stages import load_all
+
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError) as error:
+        load_all(str(path))
+    return error.value.problems
+
+
+def assert_each_once(found: list[str], expected: list[str]) -> None:
+    """Each expected message begins exactly one of the problems found."""
+    for line in expected:
+        assert sum(p.startswith(line) for p in found) == 1, (line, found)
+
+
 def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(
         cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=False

@@ -17,11 +17,10 @@ import pytest
 import yaml
 
 from rlhf.data.contracts import DataValidationError
-from rlhf.params import ParamsError
 from rlhf.tasks import TaskConfig, get_task
 from stages import load_all
 from stages.prepare import Config, run
-from tests.conftest import REPO
+from tests.conftest import REPO, assert_each_once, params_problems
 
 GSM8K = get_task(TaskConfig(kind="gsm8k"))
 
@@ -162,12 +161,7 @@ def params(tmp_path, user_files):
     return data
 
 
-def problems(tmp_path, data) -> list[str]:
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ParamsError) as error:
-        load_all(str(path))
-    return error.value.problems
+problems = params_problems
 
 
 def test_the_acceptance_params_validate(tmp_path, params):
@@ -190,8 +184,7 @@ def test_missing_inputs_name_the_key_that_would_supply_them(tmp_path, params):
         "policy.grpo.rewards[0]: reward reward_model needs the reward model, which needs preference data",
         "infer.suite: no eval suite 'test' (prepare writes ['heldout']); add prepare.files.eval_test",
     ]
-    for line in expected:
-        assert sum(p.startswith(line) for p in found) == 1, (line, found)
+    assert_each_once(found, expected)
     assert len(found) == len(expected)
 
 
