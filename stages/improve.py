@@ -387,11 +387,12 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
         prm = load_prm(PRM_DIR, trust)
     tokenizer = load_tokenizer(start_dir, trust)
     model = load_causal_lm(start_dir, trust, what=str(start_dir))
-    samples, finished = sample(
+    drawn = sample(
         model, tokenizer, prompts, settings.samples, settings.max_new_tokens, settings.temperature,
-        settings.batch_size, seed, return_finished=True,
+        settings.batch_size, seed, details=True,
     )  # fmt: skip
-    verdicts = judge_samples(settings, task, prompts, answers, samples, prm, finished=finished)
+    samples = drawn.texts
+    verdicts = judge_samples(settings, task, prompts, answers, samples, prm, finished=drawn.finished)
     repair = repair_rejected(settings, task, model, tokenizer, prm, prompts, answers, verdicts, seed)
     del model
 

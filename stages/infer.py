@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 from rlhf.artifacts import write_json
 from rlhf.inference.settings import STRATEGIES, Strategies
 from rlhf.tasks import Task, get_task
-from stages import MODELS_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_model_stage, report_suite
+from stages import MODELS_DIR, PRM_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_model_stage, report_suite
 
 REPORT = REPORTS_DIR / "infer.json"
 SAMPLES = REPORTS_DIR / "infer_samples.json"
@@ -77,20 +77,38 @@ def summarise(task: Task, answers: list, references: list, seconds: float) -> di
     }
 
 
-def check_draft(draft: str, tokenizer, trust_remote_code: bool) -> None:
-    """The speculative draft is a model directory whose tokenizer is the candidate's: the
-    target verifies the draft's token ids, so they must mean the same text."""
-    from rlhf.models.folders import check_model_dir, resolve_model_dir
+def check_same_tokenizer(path, tokenizer, key: str, trust_remote_code: bool, what: str) -> None:
+    """`path` (the speculative draft, an ensemble member) is a model directory whose
+    tokenizer is the candidate's: token ids pass between the two models (the target
+    verifies the draft's; the members' logits are added id by id), so they must mean the
+    same text. `what` says what to give instead."""
+    from rlhf.models.folders import UnusableModelError, check_model_dir, resolve_model_dir
     from rlhf.models.loading import load_tokenizer
 
-    check_model_dir(resolve_model_dir(draft), "infer.speculative.draft")
-    theirs, ours = load_tokenizer(draft, trust_remote_code).get_vocab(), tokenizer.get_vocab()
+    check_model_dir(resolve_model_dir(path), key)
+    theirs, ours = load_tokenizer(path, trust_remote_code).get_vocab(), tokenizer.get_vocab()
     if theirs != ours:
         differ = len(set(theirs.items()) ^ set(ours.items()))
+        raise UnusableModelError(
+            f"{key} {path}: its tokenizer is not the candidate's ({len(theirs)} tokens against {len(ours)}, "
+            f"{differ} token-id pairs not shared); {what}"
+        )
+
+
+def check_prm_separator(config: Config, task: Task) -> None:
+    """MCTS splits paths on the task's step separator and the PRM scores steps laid out with
+    its own: they must be the same (as refinement asks)."""
+    import json
+
+    from rlhf.rewards.steps import PRM_FILE
+
+    prm = Path(config.prm) if config.prm else PRM_DIR
+    settings = prm / PRM_FILE
+    separator = json.loads(settings.read_text()).get("separator") if settings.is_file() else None
+    if separator is not None and separator != task.step_separator:
         raise ValueError(
-            f"infer.speculative.draft {draft}: its tokenizer is not the candidate's ({len(theirs)} tokens against "
-            f"{len(ours)}, {differ} token-id pairs not shared); give a smaller model of the candidate's family, "
-            "trained with the same tokenizer"
+            f"infer.prm {prm}: the PRM splits steps on {separator!r} but the task on {task.step_separator!r} "
+            "(task.step_separator); MCTS needs the PRM trained for this task"
         )
 
 
@@ -99,6 +117,7 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
 
     from rlhf.data.contracts import read_prepared
     from rlhf.inference.strategies import run_strategy
+    from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     path = eval_suite_path(suite_name)
@@ -108,11 +127,21 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     prompts = suite["prompt"].tolist()
     references = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
     candidate = model_dir(config.candidate)
+    check_model_dir(resolve_model_dir(candidate), f"infer.candidate {config.candidate}")
     tokenizer = load_tokenizer(candidate, config.trust_remote_code)
-    if "speculative" in config.strategies:  # before any strategy runs
-        check_draft(config.speculative.draft, tokenizer, config.trust_remote_code)
-    model = load_causal_lm(candidate, config.trust_remote_code, what=f"infer.candidate {config.candidate}")
+    # What a strategy reads besides the candidate, before any strategy runs.
+    trust = config.trust_remote_code
+    if "speculative" in config.strategies:
+        what = "give a smaller model of the candidate's family, trained with the same tokenizer"
+        check_same_tokenizer(config.speculative.draft, tokenizer, "infer.speculative.draft", trust, what)
     members = [str(model_dir(name)) for name in config.ensemble.members]
+    if "ensemble" in config.strategies:
+        for index, member in enumerate(members):
+            what = "ensemble members are models trained from the candidate's base (names under models/)"
+            check_same_tokenizer(member, tokenizer, f"infer.ensemble.members[{index}]", trust, what)
+    if "mcts" in config.strategies:
+        check_prm_separator(config, task)
+    model = load_causal_lm(candidate, config.trust_remote_code, what=f"infer.candidate {config.candidate}")
     config = config.model_copy(update={"ensemble": config.ensemble.model_copy(update={"members": members})})
     report = {"candidate": config.candidate, "suite": suite_name, "problems": len(prompts), "strategies": {}}
     samples = {}

@@ -25,7 +25,6 @@ from rlhf.inference.settings import MCTS, BestOfN, SelfConsistency, Strategies
 from rlhf.inference.strategies import (
     Node,
     best_of_n,
-    count_tokens,
     ensemble_logits,
     ensemble_vote,
     greedy,
@@ -103,12 +102,12 @@ def mixed(tokenizer):
     return model
 
 
-def exact_step_scorer(prompts, steps_lists):
+def exact_step_scorer(prompts, steps_lists, finished=None):
     """A stand-in PRM: 1.0 for each step the task's exact checker labels good, else 0.0."""
     return [[float(label) for label in check_steps(p, "; ".join(s))] for p, s in zip(prompts, steps_lists)]
 
 
-def inverted_step_scorer(prompts, steps_lists):
+def inverted_step_scorer(prompts, steps_lists, finished=None):
     """Rates exactly the steps `exact_step_scorer` rejects."""
     return [[1.0 - score for score in row] for row in exact_step_scorer(prompts, steps_lists)]
 
@@ -233,13 +232,15 @@ def test_self_consistency_returns_the_majority_of_its_samples(mixed, tokenizer, 
     completion is the first sample that states it; tokens add up over all 8."""
     options = SelfConsistency(max_samples=8, round_size=4, temperature=1.0)
     (answer,) = self_consistency(mixed, tokenizer, [PROBLEM], task, options, BUDGET, early_stop=False)
-    drawn = [c for seed in (0, 1) for c in sample(mixed, tokenizer, [PROBLEM], 4, BUDGET, 1.0, 64, seed)[0]]
+    rounds = [sample(mixed, tokenizer, [PROBLEM], 4, BUDGET, 1.0, 64, seed, details=True) for seed in (0, 1)]
+    drawn = [c for r in rounds for c in r.texts[0]]
+    assert all(ended for r in rounds for ended in r.finished), "every sample ends within the budget: each votes"
     votes = Counter(task.extract_answer(c) for c in drawn if task.extract_answer(c) is not None)
     (winner, count), *rest = votes.most_common()
     assert rest and count > rest[0][1], "the samples should disagree, with one clear leader"
     assert (answer.extra["answer"], answer.extra["votes"], answer.samples) == (winner, count, 8)
     assert answer.completion == next(c for c in drawn if task.extract_answer(c) == winner)
-    assert answer.tokens == sum(count_tokens(tokenizer, drawn))
+    assert answer.tokens == sum(t for r in rounds for t in r.tokens[0]) and answer.extra["unfinished"] == 0
 
 
 # ----------------------------------------------------------------------------- best-of-n
@@ -255,12 +256,13 @@ def test_best_of_n_returns_the_best_scored_sample(mixed, tokenizer):
         return [sum(check_steps(p, c)) for p, c in zip(prompts, completions)]
 
     (answer,) = best_of_n(mixed, tokenizer, [PROBLEM], good_steps, BestOfN(n=8, temperature=1.0), BUDGET)
-    (group,) = sample(mixed, tokenizer, [PROBLEM], 8, BUDGET, 1.0, 64, 0)
+    drawn = sample(mixed, tokenizer, [PROBLEM], 8, BUDGET, 1.0, 64, 0, details=True)
+    (group,) = drawn.texts
     scores = good_steps([PROBLEM] * 8, group)
     assert len(set(scores)) > 1, "the samples should differ in score"
     assert answer.completion == group[scores.index(max(scores))]
     assert answer.extra["score"] == max(scores) and answer.samples == 8
-    assert answer.tokens == sum(count_tokens(tokenizer, group))
+    assert answer.tokens == sum(drawn.tokens[0]) <= 8 * BUDGET
 
 
 # ----------------------------------------------------------------------------- MCTS
@@ -288,7 +290,8 @@ def test_mcts_follows_the_step_scorer_to_a_terminal_answer(mixed, tokenizer, tas
     right = mcts(mixed, tokenizer, PROBLEM, task, exact_step_scorer, options, BUDGET)
     assert right.completion == GOOD
     assert right.extra["terminal"] is True and right.extra["value"] == 1.0
-    assert right.samples == options.simulations and right.tokens > 0
+    assert right.samples % options.expand == 0 and right.extra["simulations"] == options.simulations
+    assert right.tokens > 0
     wrong = mcts(mixed, tokenizer, PROBLEM, task, inverted_step_scorer, options, BUDGET)
     steps = task.split_steps(wrong.completion)
     assert task.is_final_step(steps[-1]) and not any(check_steps(PROBLEM, wrong.completion))
@@ -300,9 +303,9 @@ def test_a_step_cut_off_by_max_step_tokens_is_not_a_step(mixed, tokenizer, task)
     """The first steps are "12+7=19" (or the mixed model's slip) and the separator, 9
     characters and tokens: at 16 tokens every sample reaches the separator, at 4 none does,
     and "12+7" is no step to score or build on."""
-    whole, _ = strategies.next_steps(mixed, tokenizer, PROBLEM, task, (), 4, 0.5, 16, seed=0)
+    whole, _, _ = strategies.next_steps(mixed, tokenizer, PROBLEM, task, (), 4, 0.5, 16, seed=0)
     assert sum(whole.values()) == 4 and all(step.count("=") == 1 for step in whole)
-    cut, tokens = strategies.next_steps(mixed, tokenizer, PROBLEM, task, (), 4, 0.5, 4, seed=0)
+    cut, _, tokens = strategies.next_steps(mixed, tokenizer, PROBLEM, task, (), 4, 0.5, 4, seed=0)
     assert not cut and tokens > 0, "the tokens were generated (and counted) all the same"
 
 
@@ -315,6 +318,37 @@ def test_mcts_without_a_terminal_completes_the_most_visited_path_greedily(mixed,
     rest = generate(mixed, tokenizer, [PROBLEM + "12+7=19; "], BUDGET)[0]
     assert answer.extra["terminal"] is False
     assert answer.completion == "12+7=19; " + rest
+
+
+@pytest.mark.slow
+def test_mcts_ends_a_path_where_the_model_ended_on_a_task_that_marks_no_final_step(mixed, tokenizer):
+    """Task last_number marks no step as the final one: a path ends where the model's
+    sample ended (its stop token, not the separator). MCTS returns the model's whole
+    solution, a terminal path, not one padded with steps the model never meant to write;
+    the whole solution's last step is scored as finished, the others as partial paths."""
+    from rlhf.tasks import TaskConfig, get_task
+
+    task = get_task(TaskConfig(kind="last_number", step_separator="; "))
+    seen = []
+
+    def exact(prompts, steps_lists, finished=None):
+        seen.extend(zip([tuple(s) for s in steps_lists], finished))
+        return exact_step_scorer(prompts, steps_lists)
+
+    answer = mcts(mixed, tokenizer, PROBLEM, task, exact, MCTS(), BUDGET)
+    assert answer.completion == GOOD and answer.extra["terminal"] is True
+    assert dict(seen)[tuple(GOOD.split("; "))] is True and dict(seen)[tuple(GOOD.split("; ")[:2])] is False
+
+
+@pytest.mark.slow
+def test_a_node_no_sample_continues_is_a_dead_end_never_an_answer(mixed, tokenizer, task):
+    """max_step_tokens 9: the first two steps fit with their separator ("12+7=19; ", 9
+    tokens), the last does not ("answer 16" and its EOS, 10): the node after two steps has
+    nothing to continue with. It is a dead end, not a finished path whose two steps would
+    be the answer (as it was, valued 0.0): MCTS completes the most visited path greedily."""
+    answer = mcts(mixed, tokenizer, PROBLEM, task, exact_step_scorer, MCTS(max_step_tokens=9), BUDGET)
+    assert answer.extra["terminal"] is False and answer.completion != "12+7=19; 19-3=16"
+    assert task.is_final_step(task.split_steps(answer.completion)[-1])
 
 
 @pytest.mark.slow
@@ -333,13 +367,15 @@ def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task,
 
     def recording(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed):
         expansions.append((steps, seed))
-        counted, tokens = real_next_steps(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed)
+        counted, final, tokens = real_next_steps(
+            model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed
+        )
         generated.append(tokens)
-        return counted, tokens
+        return counted, final, tokens
 
     monkeypatch.setattr(strategies, "next_steps", recording)
 
-    def reject(prompts, steps_lists):
+    def reject(prompts, steps_lists, finished=None):
         return [[0.0] * len(steps) for steps in steps_lists]
 
     def root_seeds(scorer, widen_below):
@@ -436,23 +472,51 @@ def test_generate_command_prints_one_record_per_prompt(micro_dir, models, tokeni
     assert all(r["samples"] == 1 and r["answer"] == task.extract_answer(r["completion"]) for r in records)
 
 
-def test_a_speculative_draft_with_another_tokenizer_fails_before_any_strategy(tmp_path, tokenizer):
-    """The target verifies the draft's token ids: a draft whose tokenizer differs (one token
-    more) is refused naming the key, as is a draft folder that is not there."""
-    from rlhf.models.folders import ModelNotFoundError
-    from rlhf.models.loading import save_model
-    from stages.infer import check_draft
+def test_what_a_strategy_reads_besides_the_candidate_is_checked_before_any_strategy(tmp_path, tokenizer, monkeypatch):
+    """The target verifies the draft's token ids, the ensemble adds its members' logits id
+    by id, MCTS's PRM splits steps as the task does: a draft or member whose tokenizer
+    differs (one token more), a PRM with another separator, a candidate or draft folder that
+    is not there, each fails in stage infer naming its key, before any strategy runs (a
+    failure after greedy and MCTS lost their results)."""
+    import json
 
-    same, other = tmp_path / "same", tmp_path / "other"
-    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, same)
-    check_draft(str(same), tokenizer, False)
+    import pandas as pd
+
+    from rlhf.models.folders import ModelNotFoundError, UnusableModelError
+    from rlhf.models.loading import save_model
+    from rlhf.tasks import get_task
+    from stages.infer import Config, run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/prepared/eval").mkdir(parents=True)
+    pd.DataFrame({"prompt": [PROBLEM], "answer": ["16"]}).to_parquet(tmp_path / "data/prepared/eval/test.parquet")
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, tmp_path / "models/sft")
+    save_model(build_tiny_model("micro", tokenizer, seed=1), tokenizer, tmp_path / "models/merged")
     extended = build_tokenizer()
     extended.add_tokens(["<tool>"])
-    save_model(build_tiny_model("micro", extended, seed=0), extended, other)
-    with pytest.raises(ValueError, match=r"infer.speculative.draft .*other: its tokenizer is not the candidate's"):
-        check_draft(str(other), tokenizer, False)
-    with pytest.raises(ModelNotFoundError, match=r"infer.speculative.draft directory .*missing does not exist"):
-        check_draft(str(tmp_path / "missing"), tokenizer, False)
+    save_model(build_tiny_model("micro", extended, seed=0), extended, tmp_path / "models/other")
+    prm = tmp_path / "models/prm"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, prm)
+    (prm / "prm.json").write_text(json.dumps({"kind": "likelihood", "separator": "\n\n", "weights": [0, 0, 0]}))
+    task = get_task()
+
+    def fails(error, match, **settings):
+        with pytest.raises(error, match=match):
+            run(Config(**{"strategies": ["greedy"], **settings}), task, "test")
+
+    bad = "its tokenizer is not the candidate's"
+    fails(UnusableModelError, rf"^infer.speculative.draft .*other: {bad}", strategies=["greedy", "speculative"],
+          speculative={"draft": str(tmp_path / "models/other")})  # fmt: skip
+    fails(ModelNotFoundError, r"^infer.speculative.draft directory .*missing does not exist",
+          strategies=["speculative"], speculative={"draft": str(tmp_path / "missing")})  # fmt: skip
+    fails(UnusableModelError, rf"^infer.ensemble.members\[1\] models/other: {bad}",
+          strategies=["greedy", "ensemble"], ensemble={"members": ["sft", "other"]})  # fmt: skip
+    fails(ValueError, r"^infer.prm models/prm: the PRM splits steps on '\\n\\n' but the task on '; '",
+          strategies=["greedy", "mcts"])  # fmt: skip
+    fails(ModelNotFoundError, r"^infer.candidate policy/grpo directory models/policy/grpo does not exist",
+          candidate="policy/grpo")  # fmt: skip
+    report, _ = run(Config(strategies=["greedy", "ensemble"], ensemble={"members": ["sft", "merged"]}), task, "test")
+    assert set(report["strategies"]) == {"greedy", "ensemble"}
 
 
 def test_a_prompt_that_leaves_no_room_to_generate_fails_with_what_to_change(tokenizer):

@@ -350,18 +350,18 @@ def test_a_continuation_keeps_the_word_boundary_its_first_token_carries():
 
 
 def test_generate_tells_a_completion_cut_by_the_budget_from_one_that_ended():
-    """`return_finished`: a completion that met a stop token ended; one that ran into
-    max_new_tokens did not (a round never keeps it: its text stops mid-solution)."""
+    """`details`: a completion that met a stop token ended; one that ran into
+    max_new_tokens did not (a round never keeps it: its text stops mid-solution). The
+    tokens generated count the stop token, and nothing after it."""
     from rlhf.models.generation import generate
 
     tokenizer = build_tokenizer()
     model = build_tiny_model("micro", tokenizer, seed=0)
     prompts = ["1+2+3\n", "4+5\n", "6-1\n", "7+7+7\n"]
-    texts, finished = generate(model, tokenizer, prompts, 1, do_sample=True, num_return_sequences=4, seed=0,
-                               return_finished=True)  # fmt: skip
-    assert len(finished) == len(texts) == 16
-    assert finished == [text == "" for text in texts], "one token each: ended only where it was the EOS"
-    assert not all(finished)
+    drawn = generate(model, tokenizer, prompts, 1, do_sample=True, num_return_sequences=4, seed=0, details=True)
+    assert len(drawn.finished) == len(drawn.texts) == len(drawn.tokens) == 16
+    assert drawn.finished == [text == "" for text in drawn.texts], "one token each: ended only where it was the EOS"
+    assert not all(drawn.finished) and drawn.tokens == [1] * 16
     model.generation_config.eos_token_id = list(range(len(tokenizer)))  # every token ends a completion
-    texts, finished = generate(model, tokenizer, prompts, 5, do_sample=True, seed=0, return_finished=True)
-    assert all(finished) and all(len(text) <= 1 for text in texts)
+    drawn = generate(model, tokenizer, prompts, 5, do_sample=True, seed=0, details=True)
+    assert all(drawn.finished) and all(len(text) <= 1 for text in drawn.texts) and drawn.tokens == [1] * 4

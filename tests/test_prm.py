@@ -328,6 +328,17 @@ def test_likelihood_features_are_the_lms_token_logprobs(micro_dir):
     (features,) = likelihood_features(lm, tokenizer, ["1+2\n"], [["1+2=3", "answer 3"]], SEP)
     assert torch.allclose(features, expected, atol=1e-5)
 
+    # A partial path (MCTS's): its last step is followed by the separator, not the EOS, so
+    # its features are those the step has inside the whole solution (with the EOS they
+    # asked how likely the solution was to stop there).
+    partial, closed = (
+        encode(tokenizer, "1+2\n", ["1+2=3"], "; ", finished=False),
+        encode(tokenizer, "1+2\n", ["1+2=3"], "; "),
+    )
+    assert partial[1] == closed[1] == [(4, 10)] and partial[0][9] == ids[9] != closed[0][9] == tokenizer.eos_token_id
+    (prefix,) = likelihood_features(lm, tokenizer, ["1+2\n"], [["1+2=3"]], SEP, finished=[False])
+    assert torch.allclose(prefix, expected[:1], atol=1e-5)
+
 
 def test_fit_logistic_separates_a_separable_feature():
     """Labels = (x > 0) on x in [-2, 2]: the fitted P(good) is above 0.9 at x = 2, below

@@ -51,8 +51,8 @@ def count_tokens(tokenizer, completions: Sequence[str]) -> list[int]:
 
 
 def greedy(model, tokenizer, prompts: Sequence, max_new_tokens: int, batch_size: int = 64) -> list[Answer]:
-    completions = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
-    return [Answer(c, t) for c, t in zip(completions, count_tokens(tokenizer, completions))]
+    drawn = generate(model, tokenizer, prompts, max_new_tokens, batch_size, details=True)
+    return [Answer(c, t) for c, t in zip(drawn.texts, drawn.tokens)]
 
 
 def best_of_n(
@@ -67,14 +67,14 @@ def best_of_n(
 ) -> list[Answer]:
     """`options.n` samples per prompt at `options.temperature`; the one `scorer` rates highest."""
     n, temperature = options.n, options.temperature
-    groups = sample(model, tokenizer, prompts, n, max_new_tokens, temperature, batch_size, seed)
+    drawn = sample(model, tokenizer, prompts, n, max_new_tokens, temperature, batch_size, seed, details=True)
     flat_prompts = [p for p in prompts for _ in range(n)]
-    scores = list(scorer(flat_prompts, [c for group in groups for c in group]))
+    scores = list(scorer(flat_prompts, [c for group in drawn.texts for c in group]))
     answers = []
-    for i, group in enumerate(groups):
+    for i, (group, taken) in enumerate(zip(drawn.texts, drawn.tokens)):
         group_scores = scores[i * n : (i + 1) * n]
         best = max(range(n), key=lambda j: group_scores[j])
-        answers.append(Answer(group[best], sum(count_tokens(tokenizer, group)), n, {"score": group_scores[best]}))
+        answers.append(Answer(group[best], sum(taken), n, {"score": group_scores[best]}))
     return answers
 
 
@@ -103,25 +103,31 @@ def self_consistency(
     """Majority vote over up to `max_samples` sampled answers per prompt (the task's
     extracted answers), `round_size` at a time. With `early_stop`, a prompt stops sampling
     once its vote is decided (`vote_is_decided`); without it, every prompt takes
-    `max_samples`. The returned completion is the first sample carrying the winning answer."""
+    `max_samples`. The returned completion is the first sample carrying the winning answer.
+    A sample cut by `max_new_tokens` does not vote (its last number is not an answer it
+    gave); `unfinished` counts them."""
     max_samples, round_size, stop_share = options.max_samples, options.round_size, options.stop_share
     temperature = options.temperature
     votes = [Counter() for _ in prompts]
     kept: list[dict[str, str]] = [{} for _ in prompts]
     tokens = [0] * len(prompts)
     taken = [0] * len(prompts)
+    unfinished = [0] * len(prompts)
     active = list(range(len(prompts)))
     round_index = 0
     while active:
         n = min(round_size, max_samples - taken[active[0]])
-        groups = sample(
+        drawn = sample(
             model, tokenizer, [prompts[i] for i in active], n, max_new_tokens, temperature, batch_size,
-            seed + round_index,
+            seed + round_index, details=True,
         )  # fmt: skip
-        for i, group in zip(active, groups):
+        for i, group, ended, used in zip(active, drawn.texts, drawn.finished, drawn.tokens):
             taken[i] += n
-            tokens[i] += sum(count_tokens(tokenizer, group))
-            for completion in group:
+            tokens[i] += sum(used)
+            unfinished[i] += n - sum(ended)
+            for completion, done in zip(group, ended):
+                if not done:  # cut by max_new_tokens: its last number is not its answer
+                    continue
                 key = task.extract_answer(completion)
                 if key is not None:
                     votes[i][key] += 1
@@ -137,9 +143,10 @@ def self_consistency(
     for i in range(len(prompts)):
         if votes[i]:
             key, count = votes[i].most_common(1)[0]
-            answers.append(Answer(kept[i][key], tokens[i], taken[i], {"votes": count, "answer": key}))
+            extra = {"votes": count, "answer": key, "unfinished": unfinished[i]}
+            answers.append(Answer(kept[i][key], tokens[i], taken[i], extra))
         else:
-            answers.append(Answer("", tokens[i], taken[i], {"votes": 0}))
+            answers.append(Answer("", tokens[i], taken[i], {"votes": 0, "unfinished": unfinished[i]}))
     return answers
 
 
@@ -154,6 +161,7 @@ class Node:
     visits: int = 0
     total: float = 0.0
     terminal: bool = False
+    exhausted: bool = False  # expanded, but no sample gave a next step: never descended into
     expansions: int = 0
     children: list[Node] = field(default_factory=list)
 
@@ -192,26 +200,30 @@ def next_steps(
     seed,
 ) -> tuple[Counter, int]:
     """Sample `k` continuations of a partial solution, each stopped at the task's step
-    separator. Returns the distinct next steps with how often each was sampled, and the
-    tokens generated for them. A sample that used all `max_step_tokens` without
-    reaching the separator holds a step cut off mid-way, not a step: it is dropped."""
+    separator. Returns the distinct next steps with how often each was sampled, the steps
+    that end the solution (their samples ended on a stop token, not on the separator), and
+    the tokens generated. A sample that used all `max_step_tokens` without reaching the
+    separator or a stop token holds a step cut off mid-way, not a step; an empty one holds
+    none: both are dropped."""
     separator = task.step_separator
     prefix = prefix_text(tokenizer, prompt, steps, separator)
-    texts = generate(
+    drawn = generate(
         model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed, stop_strings=[separator],
-        formatted=True,
+        formatted=True, details=True,
     )  # fmt: skip
-    lengths = count_tokens(tokenizer, texts)  # each plus one for the end of sequence
     counted: Counter = Counter()
-    for text, length in zip(texts, lengths):
-        if separator not in text and length - 1 >= max_step_tokens:
+    ended: Counter = Counter()
+    for text, finished in zip(drawn.texts, drawn.finished):
+        if separator not in text and not finished:
             continue
         # Exactly as written (a leading space stays), so that the next prefix is the text the
         # model produced; only what follows the step's end is dropped.
         step = text.split(separator)[0].rstrip()
         if step.strip():
             counted[step] += 1
-    return counted, sum(lengths)
+            ended[step] += separator not in text
+    final = {step for step in counted if task.is_final_step(step) or 2 * ended[step] >= counted[step] > 0}
+    return counted, final, sum(drawn.tokens)
 
 
 def mcts(
@@ -239,16 +251,19 @@ def mcts(
     max_depth, widen_below, max_expansions = options.max_depth, options.widen_below, options.max_expansions
     separator = task.step_separator
     root = Node(steps=(), visits=1)
-    tokens = 0
+    tokens, drawn = 0, 0
     for simulation in range(simulations):
         path, node = [root], root
-        while node.children and not node.terminal:
-            if max(c.value for c in node.children) < widen_below and node.expansions < max_expansions:
+        while not node.terminal:
+            open_children = [c for c in node.children if not c.exhausted]
+            if not open_children:
                 break
-            node = max(node.children, key=lambda child, parent=node: puct(parent, child, c_puct))
+            if max(c.value for c in open_children) < widen_below and node.expansions < max_expansions:
+                break
+            node = max(open_children, key=lambda child, parent=node: puct(parent, child, c_puct))
             path.append(node)
-        if not node.terminal and len(node.steps) < max_depth:
-            counted, generated = next_steps(
+        if not node.terminal and len(node.steps) < max_depth and node.expansions <= max_expansions:
+            counted, final, generated = next_steps(
                 model,
                 tokenizer,
                 prompt,
@@ -261,24 +276,27 @@ def mcts(
             )
             node.expansions += 1
             tokens += generated
+            drawn += expand
             known = {child.steps[-1] for child in node.children}
             candidates = [node.steps + (step,) for step in counted if step not in known]
             if candidates:
-                scores = step_scorer([prompt] * len(candidates), [list(c) for c in candidates])
-                for steps, step_scores in zip(candidates, scores):
+                # A path that goes on is scored as one (its last step followed by the
+                # separator), one that ends as a whole solution.
+                ends = [steps[-1] in final for steps in candidates]
+                scores = step_scorer([prompt] * len(candidates), [list(c) for c in candidates], finished=ends)
+                for steps, step_scores, end in zip(candidates, scores, ends):
                     child = Node(
-                        steps=steps,
-                        prior=counted[steps[-1]] / expand,
-                        value=float(step_scores[-1]),
-                        terminal=task.is_final_step(steps[-1]),
+                        steps=steps, prior=counted[steps[-1]] / expand, value=float(step_scores[-1]), terminal=end
                     )
                     child.visits, child.total = 1, child.value
                     node.children.append(child)
-                value = max(child.value for child in node.children)
-            elif node.children:
-                value = max(child.value for child in node.children)
-            else:
-                node.terminal, value = True, 0.0
+            open_children = [c for c in node.children if not c.exhausted]
+            if open_children:
+                value = max(child.value for child in open_children)
+            else:  # nothing to continue with: a dead end, never an answer
+                node.exhausted, value = True, 0.0
+        elif not node.terminal and node.children and all(c.exhausted for c in node.children):
+            node.exhausted, value = True, 0.0  # every way on is a dead end, and it may not widen again
         else:
             value = node.value
         for visited in path:
@@ -290,12 +308,13 @@ def mcts(
         while node.children:
             node = max(node.children, key=lambda child: child.visits)
         prefix = prefix_text(tokenizer, prompt, node.steps, separator)
-        rest = generate(model, tokenizer, [prefix], max_new_tokens, formatted=True)[0]
-        tokens += count_tokens(tokenizer, [rest])[0]
-        completion = join_continuation(node.steps, rest, separator)
-        return Answer(completion, tokens, simulations, {"terminal": False, "root_expansions": root.expansions})
-    extra = {"terminal": True, "value": best.value, "root_expansions": root.expansions}
-    return Answer(separator.join(best.steps), tokens, simulations, extra)
+        rest = generate(model, tokenizer, [prefix], max_new_tokens, formatted=True, details=True)
+        tokens += rest.tokens[0]
+        completion = join_continuation(node.steps, rest.texts[0], separator)
+        extra = {"terminal": False, "root_expansions": root.expansions, "simulations": simulations}
+        return Answer(completion, tokens, drawn + 1, extra)
+    extra = {"terminal": True, "value": best.value, "root_expansions": root.expansions, "simulations": simulations}
+    return Answer(separator.join(best.steps), tokens, drawn, extra)
 
 
 def _best_terminal(root: Node) -> Node | None:
@@ -303,7 +322,12 @@ def _best_terminal(root: Node) -> Node | None:
     while stack:
         node = stack.pop()
         stack.extend(node.children)
-        if node.terminal and node.steps and (best is None or (node.value, node.visits) > (best.value, best.visits)):
+        if (
+            node.terminal
+            and node.steps
+            and not node.exhausted
+            and (best is None or (node.value, node.visits) > (best.value, best.visits))
+        ):
             best = node
     return best
 

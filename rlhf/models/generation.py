@@ -7,6 +7,7 @@ Prompts are formatted the way the model was trained on them: plain text for stan
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -85,7 +86,7 @@ def generate(
     seed: int | None = None,
     stop_strings: list[str] | None = None,
     formatted: bool = False,
-    return_finished: bool = False,
+    details: bool = False,
 ):
     """Completions for `prompts` (greedy unless `do_sample`), decoded without special tokens.
 
@@ -93,9 +94,9 @@ def generate(
     grouped by prompt. A completion ends early at any of `stop_strings` (kept in it).
     `formatted`: the prompts are already texts as the model reads them (`format_prompt`,
     plus steps written so far), to continue as they are (formatting twice would put a
-    second BOS, or a chat template's text inside plain text). `return_finished`: also
-    whether each completion ended (a stop token or string) before `max_new_tokens` cut it,
-    as (completions, finished)."""
+    second BOS, or a chat template's text inside plain text). `details`: a `Generated`
+    instead, which also says whether each completion ended (a stop token or string) before
+    `max_new_tokens` cut it, and how many tokens it took."""
     model.eval()
     if seed is not None:
         torch.manual_seed(seed)
@@ -103,6 +104,7 @@ def generate(
     texts = list(prompts) if formatted else [format_prompt(tokenizer, p) for p in prompts]
     completions: list[str] = []
     finished: list[bool] = []
+    tokens: list[int] = []
     stops = stop_token_ids(model, tokenizer)
     for start in range(0, len(texts), batch_size):
         batch = tokenizer(
@@ -123,13 +125,42 @@ def generate(
             **({"stop_strings": stop_strings, "tokenizer": tokenizer} if stop_strings else {}),
         )
         completions.extend(decode_continuations(tokenizer, output, batch["input_ids"].shape[1]))
-        new = output[:, batch["input_ids"].shape[1] :]
-        # A row that ended shows a stop token, or the padding that follows a stop string; a
-        # batch shorter than the budget ended every row.
-        enders = [*stops, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])]
-        ended = torch.isin(new, torch.tensor(enders, dtype=new.dtype, device=new.device)).any(dim=1)
-        finished.extend((ended | (new.shape[1] < max_new_tokens)).tolist())
-    return (completions, finished) if return_finished else completions
+        ended, taken = ends(output[:, batch["input_ids"].shape[1] :], stops, tokenizer.pad_token_id, max_new_tokens)
+        finished.extend(ended)
+        tokens.extend(taken)
+    return Generated(completions, finished, tokens) if details else completions
+
+
+@dataclass
+class Generated:
+    """What `generate(details=True)` gives per completion (`sample`: per prompt, lists):
+    its text, whether it ended before the budget cut it, and the tokens generated for it
+    (its stop token included)."""
+
+    texts: list
+    finished: list
+    tokens: list
+
+
+def ends(new, stops: list[int], pad: int | None, max_new_tokens: int) -> tuple[list[bool], list[int]]:
+    """Per row of generated ids `new`: (whether it ended, the tokens it took). A row ends at
+    its first stop token (counted), or where padding begins after a stop string (not
+    counted; with the EOS as the pad token it is counted as the stop). A batch shorter than
+    the budget ended every row; a row with neither used the whole budget."""
+    ended, taken = [], []
+    stop_set = set(stops)
+    for row in new.tolist():
+        length = len(row)
+        for index, token in enumerate(row):
+            if token in stop_set:
+                length = index + 1
+                break
+            if token == pad:
+                length = index
+                break
+        ended.append(length < len(row) or len(row) < max_new_tokens or (bool(row) and row[-1] in stop_set))
+        taken.append(length)
+    return ended, taken
 
 
 def decode_continuations(tokenizer, sequences, prompt_length: int) -> list[str]:
@@ -155,17 +186,22 @@ def sample(
     batch_size: int,
     seed,
     formatted: bool = False,
-    return_finished: bool = False,
+    details: bool = False,
 ):
     """`n` sampled completions per prompt, as one list per prompt; `batch_size` counts
-    sequences, not prompts; `formatted` and `return_finished` as for `generate` (finished
-    flags grouped the same way)."""
-    flat, finished = generate(
+    sequences, not prompts; `formatted` and `details` as for `generate` (a `Generated`
+    whose lists hold one list per prompt)."""
+    flat = generate(
         model, tokenizer, prompts, max_new_tokens, max(1, batch_size // n), True, temperature, n, seed=seed,
-        formatted=formatted, return_finished=True,
+        formatted=formatted, details=True,
     )  # fmt: skip
-    groups = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
-    return (groups, [finished[i * n : (i + 1) * n] for i in range(len(prompts))]) if return_finished else groups
+
+    def grouped(values: list) -> list[list]:
+        return [values[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    if not details:
+        return grouped(flat.texts)
+    return Generated(grouped(flat.texts), grouped(flat.finished), grouped(flat.tokens))
 
 
 # A prime below 2**61 for mixing the key's parts into one generator seed.

@@ -223,8 +223,12 @@ class ClassifierPRM(StepScorer):
         return cls(model, load_tokenizer(path, trust_remote_code), settings["step_separator"])
 
     @torch.inference_mode()
-    def score_steps(self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64) -> list[list[float]]:
-        """P(good) of every step, for each (prompt, steps) row; a row of k steps gets k scores."""
+    def score_steps(
+        self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64, finished=None
+    ) -> list[list[float]]:
+        """P(good) of every step, for each (prompt, steps) row; a row of k steps gets k scores.
+        A label sits on a step's own last token, so a partial path scores as a whole one
+        (`finished` is taken for the interface's sake)."""
         if len(prompts) != len(steps):
             raise ValueError(f"{len(prompts)} prompts but {len(steps)} step lists")
         self.model.eval()

@@ -38,21 +38,24 @@ KIND = "likelihood"
 FEATURES = ("step_min_logprob", "running_min_logprob", "step_mean_logprob")
 
 
-def encode(tokenizer, prompt, steps: Sequence[str], separator: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of prompt + steps (each followed by the separator, the last by EOS) and,
-    per step, the span [start, end) of the tokens whose log-probs describe it: the step's
-    own tokens and the first token after it."""
+def encode(
+    tokenizer, prompt, steps: Sequence[str], separator: str, finished: bool = True
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of prompt + steps (each followed by the separator, the last by EOS when the
+    solution is `finished`, else by the separator too: a partial path, as MCTS scores one)
+    and, per step, the span [start, end) of the tokens whose log-probs describe it: the
+    step's own tokens and the first token after it."""
     prompt_text = format_prompt(tokenizer, prompt)
-    located = locate_steps(tokenizer, prompt_text, steps, separator, closed=False) if steps else None
+    located = locate_steps(tokenizer, prompt_text, steps, separator, closed=not finished) if steps else None
     if located is not None:  # the completion as one text, then EOS
         ids, spans = located
-        return ids + [tokenizer.eos_token_id], [(first, end + 1) for first, end, _ in spans]
+        return ids + ([tokenizer.eos_token_id] if finished else []), [(first, end + 1) for first, end, _ in spans]
     ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     separator_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
     spans = []
     for index, step in enumerate(steps):
         step_ids = tokenizer(step, add_special_tokens=False)["input_ids"]
-        tail = [tokenizer.eos_token_id] if index == len(steps) - 1 else separator_ids
+        tail = [tokenizer.eos_token_id] if finished and index == len(steps) - 1 else separator_ids
         start = len(ids)
         ids += step_ids + tail
         spans.append((start, start + len(step_ids) + 1))
@@ -61,11 +64,19 @@ def encode(tokenizer, prompt, steps: Sequence[str], separator: str) -> tuple[lis
 
 @torch.inference_mode()
 def likelihood_features(
-    lm, tokenizer, prompts: Sequence, steps: Sequence[Sequence[str]], separator: str = DEFAULT_SEPARATOR, batch_size=64
+    lm,
+    tokenizer,
+    prompts: Sequence,
+    steps: Sequence[Sequence[str]],
+    separator: str = DEFAULT_SEPARATOR,
+    batch_size=64,
+    finished: Sequence[bool] | None = None,
 ) -> list[torch.Tensor]:
-    """A (steps, 3) feature tensor per row (FEATURES), from one forward pass per batch."""
+    """A (steps, 3) feature tensor per row (FEATURES), from one forward pass per batch;
+    `finished` (default: every row) as for `encode`."""
     lm.eval()
-    encoded = [encode(tokenizer, p, s, separator) for p, s in zip(prompts, steps)]
+    finished = [True] * len(steps) if finished is None else finished
+    encoded = [encode(tokenizer, p, s, separator, f) for p, s, f in zip(prompts, steps, finished)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     result: list[torch.Tensor] = [torch.empty(0, len(FEATURES))] * len(encoded)
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))
@@ -110,10 +121,15 @@ class LikelihoodPRM(StepScorer):
         prm.curve = curve
         return prm
 
-    def score_steps(self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64) -> list[list[float]]:
+    def score_steps(
+        self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64, finished=None
+    ) -> list[list[float]]:
+        """P(good) of every step, for each (prompt, steps) row. `finished` (default: all):
+        whether each row is a whole solution, whose last step the EOS ends, or a partial
+        path, whose last step the separator ends (scored as it is inside a whole one)."""
         if len(prompts) != len(steps):
             raise ValueError(f"{len(prompts)} prompts but {len(steps)} step lists")
-        rows = likelihood_features(self.model, self.tokenizer, prompts, steps, self.separator, batch_size)
+        rows = likelihood_features(self.model, self.tokenizer, prompts, steps, self.separator, batch_size, finished)
         return [torch.sigmoid(row @ self.weights + self.bias).tolist() for row in rows]
 
     def settings(self) -> dict:

@@ -37,8 +37,9 @@ def locate_steps(tokenizer, prompt_text: str, steps: Sequence[str], separator: s
     completion the steps make, tokenized as one text (as the model wrote it and as TRL
     tokenizes a completion), with each step's tokens located by character offsets: per step
     (its first token, one past its last token, the last token that ends by the end of the
-    separator after it, so before the next step's text; None where nothing follows). `closed`: every step, the last too, is
-    followed by the separator; else the steps are joined by it.
+    separator after it, so before the next step's text; None where nothing follows).
+    `closed`: every step, the last too, is followed by the separator; else the steps are
+    joined by it.
 
     Tokenizing step by step instead would not give the model's own ids: a SentencePiece
     tokenizer starts every piece with a word boundary (`▁`), a BPE merges a step's end with
@@ -83,7 +84,9 @@ class StepScorer:
 
     separator: str
 
-    def score_steps(self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64):
+    def score_steps(self, prompts: Sequence, steps: Sequence[Sequence[str]], batch_size: int = 64, finished=None):
+        """P(good) per step of each row; `finished` (default: all) says per row whether it
+        is a whole solution or a partial path (MCTS), where a kind scores the two apart."""
         raise NotImplementedError
 
     def score_completions(
