@@ -131,9 +131,10 @@ def test_logit_ensemble_of_one_model_is_its_greedy_decoding(models, tokenizer):
     """One member: the mean of one log-softmax is that model's, so the ensemble decodes
     its greedy text; the same model twice averages to itself too (prompts of different
     lengths, so left padding is exercised)."""
-    plain = generate(models[0], tokenizer, PROMPTS, max_new_tokens=20)
-    assert [a.completion for a in ensemble_logits(models[:1], tokenizer, PROMPTS, 20)] == plain
-    assert [a.completion for a in ensemble_logits([models[0], models[0]], tokenizer, PROMPTS, 20)] == plain
+    plain = generate(models[0], tokenizer, PROMPTS, max_new_tokens=20, details=True)
+    alone = ensemble_logits(models[:1], tokenizer, PROMPTS, 20)
+    assert [a.completion for a in alone] == plain.texts and [a.tokens for a in alone] == plain.tokens
+    assert [a.completion for a in ensemble_logits([models[0], models[0]], tokenizer, PROMPTS, 20)] == plain.texts
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.inference.settings import MCTS, STRATEGIES, BestOfN, SelfConsistency, Strategies
-from rlhf.models.generation import format_prompt, generate, sample, stop_token_ids
+from rlhf.models.generation import decode_continuations, ends, format_prompt, generate, sample, stop_token_ids
 from rlhf.models.loading import load_causal_lm
 from rlhf.rewards.functions import ModelDirs, build_rewards, weighted_sum
 from rlhf.rewards.prm import load_prm
@@ -43,11 +43,6 @@ class Answer:
     tokens: int  # tokens generated for this prompt, over every sample it took
     samples: int = 1
     extra: dict = field(default_factory=dict)
-
-
-def count_tokens(tokenizer, completions: Sequence[str]) -> list[int]:
-    """Tokens of each completion plus its end-of-sequence token."""
-    return [len(tokenizer(c, add_special_tokens=False)["input_ids"]) + 1 for c in completions]
 
 
 def greedy(model, tokenizer, prompts: Sequence, max_new_tokens: int, batch_size: int = 64) -> list[Answer]:
@@ -408,8 +403,9 @@ def ensemble_logits(models: Sequence, tokenizer, prompts: Sequence, max_new_toke
             break
         step_ids = next_ids[:, None]
     tokens = torch.stack(generated, 1)
-    completions = tokenizer.batch_decode(tokens, skip_special_tokens=True)
-    return [Answer(c, t) for c, t in zip(completions, count_tokens(tokenizer, completions))]
+    completions = decode_continuations(tokenizer, torch.cat([input_ids, tokens], 1), input_ids.shape[1])
+    _, taken = ends(tokens, stop_token_ids(models[0], tokenizer), tokenizer.pad_token_id, max_new_tokens)
+    return [Answer(c, t) for c, t in zip(completions, taken)]
 
 
 def ensemble_vote(models: Sequence, tokenizer, prompts: Sequence, task: Task, max_new_tokens: int) -> list[Answer]:
