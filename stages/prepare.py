@@ -351,8 +351,9 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
 
 
 def prompts_from_sft(sft, task):
-    """One row per distinct sft prompt, with the answer the task reads from its
-    demonstration (None where it reads none, or for a task with no checkable answers)."""
+    """One row per distinct sft prompt, with the reference answer the task reads from its
+    demonstration (`Task.demonstration_answer`; None where it reads none, or for a task
+    with no checkable answers)."""
     import pandas as pd
 
     prompts, answers, seen = [], [], set()
@@ -370,7 +371,7 @@ def prompts_from_sft(sft, task):
         seen.add(key)
         text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
         prompts.append(prompt)
-        answers.append(task.extract_answer(text) if task.checks_answers else None)
+        answers.append(task.demonstration_answer(text) if task.checks_answers else None)
     return pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "answer": pd.Series(answers, dtype=object)})
 
 

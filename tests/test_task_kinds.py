@@ -174,6 +174,30 @@ def test_math_bad_reference_is_an_error_and_steps_end_at_the_box():
     assert paragraphs.split_steps("a\nb\n\nc") == ["a\nb", "c"]
 
 
+def test_prompts_derived_from_sft_get_references_their_own_demonstrations_meet():
+    """Stage prepare gives the prompts it derives from the SFT data the answer each
+    demonstration states. Math: the LaTeX of its last box (sympy's vote form, pi/4 or
+    x**2 + 1, is no reference math-verify reads back); every demonstration is then right
+    against its own reference. GSM8K: a `#### N` line only (a reply that states no answer
+    gets none, not its last number)."""
+    import pandas as pd
+
+    from stages.prepare import prompts_from_sft
+
+    math = MathTask()
+    demos = [r"so \boxed{\frac{\pi}{4}}.", r"\boxed{x^2+1}", r"\boxed{(1, 2)}", r"\boxed{\infty}", "no box"]
+    sft = pd.DataFrame({"prompt": [f"q{i}" for i in range(len(demos))], "completion": demos})
+    answers = prompts_from_sft(sft, math)["answer"].tolist()
+    assert answers[:4] == [r"\frac{\pi}{4}", "x^2+1", "(1, 2)", r"\infty"] and answers[4] is None
+    assert all(math.is_correct(d, a) for d, a in zip(demos[:4], answers[:4]))
+    assert math.extract_answer(demos[0]) == "pi/4", "the vote form, which is not a reference"
+    gsm = GSM8KTask()
+    replies = pd.DataFrame(
+        {"prompt": ["capital?", "apples?"], "completion": ["Paris, about 2 million people.", "3 + 4 = 7\n#### 7"]}
+    )
+    assert prompts_from_sft(replies, gsm)["answer"].tolist() == [None, "7"]
+
+
 def test_importing_and_building_tasks_leaves_math_verify_unloaded():
     """math-verify (and the sympy it pulls in) loads on the first check, not on import or
     when params are validated."""

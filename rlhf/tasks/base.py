@@ -40,6 +40,14 @@ class Task:
         # Normalised as `is_correct` normalises the reference (case and runs of space).
         return normalize_text(lines[-1]) if lines else None
 
+    def demonstration_answer(self, completion: str) -> str | None:
+        """The reference answer a training demonstration states, as the task reads a
+        reference (`reference_answer`, `is_correct`): stage prepare gives the prompts it
+        derives from the SFT data these answers. By default the extracted answer; a task
+        whose extraction falls back to guesses, or whose extracted form is not a reference
+        it reads back, says otherwise."""
+        return self.extract_answer(completion)
+
     def is_correct(self, completion: str, answer) -> bool:
         """Whether `completion` reaches the reference `answer`."""
         predicted = self.extract_answer(completion)

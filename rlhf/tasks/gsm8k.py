@@ -51,6 +51,11 @@ class GSM8KTask(UserTask):
         answer = marked_answer(completion)
         return answer if answer is not None or self.strict else flexible_answer(completion)
 
+    def demonstration_answer(self, completion: str) -> str | None:
+        """Only a ``#### N`` line: the fallbacks guess (the last number of a reply that
+        states no answer is no reference)."""
+        return marked_answer(completion)
+
     def reference_answer(self, answer) -> str:
         text = str(answer)
         if MARKER in text:

@@ -77,6 +77,23 @@ def vote_key(parsed: tuple) -> str:
     return str(value)
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` of `text`, its braces balanced; None when
+    there is none (or it is never closed)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            if depth == 0:
+                return text[begin:index].strip() or None
+            depth -= 1
+    return None
+
+
 class MathTask(UserTask):
     """LaTeX final answers checked for mathematical equality with math-verify."""
 
@@ -85,6 +102,12 @@ class MathTask(UserTask):
     def extract_answer(self, completion: str) -> str | None:
         parsed = parse_completion(completion)
         return vote_key(parsed) if parsed else None
+
+    def demonstration_answer(self, completion: str) -> str | None:
+        """The LaTeX inside the demonstration's last ``\\boxed{}`` as written: sympy's form
+        of it (the extracted answer, for votes) is not LaTeX a reference is read back from
+        (``pi/4``, ``x**2 + 1``)."""
+        return last_boxed(completion)
 
     def reference_answer(self, answer) -> str:
         return vote_key(parse_reference(str(answer).strip()))
