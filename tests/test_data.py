@@ -99,6 +99,19 @@ def test_column_mapping(tmp_path):
     assert records(frame) == PREFS  # renamed, and the unmapped `extra` is dropped
 
 
+def test_a_mapped_field_replaces_the_files_column_of_that_name(tmp_path):
+    """MATH-500's layout (problem, solution, answer, level) with prompt <- problem, answer <-
+    solution, difficulty <- level: the file's own `answer` column gives way to the mapped
+    one (renaming beside it made two `answer` columns, and every later field took its
+    neighbour's value). A mapping to a field the contract does not have is named."""
+    rows = [{"problem": "1/2+1/4?", "solution": "We get 3/4.", "answer": "3/4", "level": "2"}]
+    path = write(tmp_path / "math.jsonl", rows)
+    frame = load_contract(path, "prompts", columns={"prompt": "problem", "answer": "solution", "difficulty": "level"})
+    assert records(frame) == [{"prompt": "1/2+1/4?", "answer": "We get 3/4.", "difficulty": "2"}]
+    with pytest.raises(DataValidationError, match=r"'answers' -> 'solution': 'answers' is not a field of a prompts"):
+        load_contract(path, "prompts", columns={"prompt": "problem", "answers": "solution"})
+
+
 def test_column_mapping_to_a_missing_column(tmp_path):
     path = write(tmp_path / "q.jsonl", PREFS)
     with pytest.raises(DataValidationError) as error:

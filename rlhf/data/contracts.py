@@ -238,6 +238,17 @@ def _read_hub_dataset(name: str, split: str, config: str | None) -> pd.DataFrame
 # ----------------------------------------------------------------------------- validation
 
 
+def mapped_columns(frame: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFrame:
+    """`frame` with each mapped field (`columns`: field -> the file's column) read from its
+    column. A column of the file named like a field mapped from another column gives way to
+    it (renaming beside it made two columns of one name, whose values then shifted into the
+    wrong fields); the file's other columns stay."""
+    mapped = {target: frame[source] for target, source in columns.items() if source in frame.columns}
+    sources = set(columns.values())
+    rest = {c: frame[c] for c in frame.columns if c not in sources and c not in mapped}
+    return pd.DataFrame({**mapped, **rest}, index=frame.index)
+
+
 def validate_contract(
     frame: pd.DataFrame, kind: str, path: str | Path, columns: Mapping[str, str] | None = None
 ) -> pd.DataFrame:
@@ -248,12 +259,18 @@ def validate_contract(
     if kind == "sft" and "messages" in frame.columns and "messages" not in columns.values():
         columns.setdefault("messages", "messages")
     problems: list[str] = []
+    fields = [*contract["required"], *contract["optional"], *(["messages"] if kind == "sft" else [])]
     for target, source in columns.items():
+        if target not in fields:
+            problems.append(
+                f"column mapping {target!r} -> {source!r}: {target!r} is not a field of a {kind} file "
+                f"(fields: {list(dict.fromkeys(fields))})"
+            )
         if source not in frame.columns:
             problems.append(
                 f"column mapping {target!r} -> {source!r}: no column {source!r} (columns: {list(frame.columns)})"
             )
-    frame = frame.rename(columns={source: target for target, source in columns.items() if source != target})
+    frame = mapped_columns(frame, columns)
     implicit_prompt = kind == "preference" and "prompt" not in frame.columns and {"chosen", "rejected"} <= set(frame)
     if kind == "sft" and "messages" in frame.columns and "prompt" not in frame.columns:
         wanted: tuple[str, ...] = ("messages",)
