@@ -50,7 +50,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_json
-from rlhf.models.folders import looks_like_hub_id
+from rlhf.data.contracts import looks_like_hub_dataset
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
 from stages import DATA_DIR, EVAL_DIR, load_all
@@ -106,7 +106,9 @@ class BuiltinTask(StageConfig):
 class UserFile(StageConfig):
     path: str = Field(description="JSONL, JSON, Parquet, CSV, a save_to_disk folder, or a Hub dataset name")
     columns: dict[str, str] = Field(default_factory=dict, description="contract column -> column in the file")
-    split: str = Field("train", description="split of a save_to_disk DatasetDict or a Hub dataset")
+    split: str | None = Field(
+        None, description="split of a save_to_disk DatasetDict or a Hub dataset (null: train); a file has none"
+    )
     config: str | None = Field(None, description="configuration (subset) of a Hub dataset, e.g. main")
 
 
@@ -132,8 +134,10 @@ class Config(StageConfig):
         for name, spec in self.files.items():
             if name not in FILE_KINDS and not name.startswith(EVAL_PREFIX):
                 problems.append(f"files.{name}: unknown file name; use one of {sorted(FILE_KINDS)} or eval_<suite>")
-            if not Path(spec.path).exists() and not looks_like_hub_id(spec.path):
-                problems.append(f"files.{name}.path: {spec.path} does not exist (nor is it a Hub dataset name)")
+            if not Path(spec.path).exists() and not looks_like_hub_dataset(spec.path):
+                problems.append(
+                    f"files.{name}.path: {spec.path} does not exist (nor is it a Hub dataset name, owner/name)"
+                )
         if self.source == "files":
             if "sft" not in self.files:
                 problems.append("files.sft: source=files needs at least an sft file (prompt, completion)")
@@ -313,14 +317,16 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
     import numpy as np
     import pandas as pd
 
-    from rlhf.data.contracts import CONTRACTS
+    from rlhf.data.contracts import CONTRACTS, DataValidationError
 
     for name, what in (("prefs", "pairs"), ("prm", "step-labelled solutions")):
         table = tables.get(name)
         if table is None or not len(table) or f"{name}_eval" in tables:
             continue
         if len(table) < 2:
-            raise ValueError(f"prepare: a {name} file with one row cannot be split; add rows or {name}_eval")
+            raise DataValidationError(
+                origins[name], [f"one row cannot be split into {name} and {name}_eval: add rows, or give {name}_eval"]
+            )
         order = np.random.default_rng(config.seed).permutation(len(table))
         held = max(1, round(config.heldout_share * len(table)))
         tables[f"{name}_eval"] = table.iloc[np.sort(order[:held])].reset_index(drop=True)

@@ -343,15 +343,31 @@ def test_nonexistent_path(tmp_path, monkeypatch):
     """A missing local path says so (no raw [Errno 2]); a path under an existing folder, or with
     a data-file suffix, is never taken for a Hugging Face dataset name."""
     path = tmp_path / "nowhere" / "prefs.jsonl"
-    with pytest.raises(FileNotFoundError) as error:
+    with pytest.raises(DataValidationError) as error:  # prepare reports it beside the other files' problems
         load_contract(path, "preference")
-    assert str(path) in str(error.value) and "does not exist" in str(error.value)
+    assert str(error.value).startswith(f"{path}: 1 problem(s) found:\n  does not exist")
     assert "Errno" not in str(error.value)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
-    for relative in ["data/prefs", "raw/prefs.jsonl"]:
-        with pytest.raises(FileNotFoundError, match=f"data file {relative} does not exist"):
+    for relative in ["data/prefs", "raw/prefs.jsonl", "trian.jsonl"]:
+        with pytest.raises(DataValidationError, match=f"^{relative}: 1 problem.*\n  does not exist"):
             load_contract(relative, "preference")
+
+
+def test_a_split_names_a_part_of_a_dataset_with_splits_only_and_a_bom_is_read(tmp_path):
+    """`split` picks a Hub dataset's or a saved DatasetDict's split; a file or a saved
+    Dataset has none, and a split named for one is an error (it read the whole file as
+    that split). A JSONL or JSON file saved with a byte-order mark reads as without."""
+    path = write(tmp_path / "prefs.jsonl", PREFS)
+    with pytest.raises(DataValidationError, match="split 'test': a file has no splits"):
+        load_contract(path, "preference", split="test")
+    Dataset.from_list(PREFS).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DataValidationError, match="split 'test': this saved Dataset has no splits"):
+        load_contract(tmp_path / "saved", "preference", split="test")
+    assert records(load_contract(tmp_path / "saved", "preference")) == PREFS
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert records(load_contract(bom, "preference")) == PREFS
 
 
 # ----------------------------------------------------------------------------- implicit prompts

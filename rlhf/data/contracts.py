@@ -66,22 +66,29 @@ class DataValidationError(InputError, ValueError):
         super().__init__("\n".join(lines))
 
 
-def read_table(path: str | Path, *, split: str = "train", config: str | None = None) -> pd.DataFrame:
+def read_table(path: str | Path, *, split: str | None = None, config: str | None = None) -> pd.DataFrame:
     """Rows of a JSONL, JSON, Parquet or CSV file, of a `datasets.save_to_disk` folder, or of
     the Hugging Face Hub dataset `path` names (``owner/name``) when no such local path exists.
 
-    `split` picks the split of a Hub dataset or of a saved DatasetDict; `config` names a Hub
-    dataset's configuration (e.g. ``"main"`` for ``openai/gsm8k``). Files ignore both."""
+    `split` picks the split of a Hub dataset or of a saved DatasetDict (default ``train``);
+    a file or a saved Dataset has none, and naming one for it is an error (it would read
+    the whole file as that split). `config` names a Hub dataset's configuration (e.g.
+    ``"main"`` for ``openai/gsm8k``)."""
     local = Path(path)
     if not local.exists():
-        if _looks_like_hub_dataset(str(path)):
-            return _read_hub_dataset(str(path), split, config)
-        raise FileNotFoundError(
-            f"data file {path} does not exist; check the path in params.yaml (prepare.files), "
-            "or name a Hugging Face dataset as owner/name"
-        )
+        if looks_like_hub_dataset(str(path)):
+            return _read_hub_dataset(str(path), split or "train", config)
+        raise DataValidationError(
+            path,
+            ["does not exist; check the path in params.yaml (prepare.files), or name a Hugging Face dataset as "
+             "owner/name"],
+        )  # fmt: skip
     if local.is_dir():
         return _read_saved_dataset(local, split)
+    if split is not None:
+        raise DataValidationError(
+            local, [f"split {split!r}: a file has no splits (a Hub dataset or a saved DatasetDict has); remove it"]
+        )
     suffix = local.suffix.lower()
     try:
         if suffix == ".jsonl":
@@ -106,7 +113,7 @@ def load_contract(
     kind: str,
     columns: Mapping[str, str] | None = None,
     *,
-    split: str = "train",
+    split: str | None = None,
     config: str | None = None,
 ) -> pd.DataFrame:
     """Read `path` (see `read_table`), rename its columns onto the `kind` contract, validate
@@ -147,7 +154,7 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
     """One JSON object per line; blank lines are skipped, and every bad line is reported
     with its 1-based number and start (pandas' reader names neither)."""
     records, problems = [], []
-    with open(path, encoding="utf-8") as file:
+    with open(path, encoding="utf-8-sig") as file:  # a byte-order mark (Windows editors) is dropped
         for number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
@@ -166,7 +173,7 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
 
 
 def _read_json(path: Path) -> pd.DataFrame:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
@@ -182,7 +189,7 @@ def _read_json(path: Path) -> pd.DataFrame:
     return _records_frame(path, data)
 
 
-def _read_saved_dataset(path: Path, split: str) -> pd.DataFrame:
+def _read_saved_dataset(path: Path, split: str | None) -> pd.DataFrame:
     if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
         raise DataValidationError(
             path, ["a folder must be a `datasets.Dataset.save_to_disk` folder (no dataset_info.json found)"]
@@ -191,13 +198,18 @@ def _read_saved_dataset(path: Path, split: str) -> pd.DataFrame:
 
     dataset = load_from_disk(str(path))
     if isinstance(dataset, DatasetDict):
+        split = split or "train"
         if split not in dataset:
             raise DataValidationError(path, [f"no split {split!r} in this DatasetDict; found {sorted(dataset)}"])
         dataset = dataset[split]
+    elif split is not None:
+        raise DataValidationError(
+            path, [f"split {split!r}: this saved Dataset has no splits (a saved DatasetDict has); remove it"]
+        )
     return dataset.to_pandas()
 
 
-def _looks_like_hub_dataset(name: str) -> bool:
+def looks_like_hub_dataset(name: str) -> bool:
     """``owner/name`` with no data-file suffix, whose ``owner`` is not a local folder (then
     ``data/prefs`` is a mistyped local path, not a dataset)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
