@@ -214,6 +214,12 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
             errors.append(error)
             continue
         unreadable = answer_problems(frame, task) if kind_of(name) == "prompts" else []
+        if name.startswith(EVAL_PREFIX) and task.checks_answers and not has_answers(frame):
+            unreadable.append(
+                f"prepare.files.{name}: no row has an answer, and task.kind {task.name!r} scores an eval suite by "
+                "its answers (accuracy, the gate's default tests): map the file's answer column "
+                f"(prepare.files.{name}.columns: {{answer: <column>}}), or choose task.kind none"
+            )
         if unreadable:
             errors.append(DataValidationError(spec.path, unreadable))
             continue
@@ -243,6 +249,29 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
     return tables, origins
 
 
+def eval_overlap(tables: dict, origins: dict) -> dict:
+    """Per eval suite, how many of its prompts each training table holds too (the model is
+    then scored on what it was trained on), printed; {} when none. The manifest keeps it."""
+    from rlhf.data.contracts import prompt_key
+
+    def prompts(table) -> set[str]:
+        if "messages" in table:  # a conversation's prompt: its turns before the last
+            return {prompt_key(list(m)[:-1]) for m in table["messages"]}
+        return {prompt_key(p) for p in table["prompt"]} if "prompt" in table else set()
+
+    training = {n: prompts(t) for n, t in tables.items() if not n.startswith(EVAL_PREFIX) and not n.endswith("_eval")}
+    overlap = {}
+    for suite in (n for n in tables if n.startswith(EVAL_PREFIX)):
+        held = prompts(tables[suite])
+        found = {n: len(held & keys) for n, keys in training.items() if held & keys}
+        if found:
+            overlap[suite] = found
+            listed = ", ".join(f"{count} in {n}" for n, count in found.items())
+            print(f"prepare: {suite} ({origins[suite]}): of its {len(held)} prompts, {listed}; a model trained on "
+                  "those is scored on what it was trained on")  # fmt: skip
+    return overlap
+
+
 def check_one_format(tables: dict, origins: dict) -> None:
     """Every table the policy trains, samples or is evaluated on holds one format, text or
     messages (each file already does, by its contract): a policy trained through the chat
@@ -269,6 +298,10 @@ def check_one_format(tables: dict, origins: dict) -> None:
             "all messages)"
         ],
     )
+
+
+def has_answers(frame) -> bool:
+    return "answer" in frame and bool(frame["answer"].notna().any())
 
 
 def answer_problems(frame, task) -> list[str]:
@@ -317,7 +350,7 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
     import numpy as np
     import pandas as pd
 
-    from rlhf.data.contracts import CONTRACTS, DataValidationError
+    from rlhf.data.contracts import CONTRACTS, DataValidationError, prompt_key
 
     for name, what in (("prefs", "pairs"), ("prm", "step-labelled solutions")):
         table = tables.get(name)
@@ -327,11 +360,29 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
             raise DataValidationError(
                 origins[name], [f"one row cannot be split into {name} and {name}_eval: add rows, or give {name}_eval"]
             )
-        order = np.random.default_rng(config.seed).permutation(len(table))
-        held = max(1, round(config.heldout_share * len(table)))
-        tables[f"{name}_eval"] = table.iloc[np.sort(order[:held])].reset_index(drop=True)
-        tables[name] = table.iloc[np.sort(order[held:])].reset_index(drop=True)
-        origins[f"{name}_eval"] = f"derived: {held} {what} held out of {name} (heldout_share {config.heldout_share})"
+        # Whole prompts are held out: several pairs (solutions) of one prompt on both sides
+        # would score the held-out set on prompts the model was trained on.
+        keys = [prompt_key(p) for p in table["prompt"]]
+        distinct = list(dict.fromkeys(keys))
+        order = np.random.default_rng(config.seed).permutation(len(distinct))
+        if len(distinct) < 2:
+            raise DataValidationError(
+                origins[name],
+                [f"every row has one prompt, which cannot be split into {name} and {name}_eval: give {name}_eval"],
+            )
+        target, held_keys, held = max(1, round(config.heldout_share * len(table))), set(), 0
+        for index in order[:-1]:  # at least one prompt stays for training
+            if held >= target:
+                break
+            held_keys.add(distinct[index])
+            held += keys.count(distinct[index])
+        held_out = np.array([k in held_keys for k in keys])
+        tables[f"{name}_eval"] = table[held_out].reset_index(drop=True)
+        tables[name] = table[~held_out].reset_index(drop=True)
+        origins[f"{name}_eval"] = (
+            f"derived: {held} {what} of {len(held_keys)} prompts held out of {name} (heldout_share "
+            f"{config.heldout_share}; no prompt on both sides)"
+        )
     prefs = tables.get("prefs")
     if prefs is not None and len(prefs) and "unpaired" not in tables:
         rows = [
@@ -394,6 +445,8 @@ def write_prepared(root: Path, config: Config, tables: dict, origins: dict, feed
         "source": config.source,
         "rows": {name: len(frame) for name, frame in tables.items()},
         "origin": origins,
+        # Eval prompts the training tables hold too, per suite and table.
+        "eval_overlap": eval_overlap(tables, origins),
         # The pairs of the labelling page's file (in prefs: added, or named in prepare.files).
         "feedback": {"path": FEEDBACK_FILE.as_posix(), "rows": 0 if feedback is None else len(feedback)},
     }

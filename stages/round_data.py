@@ -28,20 +28,11 @@ def operands_problem(task) -> str | None:
 # ----------------------------------------------------------------------------- problems
 
 
-def prompt_key(prompt) -> str:
-    """One string per prompt, the same for a text and for a conversation however it was read
-    (Parquet's arrays of message dicts or Python lists): what tells two prompts apart."""
-    import json
-
-    if isinstance(prompt, str):
-        return prompt
-    return json.dumps([{k: m[k] for k in sorted(m)} for m in prompt], default=str)
-
-
 def eval_prompts(suites: list[str]) -> set[str]:
     """The `prompt_key` of every prompt of the eval suites `suites` (data/prepared/eval)."""
     import pandas as pd
 
+    from rlhf.data.contracts import prompt_key
     from stages import EVAL_DIR
 
     return {prompt_key(p) for s in suites for p in pd.read_parquet(EVAL_DIR / f"{s}.parquet")["prompt"]}
@@ -56,7 +47,7 @@ def round_problems(settings: Settings, task, params: dict, seed: int, exclude: s
 
     import pandas as pd
 
-    from rlhf.data.contracts import plain_messages
+    from rlhf.data.contracts import plain_messages, prompt_key
 
     if settings.operands is not None:
         if operands_problem(task):

@@ -481,7 +481,10 @@ def test_rounds_a_user_task_cannot_feed_fail_in_check_params(tmp_path):
 
     data = yaml.safe_load((REPO / "params.yaml").read_text())
     data["task"] = {"kind": "none"}
-    data["prepare"] |= {"source": "files", "files": {"sft": {"path": "sft.jsonl"}, "eval_chat": {"path": "e.jsonl"}}}
+    for name in ("sft.jsonl", "e.jsonl"):
+        (tmp_path / name).write_text('{"prompt": "hi", "completion": "hello"}\n')
+    files = {"sft": {"path": str(tmp_path / "sft.jsonl")}, "eval_chat": {"path": str(tmp_path / "e.jsonl")}}
+    data["prepare"] |= {"source": "files", "files": files}
     data["improve"]["rounds"] = {
         "r1": {"after": "sft", "operands": [6, 6]},
         "r2": {"after": "rounds/r1", "checks": ["prm"], "refine": True},

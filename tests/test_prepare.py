@@ -56,8 +56,42 @@ def test_prepare_derives_held_out_pairs_unpaired_rows_and_prompts_with_answers(u
     assert answers["What is 4 plus 1?"] == "5" and answers["Say hello."] is None
     for name in ("prm", "prm_eval"):
         assert len(tables[name]) == 0 and list(tables[name].columns) == ["prompt", "completions", "labels"]
-    assert origins["prefs_eval"].startswith("derived: 5 pairs held out") and origins["prm"].startswith("absent")
+    assert origins["prefs_eval"].startswith("derived: 5 pairs of 5 prompts held out") and origins["prm"].startswith(
+        "absent"
+    )
     assert origins["sft"] == user_files["sft"]["path"]
+
+
+def test_held_out_pairs_take_whole_prompts_and_eval_prompts_seen_in_training_are_counted(user_files, tmp_path):
+    """Three pairs per prompt (UltraFeedback's layout): prefs_eval holds whole prompts, none
+    of them in prefs. Eval problems the SFT file holds too are counted per suite and table
+    in the manifest (`eval_overlap`) and printed: a model is scored on what it trained on."""
+    from stages.prepare import write_prepared
+
+    pairs = [
+        {"prompt": f"{a}+1?", "chosen": f"#### {a + 1}", "rejected": f"#### {a + b}"}
+        for a in range(8)
+        for b in (2, 3, 4)
+    ]
+    user_files["prefs"] = {"path": write_jsonl(tmp_path / "triples.jsonl", pairs)}
+    problems = [{"prompt": "What is 4 plus 1?", "answer": "5"}, {"prompt": "9+9?", "answer": "18"}]
+    user_files["eval_heldout"] = {"path": write_jsonl(tmp_path / "leak.jsonl", problems)}
+    config = Config(source="files", files=user_files, heldout_share=0.25)
+    tables, origins = run(config, GSM8K)
+    held, kept = set(tables["prefs_eval"]["prompt"]), set(tables["prefs"]["prompt"])
+    assert len(tables["prefs_eval"]) == 6 and len(held) == 2 and not held & kept
+    manifest = write_prepared(tmp_path / "prepared", config, tables, origins)
+    assert manifest["eval_overlap"] == {"eval_heldout": {"sft": 1, "prompts": 1}}
+
+
+def test_an_eval_suite_without_answers_fails_for_a_task_that_scores_answers(user_files, tmp_path):
+    """An answer column left unmapped (or mapped under a misspelt field) would make accuracy
+    null and fail every candidate at the gate, after all the training: prepare says so."""
+    user_files["eval_heldout"] = {"path": write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1+1?", "solution": "2"}])}
+    with pytest.raises(
+        DataValidationError, match=r"prepare.files.eval_heldout: no row has an answer, and task.kind 'gsm8k'"
+    ):
+        run(Config(source="files", files=user_files), GSM8K)
 
 
 def test_a_prm_file_alone_gets_its_held_out_share(user_files, tmp_path):
@@ -72,7 +106,9 @@ def test_a_prm_file_alone_gets_its_held_out_share(user_files, tmp_path):
     tables, origins = run(config, GSM8K)
     assert len(tables["prm_eval"]) == 2 and len(tables["prm"]) == 8
     assert not set(tables["prm_eval"]["prompt"]) & set(tables["prm"]["prompt"])
-    assert origins["prm_eval"] == "derived: 2 step-labelled solutions held out of prm (heldout_share 0.2)"
+    assert origins["prm_eval"] == (
+        "derived: 2 step-labelled solutions of 2 prompts held out of prm (heldout_share 0.2; no prompt on both sides)"
+    )
     assert "prm_eval" in config.available()
 
 
@@ -119,7 +155,7 @@ def test_files_in_two_formats_fail_naming_each_table_and_its_file(user_files, tm
     assert path in error.value.path and user_files["sft"]["path"] in error.value.path
     (problem,) = error.value.problems
     assert problem.startswith(
-        f"the prepared tables mix formats (messages: prefs ({path}), prefs_eval (derived: 2 pairs held out"
+        f"the prepared tables mix formats (messages: prefs ({path}), prefs_eval (derived: 2 pairs of 2 prompts held out"
     )
     assert f"text: sft ({user_files['sft']['path']}), " in problem and "eval_heldout (" in problem
     assert problem.endswith("Give every file in one format (all text or all messages)")

@@ -540,6 +540,15 @@ def read_prepared(path: str | Path, stage: str) -> pd.DataFrame:
 MESSAGE_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages")
 
 
+def prompt_key(prompt) -> str:
+    """One string per prompt, the same for a text and for a conversation however it was read
+    (Parquet's arrays of message dicts or Python lists): what tells two prompts apart."""
+    if isinstance(prompt, str):
+        return prompt
+    items = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+    return json.dumps([{k: m[k] for k in sorted(m)} for m in items], default=str, ensure_ascii=False)
+
+
 def plain_messages(table: pd.DataFrame) -> pd.DataFrame:
     """Conversational columns as Python lists of message dicts: Parquet gives numpy arrays,
     which neither JSON reports nor `list + list` code take."""

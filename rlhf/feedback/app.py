@@ -81,7 +81,9 @@ def plain_prompt(prompt):
 
 
 def prompt_key(prompt) -> str:
-    return json.dumps(plain_prompt(prompt), sort_keys=True, ensure_ascii=False)
+    from rlhf.data.contracts import prompt_key as key
+
+    return key(plain_prompt(prompt))
 
 
 def preference_row(prompt, chosen: str, rejected: str) -> dict:
