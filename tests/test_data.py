@@ -614,3 +614,35 @@ def test_a_chat_suite_reads_back_as_json_ready_messages_and_scores_a_sampled_rep
     tokenizer = build_tokenizer()
     reply = [{"role": "assistant", "content": "4"}]
     assert reward_text(tokenizer, prompt, "4") == reward_text(tokenizer, prompt, reply)
+
+
+def test_float32_answers_read_as_written(tmp_path):
+    """A float32 answer column (`datasets.Value("float32")`) read as Python floats gave
+    0.10000000149011612 for 0.1, which no completion states; whole numbers stay integers."""
+    frame = pd.DataFrame({"prompt": ["a", "b", "c", "d"], "answer": [0.1, 2.3, 3.0, None]}).astype(
+        {"answer": "float32"}
+    )
+    frame.to_parquet(tmp_path / "eval.parquet")
+    assert load_contract(tmp_path / "eval.parquet", "prompts")["answer"].tolist() == ["0.1", "2.3", "3", None]
+
+
+def test_a_csv_file_reads_empty_cells_as_missing_and_json_conversations_as_messages(tmp_path):
+    """CSV holds text only: an empty optional cell is no answer (not an empty one), and a
+    cell holding a JSON list of {'role', 'content'} objects is a conversation, as a JSONL
+    file would give it (it stayed JSON text, and the policy would train on it)."""
+    eval_file = tmp_path / "eval.csv"
+    eval_file.write_text("prompt,answer,difficulty\n1+1?,2,easy\n2+2?,,\n")
+    assert records(load_contract(eval_file, "prompts")) == [
+        {"prompt": "1+1?", "answer": "2", "difficulty": "easy"},
+        {"prompt": "2+2?", "answer": None, "difficulty": None},
+    ]
+    user = json.dumps([{"role": "user", "content": "hi"}])
+    reply = json.dumps([{"role": "assistant", "content": "hello"}])
+    frame = pd.DataFrame(
+        {"prompt": [user], "chosen": [reply], "rejected": [json.dumps([{"role": "assistant", "content": "go"}])]}
+    )
+    frame.to_csv(tmp_path / "prefs.csv", index=False)
+    (row,) = records(load_contract(tmp_path / "prefs.csv", "preference"))
+    assert row["prompt"] == [{"role": "user", "content": "hi"}] and row["chosen"] == [
+        {"role": "assistant", "content": "hello"}
+    ]

@@ -97,8 +97,8 @@ def read_table(path: str | Path, *, split: str | None = None, config: str | None
             return _read_json(local)
         if suffix == ".parquet":
             return pd.read_parquet(local)
-        if suffix == ".csv":
-            return pd.read_csv(local, dtype=str, keep_default_na=False)
+        if suffix == ".csv":  # an empty cell is a missing value, as JSON's null (not "" text)
+            return pd.read_csv(local, dtype=str, keep_default_na=False).replace({"": None})
     except DataValidationError:
         raise
     except ValueError as error:  # also a file that is not UTF-8
@@ -303,6 +303,9 @@ def validate_contract(
 
     keep = list(wanted) + [c for c in contract["optional"] if c in frame.columns]
     frame = frame[keep].reset_index(drop=True)
+    for column in ("answer", "difficulty"):
+        if column in frame and str(frame[column].dtype) in ("float16", "float32"):
+            frame[column] = short_floats(frame[column])
     checkers = {
         "prompt": _check_text_or_messages,
         "completion": _check_text_or_messages,
@@ -450,9 +453,21 @@ def _as_list(value):
 def _check_text_or_messages(value):
     if _is_missing(value):
         return value, "is missing"
-    if isinstance(value, str):
+    if isinstance(value, str) and not _written_messages(value):
         return value, "is empty" if not value.strip() else None
     return _check_messages(value)
+
+
+def _written_messages(text: str) -> bool:
+    """Whether `text` is a conversation written as JSON (a CSV cell can hold nothing else):
+    a list of {'role', 'content'} objects."""
+    if not text.lstrip().startswith("[{"):
+        return False
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
 
 
 def _check_messages(value):
@@ -508,6 +523,18 @@ def _check_bool_list(value):
             return items, f"item {i} {problem}"
         out.append(normalised)
     return out, None
+
+
+def short_floats(column: pd.Series) -> pd.Series:
+    """A float32 (float16) column as the shortest text that reads back as each value: read
+    as Python floats they became 0.10000000149011612 for 0.1, an answer nothing matches."""
+    import numpy as np
+
+    return pd.Series(
+        [None if v != v else np.format_float_positional(v, unique=True, trim="-") for v in column.to_numpy()],
+        index=column.index,
+        dtype=object,
+    )
 
 
 def _check_answer(value):
