@@ -646,3 +646,12 @@ def test_a_csv_file_reads_empty_cells_as_missing_and_json_conversations_as_messa
     assert row["prompt"] == [{"role": "user", "content": "hi"}] and row["chosen"] == [
         {"role": "assistant", "content": "hello"}
     ]
+
+
+def test_conversations_beside_their_first_prompt_are_read_as_conversations(tmp_path):
+    """UltraChat's layout: `prompt` (the first user turn) beside `messages` (the whole
+    conversation), no completion column: the conversation is the row (it failed as a
+    prompt/completion file missing its completion)."""
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    frame = load_contract(write(tmp_path / "ultrachat.jsonl", [{"prompt": "2+2?", "messages": chat}]), "sft")
+    assert records(frame) == [{"messages": chat}]

@@ -284,7 +284,9 @@ def validate_contract(
             )
     frame = mapped_columns(frame, columns)
     implicit_prompt = kind == "preference" and "prompt" not in frame.columns and {"chosen", "rejected"} <= set(frame)
-    if kind == "sft" and "messages" in frame.columns and "prompt" not in frame.columns:
+    # Conversations: a `messages` column, and no prompt/completion pair beside it (UltraChat
+    # keeps its first user turn as `prompt` too: the conversation holds it).
+    if kind == "sft" and "messages" in frame.columns and not {"prompt", "completion"} <= set(frame.columns):
         wanted: tuple[str, ...] = ("messages",)
     elif implicit_prompt:
         wanted = ("chosen", "rejected")
