@@ -655,3 +655,23 @@ def test_conversations_beside_their_first_prompt_are_read_as_conversations(tmp_p
     chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
     frame = load_contract(write(tmp_path / "ultrachat.jsonl", [{"prompt": "2+2?", "messages": chat}]), "sft")
     assert records(frame) == [{"messages": chat}]
+
+
+def test_a_text_prompt_beside_conversations_that_hold_it_is_split_off_them(tmp_path):
+    """HuggingFaceH4/ultrafeedback_binarized: `prompt` as text beside chosen and rejected
+    conversations that begin with that user turn (it failed as mixed formats). As TRL's
+    `maybe_extract_prompt` does, the prompt is split off the conversations."""
+    user = {"role": "user", "content": "2+2?"}
+    row = {
+        "prompt": "2+2?",
+        "chosen": [user, {"role": "assistant", "content": "4"}],
+        "rejected": [user, {"role": "assistant", "content": "5"}],
+    }
+    frame = load_contract(write(tmp_path / "ultrafeedback.jsonl", [row]), "preference")
+    assert records(frame) == [
+        {
+            "prompt": [user],
+            "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}],
+        }
+    ]

@@ -283,6 +283,8 @@ def validate_contract(
                 f"column mapping {target!r} -> {source!r}: no column {source!r} (columns: {list(frame.columns)})"
             )
     frame = mapped_columns(frame, columns)
+    if kind == "preference" and repeated_prompt(frame):
+        frame = frame.drop(columns=["prompt"])  # the conversations hold it: split off below, as TRL does
     implicit_prompt = kind == "preference" and "prompt" not in frame.columns and {"chosen", "rejected"} <= set(frame)
     # Conversations: a `messages` column, and no prompt/completion pair beside it (UltraChat
     # keeps its first user turn as `prompt` too: the conversation holds it).
@@ -398,6 +400,27 @@ def _pair_problem(chosen, rejected) -> str | None:
     if chosen == rejected:
         return "chosen and rejected are identical"
     return None
+
+
+def repeated_prompt(frame: pd.DataFrame) -> bool:
+    """Whether a preference table's text `prompt` sits beside chosen and rejected
+    conversations that begin with the user's turn (HuggingFaceH4/ultrafeedback_binarized's
+    layout): the conversations then hold the prompt, which TRL's `maybe_extract_prompt`
+    splits off them; the text beside them is a copy."""
+    if not {"prompt", "chosen", "rejected"} <= set(frame.columns) or not len(frame):
+        return False
+    first = frame.iloc[0]
+    chosen = (
+        _as_list(first["chosen"])
+        if not isinstance(first["chosen"], str) or _written_messages(first["chosen"])
+        else None
+    )
+    return (
+        isinstance(first["prompt"], str)
+        and bool(chosen)
+        and isinstance(chosen[0], Mapping)
+        and chosen[0].get("role") != "assistant"
+    )
 
 
 def split_implicit_prompt(chosen, rejected) -> tuple[dict | None, str | None]:
