@@ -410,11 +410,7 @@ def repeated_prompt(frame: pd.DataFrame) -> bool:
     if not {"prompt", "chosen", "rejected"} <= set(frame.columns) or not len(frame):
         return False
     first = frame.iloc[0]
-    chosen = (
-        _as_list(first["chosen"])
-        if not isinstance(first["chosen"], str) or _written_messages(first["chosen"])
-        else None
-    )
+    chosen = _as_list(first["chosen"])  # None for text; JSON text (a CSV cell) as its list
     return (
         isinstance(first["prompt"], str)
         and bool(chosen)

@@ -115,6 +115,7 @@ class PreferenceFile:
         self.prompts: set[str] = set()
         self.kind: str | None = None  # "text" or "messages": the prompts of the rows so far
         self._read = 0  # bytes of the file read so far
+        self._closed = True  # the file ends with a newline (or is empty): a row can follow
         self.refresh(validate=True)
 
     def refresh(self, validate: bool = False) -> None:
@@ -127,6 +128,7 @@ class PreferenceFile:
         if not self.path.is_file():
             return
         data = self.path.read_bytes()
+        self._closed = not data or data.endswith(b"\n")
         if validate and data.strip():
             load_contract(self.path, "preference")
         # Whole lines only (another page may be writing one now), but all of a file checked
@@ -176,7 +178,7 @@ class PreferenceFile:
             self.refresh()  # what another page appended meanwhile
             self.check_kind(row["prompt"], "this row")
             line = json.dumps(row, ensure_ascii=False) + "\n"
-            if self._read and not self.path.read_bytes().endswith(b"\n"):  # edited by hand, no final newline
+            if not self._closed:  # edited by hand, no final newline
                 line = "\n" + line
             file.write(line)
             file.flush()
