@@ -626,6 +626,19 @@ def test_float32_answers_read_as_written(tmp_path):
     assert load_contract(tmp_path / "eval.parquet", "prompts")["answer"].tolist() == ["0.1", "2.3", "3", None]
 
 
+def test_integer_answers_beside_an_empty_cell_keep_every_digit(tmp_path):
+    """An integer column with an empty cell (Parquet, a saved Dataset) became float64 in
+    pandas: 8 read as 8.0, and an answer above 2**53 lost its last digits."""
+    import datasets
+    import pyarrow as pa
+
+    table = pa.table({"prompt": ["a", "b", "c"], "answer": pa.array([12345678901234567, None, 8], pa.int64())})
+    datasets.Dataset(table).to_parquet(tmp_path / "eval.parquet")
+    datasets.Dataset(table).select([2, 0, 1]).save_to_disk(tmp_path / "saved")
+    assert load_contract(tmp_path / "eval.parquet", "prompts")["answer"].tolist() == ["12345678901234567", None, "8"]
+    assert load_contract(tmp_path / "saved", "prompts")["answer"].tolist() == ["8", "12345678901234567", None]
+
+
 def test_a_csv_file_reads_empty_cells_as_missing_and_json_conversations_as_messages(tmp_path):
     """CSV holds text only: an empty optional cell is no answer (not an empty one), and a
     cell holding a JSON list of {'role', 'content'} objects is a conversation, as a JSONL

@@ -135,6 +135,8 @@ def test_logit_ensemble_of_one_model_is_its_greedy_decoding(models, tokenizer):
     alone = ensemble_logits(models[:1], tokenizer, PROMPTS, 20)
     assert [a.completion for a in alone] == plain.texts and [a.tokens for a in alone] == plain.tokens
     assert [a.completion for a in ensemble_logits([models[0], models[0]], tokenizer, PROMPTS, 20)] == plain.texts
+    in_pairs = ensemble_logits(models[:1], tokenizer, PROMPTS, 20, batch_size=2)
+    assert [(a.completion, a.tokens) for a in in_pairs] == [(a.completion, a.tokens) for a in alone]
 
 
 @pytest.mark.slow
@@ -528,6 +530,10 @@ def test_a_prompt_that_leaves_no_room_to_generate_fails_with_what_to_change(toke
     long = "1+2+3+4+5+6+7+8+9+10+11+12\n"  # 27 characters: 27 tokens of the built-in tokenizer
     with pytest.raises(PromptTooLongError, match=r"a prompt of 27 tokens plus max_new_tokens 8 exceeds the model's 32"):
         generate(model, tokenizer, ["1+2\n", long], max_new_tokens=8)
+    # The logit ensemble checks every member's positions too (one with room, one without).
+    roomy = build_tiny_model("micro", tokenizer, seed=0, max_length=64)
+    with pytest.raises(PromptTooLongError, match=r"a prompt of 27 tokens plus max_new_tokens 8 exceeds the model's 32"):
+        ensemble_logits([roomy, model], tokenizer, ["1+2\n", long], 8, batch_size=1)
 
 
 def test_the_generate_command_takes_the_projects_task(tmp_path):

@@ -96,7 +96,9 @@ def read_table(path: str | Path, *, split: str | None = None, config: str | None
         if suffix == ".json":
             return _read_json(local)
         if suffix == ".parquet":
-            return pd.read_parquet(local)
+            import pyarrow.parquet as pq
+
+            return _arrow_frame(pq.read_table(local))
         if suffix == ".csv":  # an empty cell is a missing value, as JSON's null (not "" text)
             return pd.read_csv(local, dtype=str, keep_default_na=False).replace({"": None})
     except DataValidationError:
@@ -189,6 +191,13 @@ def _read_json(path: Path) -> pd.DataFrame:
     return _records_frame(path, data)
 
 
+def _arrow_frame(table) -> pd.DataFrame:
+    """An Arrow table (a Parquet file, a `datasets` split) as a frame. An integer column with
+    an empty cell keeps its integers as Python ints: pandas' default makes it float64, which
+    turns 8 into 8.0 and loses the last digits of an answer above 2**53."""
+    return table.to_pandas(integer_object_nulls=True)
+
+
 def _read_saved_dataset(path: Path, split: str | None) -> pd.DataFrame:
     if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
         raise DataValidationError(
@@ -206,7 +215,7 @@ def _read_saved_dataset(path: Path, split: str | None) -> pd.DataFrame:
         raise DataValidationError(
             path, [f"split {split!r}: this saved Dataset has no splits (a saved DatasetDict has); remove it"]
         )
-    return dataset.to_pandas()
+    return _arrow_frame(dataset.with_format("arrow")[:])
 
 
 def looks_like_hub_dataset(name: str) -> bool:
@@ -244,7 +253,7 @@ def _read_hub_dataset(name: str, split: str, config: str | None) -> pd.DataFrame
         raise DataValidationError(name, [f"no local path {name!r}, and no {what} on the Hub: {error}"]) from error
     except (ValueError, FileNotFoundError) as error:  # an unknown config or split: datasets lists the valid ones
         raise DataValidationError(name, [f"cannot load the {what}: {error}"]) from error
-    return dataset.to_pandas()
+    return _arrow_frame(dataset.with_format("arrow")[:])
 
 
 # ----------------------------------------------------------------------------- validation

@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.inference.settings import MCTS, STRATEGIES, BestOfN, SelfConsistency, Strategies
-from rlhf.models.generation import decode_continuations, ends, format_prompt, generate, sample, stop_token_ids
+from rlhf.models.generation import (
+    check_fits,
+    decode_continuations,
+    ends,
+    format_prompt,
+    generate,
+    sample,
+    stop_token_ids,
+)
 from rlhf.models.loading import load_causal_lm
 from rlhf.rewards.functions import ModelDirs, build_rewards, weighted_sum
 from rlhf.rewards.prm import load_prm
@@ -364,20 +372,32 @@ def speculative(
 
 
 @torch.inference_mode()
-def ensemble_logits(models: Sequence, tokenizer, prompts: Sequence, max_new_tokens: int) -> list[Answer]:
+def ensemble_logits(
+    models: Sequence, tokenizer, prompts: Sequence, max_new_tokens: int, batch_size: int = 64
+) -> list[Answer]:
     """Greedy decoding from the mean of the models' next-token log-probs (one tokenizer,
-    one vocabulary). Each model keeps its own KV cache."""
+    one vocabulary), `batch_size` prompts at a time. Each model keeps its own KV cache. A
+    prompt that leaves no room for `max_new_tokens` in a member's positions fails naming it."""
     for model in models:
         model.eval()
     tokenizer.padding_side = "left"
-    batch = tokenizer(
-        [format_prompt(tokenizer, p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False
-    )
+    texts = [format_prompt(tokenizer, p) for p in prompts]
+    answers: list[Answer] = []
+    for start in range(0, len(texts), batch_size):
+        answers.extend(_ensemble_batch(models, tokenizer, texts[start : start + batch_size], max_new_tokens))
+    return answers
+
+
+def _ensemble_batch(models: Sequence, tokenizer, texts: list[str], max_new_tokens: int) -> list[Answer]:
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     device = models[0].device
     input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    longest = int(mask.sum(dim=1).argmax())
+    for model in models:
+        check_fits(model, int(mask[longest].sum()), max_new_tokens, texts[longest])
     caches = [None] * len(models)
     step_ids = input_ids
-    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    finished = torch.zeros(len(texts), dtype=torch.bool, device=device)
     stops = torch.tensor(stop_token_ids(models[0], tokenizer), device=device)
     generated = []
     for _ in range(max_new_tokens):
