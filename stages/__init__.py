@@ -174,22 +174,28 @@ def table_difficulties(table) -> set[str]:
     return set(answer_difficulty(table) or [])
 
 
-def suite_difficulties(params: dict, suite: str) -> set[str] | None:
-    """The difficulties of a suite whose problems come from a local file
-    (prepare.files.eval_<suite>, with the built-in task's when source is builtin), read from
-    that file; None for a suite with no such file, a Hub dataset, or a file that does not
-    read (prepare names its problems)."""
+def suite_file(params: dict, suite: str):
+    """The problems of a suite that come from a local file (prepare.files.eval_<suite>), read
+    from that file; None for a suite with no such file, a Hub dataset, or a file that does
+    not read (prepare names its problems)."""
     from rlhf.data.contracts import DataValidationError, load_contract
 
-    prepare = params["prepare"]
-    spec = prepare.files.get(f"eval_{suite}")
+    spec = params["prepare"].files.get(f"eval_{suite}")
     if spec is None or not Path(spec.path).exists():
         return None
     try:
-        frame = load_contract(spec.path, "prompts", spec.columns, split=spec.split, config=spec.config)
+        return load_contract(spec.path, "prompts", spec.columns, split=spec.split, config=spec.config)
     except (DataValidationError, OSError, ValueError):
         return None
-    return table_difficulties(frame) | (generated_difficulties(prepare, suite) or set())
+
+
+def suite_difficulties(params: dict, suite: str) -> set[str] | None:
+    """The difficulties of a suite whose problems come from a local file (`suite_file`, with
+    the built-in task's when source is builtin); None where no such file reads."""
+    frame = suite_file(params, suite)
+    if frame is None:
+        return None
+    return table_difficulties(frame) | (generated_difficulties(params["prepare"], suite) or set())
 
 
 def round_key(improve, name: str, field: str) -> str:
@@ -256,6 +262,28 @@ def input_problems(params: dict) -> list[str]:
                 f"task whose answers can be checked (task.kind), from which stage prm derives them"
             )
 
+    from rlhf.models.folders import scorer_problem
+
+    def check_scorer(reward, key: str) -> None:
+        """A model-based reward's own `path`: a folder that holds another kind of model, or
+        one under models/ that no stage writes (a typo), named before any stage trains; and
+        an uncertainty penalty on an ensemble of one member (its std is 0: no penalty)."""
+        path = getattr(reward, "path", None)
+        if path is not None and (problem := scorer_problem(reward.name, path)):
+            problems.append(f"{key}.path: {problem}")
+        elif (
+            path is not None
+            and not Path(path).exists()
+            and Path(path).parts[:1] == (MODELS_DIR.name,)
+            and Path(path) != (written := REWARD_MODEL_DIRS[reward.name])
+        ):
+            problems.append(f"{key}.path: {path} does not exist, and no stage writes it (the pipeline's is {written})")
+        if getattr(reward, "uncertainty_penalty", 0) > 0 and path is None and params["rm"].num_members == 1:
+            problems.append(
+                f"{key}.uncertainty_penalty: the ensemble's spread is 0 with rm.num_members 1, so the penalty does "
+                "nothing; train several members (rm.num_members), or remove it"
+            )
+
     def need_answers(what: str, key: str) -> None:
         if not task.checks_answers:
             problems.append(f"{key}: {what} needs checkable answers; task.kind {task.name!r} has none")
@@ -276,6 +304,7 @@ def input_problems(params: dict) -> list[str]:
                 need_answers(f"reward {reward.name}", key)
             if getattr(reward, "path", None) is None:
                 need_model(f"reward {reward.name}", reward.name, key)
+            check_scorer(reward, key)
             if reward.name == "format" and reward.pattern is None and not task.has_format:
                 problems.append(f"{key}: the format reward needs a pattern: task {task.name!r} defines no format")
         if method == "ppo" and settings.value_init == "rm":
@@ -304,12 +333,19 @@ def input_problems(params: dict) -> list[str]:
                 )
             if getattr(reward, "path", None) is None:
                 need_model(f"best_of_n reward {reward.name}", reward.name, f"infer.best_of_n.rewards[{index}]")
+            check_scorer(reward, f"infer.best_of_n.rewards[{index}]")
     harness = params["evaluate"].harness
     if harness and harness.suites and not task.checks_answers:
         problems.append(
             f"evaluate.harness.suites: a suite run as a harness task is scored by its answers; task.kind "
             f"{task.name!r} checks none (remove the suites, or choose a task kind that reads answers)"
         )
+    from stages.merge import member_names
+
+    try:
+        member_names(params["merge"], policy.methods)
+    except ParamsError as error:
+        problems += error.problems
     if params["merge"].method == "greedy_soup" and not task.checks_answers:
         problems.append(
             f"merge.method: greedy_soup adds a model to the soup when it raises task accuracy; task.kind "
@@ -407,6 +443,11 @@ def input_problems(params: dict) -> list[str]:
             problems.append(f"gate.tests[{index}]: task {task.name!r} defines no format (set task.format_pattern)")
         if test.metric in ("reward", "win_rate"):
             need_model(f"metric {test.metric}", "reward_model", f"gate.tests[{index}]")
+        if test.metric == "kl_to_ref" and params["evaluate"].kl_prompts == 0:
+            problems.append(
+                f"gate.tests[{index}]: kl_to_ref is not measured with evaluate.kl_prompts 0; set kl_prompts above 0, "
+                "or remove the test"
+            )
     return list(dict.fromkeys(problems))  # a default every round inherits, named once
 
 

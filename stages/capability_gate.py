@@ -40,11 +40,12 @@ MODEL_ARTIFACT = "model"
 EXPERIMENT_ENV = "DVC_EXP_NAME"  # set by `dvc exp run` for the stages it runs
 
 
-def default_tests(checks_answers: bool, has_format: bool) -> list[CapabilityTest]:
+def default_tests(checks_answers: bool, has_format: bool, kl: bool = True) -> list[CapabilityTest]:
     """The tests `tests: null` means, for a task: no regression on accuracy against SFT and a
     gain of a point over the champion (tasks with checkable answers; otherwise the same on
     the RM's reward, with a win-rate of at least a half against SFT), a format rate of 0.9
-    (tasks that define a format), and a bounded KL to SFT."""
+    (tasks that define a format), and a bounded KL to SFT (where evaluate measures it:
+    `kl`, evaluate.kl_prompts above 0)."""
     quality = "accuracy" if checks_answers else "reward"
     tests = [
         CapabilityTest(metric=quality, relative_to="sft", op=">=", threshold=0.0),
@@ -54,7 +55,8 @@ def default_tests(checks_answers: bool, has_format: bool) -> list[CapabilityTest
         tests.append(CapabilityTest(metric="win_rate", relative_to="absolute", op=">=", threshold=0.5))
     if has_format:
         tests.append(CapabilityTest(metric="format_rate", relative_to="absolute", op=">=", threshold=0.9))
-    tests.append(CapabilityTest(metric="kl_to_ref", relative_to="absolute", op="<=", threshold=10.0))
+    if kl:
+        tests.append(CapabilityTest(metric="kl_to_ref", relative_to="absolute", op="<=", threshold=10.0))
     return tests
 
 
@@ -77,9 +79,10 @@ class Config(StageConfig):
     )
 
 
-def resolve(config: Config, task, suite: str) -> Config:
-    """`config` with every null filled for `task` and the decision `suite`."""
-    tests = config.tests if config.tests is not None else default_tests(task.checks_answers, task.has_format)
+def resolve(config: Config, task, suite: str, kl: bool = True) -> Config:
+    """`config` with every null filled for `task` and the decision `suite` (`kl`: evaluate
+    measures the KL to SFT)."""
+    tests = config.tests if config.tests is not None else default_tests(task.checks_answers, task.has_format, kl)
     return config.model_copy(
         update={
             "tests": [t if t.suite else t.model_copy(update={"suite": suite}) for t in tests],
@@ -225,7 +228,9 @@ def main() -> None:
     from rlhf.tracking.runs import project_root, stage_run
 
     params = load_all()
-    config = resolve(params["gate"], get_task(params["task"]), decision_suite(params))
+    config = resolve(
+        params["gate"], get_task(params["task"]), decision_suite(params), params["evaluate"].kl_prompts > 0
+    )
     report = read_json(REPORT)
     outcomes = read_json(OUTCOMES) if OUTCOMES.is_file() else None
     validation = read_json(VALIDATION_REPORT) if VALIDATION_REPORT.is_file() else None

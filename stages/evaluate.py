@@ -153,10 +153,10 @@ def run(
         suites[name] = read_prepared(path, "evaluate")
     workdir = tempfile.TemporaryDirectory() if config.harness else None
     if config.harness:  # suite tasks written and task names looked up before any model loads
-        from rlhf.evaluation.harness import check_tasks
+        from rlhf.evaluation.harness import load_tasks
 
         names, folders = harness_tasks(config, task_config, Path(workdir.name))
-        check_tasks(names, folders or None)
+        load_tasks(names, folders or None)
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
     reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
     judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code)
@@ -233,7 +233,7 @@ def print_report(report: dict) -> None:
             reward_text = f"{reward:.3f}" if reward is not None else "n/a"
             print(
                 f"evaluate[{suite}] {name}: accuracy {accuracy_text}, reward {reward_text}, "
-                f"kl {metrics['kl_to_ref']:.3f}"
+                f"kl {'n/a' if metrics['kl_to_ref'] is None else format(metrics['kl_to_ref'], '.3f')}"
             )
 
 

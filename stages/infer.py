@@ -100,7 +100,7 @@ def check_prm_separator(config: Config, task: Task) -> None:
     its own: they must be the same (as refinement asks)."""
     import json
 
-    from rlhf.rewards.steps import PRM_FILE
+    from rlhf.models.folders import PRM_FILE
 
     prm = Path(config.prm) if config.prm else PRM_DIR
     settings = prm / PRM_FILE

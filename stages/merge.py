@@ -113,6 +113,9 @@ class Config(StageConfig):
             "density": self.method in ("ties", "dare_ties", "dare_linear"),
             "int8_mask": self.method in ("task_arithmetic", "ties", "dare_ties", "dare_linear"),
             "t": self.method == "slerp",
+            # greedy_soup averages (always normalised) and slerp interpolates: null (the
+            # method's default, as params.yaml has it) only
+            "normalize": self.method not in ("slerp", "greedy_soup") or self.normalize is None,
             "seed": self.method in ("dare_ties", "dare_linear"),
             "greedy_soup_prompts": self.method == "greedy_soup",
             "max_new_tokens": self.method == "greedy_soup",

@@ -214,6 +214,8 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
             errors.append(error)
             continue
         unreadable = answer_problems(frame, task) if kind_of(name) == "prompts" else []
+        if kind_of(name) == "prm":
+            unreadable += step_problems(frame, task, f"prepare.files.{name}")
         if name.startswith(EVAL_PREFIX) and task.checks_answers and not has_answers(frame):
             unreadable.append(
                 f"prepare.files.{name}: no row has an answer, and task.kind {task.name!r} scores an eval suite by "
@@ -319,6 +321,27 @@ def answer_problems(frame, task) -> list[str]:
         except ValueError as error:
             problems.append(f"row {index + 1}: 'answer' {error}; correct it, or leave it empty (no answer)")
     return problems
+
+
+def step_problems(frame, task, key: str) -> list[str]:
+    """The rows of a step-labelled table with a step that holds the task's step separator:
+    the PRM would learn those labels on these steps, and then score solutions split at the
+    separator (best-of-N, MCTS, the rounds' checks), other steps than those labelled."""
+    separator = task.step_separator
+    problems = []
+    for index, steps in enumerate(frame["completions"]):
+        split = [k for k, step in enumerate(steps) if separator in step.strip()]
+        if split:
+            problems.append(
+                f"row {index + 1}: step {split[0] + 1} holds the task's step separator {separator!r} "
+                f"({_excerpt(steps[split[0]])}), so the PRM would score it as several steps; split it there "
+                f"(with a label for each), or set task.step_separator (the file: {key})"
+            )
+    return problems
+
+
+def _excerpt(text: str, chars: int = 40) -> str:
+    return repr(text if len(text) <= chars else text[: chars - 3] + "...")
 
 
 def add_feedback(tables: dict, origins: dict, feedback, config: Config) -> None:

@@ -200,9 +200,10 @@ def run_likelihood(
 ) -> tuple[dict, list[dict]]:
     """Fit the likelihood PRM's calibration on the training rows (no gradient steps on the
     LM: seconds, not minutes) and score the held-out rows."""
+    from rlhf.models.folders import PRM_FILE
     from rlhf.models.loading import load_causal_lm
     from rlhf.rewards.prm_likelihood import FEATURES, LikelihoodPRM
-    from rlhf.rewards.steps import PRM_FILE, prm_metrics
+    from rlhf.rewards.steps import prm_metrics
 
     lm = load_causal_lm(init, config.trust_remote_code, what=f"models/{config.init}")
     start = time.perf_counter()

@@ -35,7 +35,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.models.folders import check_model_dir, resolve_model_dir
+from rlhf.models.folders import MEMBER_PREFIX, check_model_dir, resolve_model_dir
 from rlhf.tasks import Task, get_task
 from rlhf.training.params import LoraParams, TrainingParams
 from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, RM_DIR, drop_out, has_rows, load_model_stage
@@ -43,7 +43,6 @@ from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, RM_DIR, drop_out, has_
 DATA = DATA_DIR / "prefs.parquet"
 EVAL_DATA = DATA_DIR / "prefs_eval.parquet"
 OUT_DIR = RM_DIR
-MEMBER_PREFIX = "member_"  # rlhf.rewards.ensemble reads members from folders named so
 METRICS = Path("metrics/rm.json")
 PLOTS = Path("plots/rm")  # member_<i>.csv: step, loss, accuracy (train batches)
 

@@ -192,9 +192,14 @@ def test_write_suite_task_rejects_unusable_suites(tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_refuses_an_unusable_harness_suite_or_task_before_loading_a_model(tmp_path, monkeypatch):
-    """A chat suite cannot be a harness suite task, and a misspelt harness task is in no
-    registry: stage evaluate says so before it loads (or evaluates) any model; here there
-    is no model at all, so a later check would fail on loading instead."""
+    """A chat suite cannot be a harness suite task, a misspelt harness task is in no
+    registry, and a registry task whose dataset is not cached cannot be had offline: stage
+    evaluate says so before it loads (or evaluates) any model; here there is no model at
+    all, so a later check would fail on loading instead."""
+    import datasets
+    import huggingface_hub.constants
+
+    from rlhf.evaluation.harness import HarnessDataError
     from rlhf.tasks import get_task
     from stages import evaluate
 
@@ -205,11 +210,41 @@ def test_evaluate_refuses_an_unusable_harness_suite_or_task_before_loading_a_mod
     pd.DataFrame({"prompt": ["1+2\n"], "answer": ["3"]}).to_parquet("data/prepared/eval/dev.parquet")
     assert not (tmp_path / "models").exists()
     config = evaluate.Config(harness={"suites": ["chat"]})
-    with pytest.raises(ValueError, match=r"rows \[1, 2\]: 'prompt' is not plain text"):
+    with pytest.raises(ValueError, match=r"rows \[1, 2\]: 'prompt' is a conversation; a suite task feeds text"):
         evaluate.run(config, get_task(None), [], ["dev"])
     config = evaluate.Config(harness={"tasks": ["hellaswagg"], "suites": ["dev"]})
     with pytest.raises(ValueError, match=r"unknown harness task\(s\) 'hellaswagg' \(close: hellaswag"):
         evaluate.run(config, get_task(None), [], ["dev"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    config = evaluate.Config(harness={"tasks": ["arc_easy"]})
+    with pytest.raises(HarnessDataError, match=r"^evaluate.harness.tasks: harness task 'arc_easy' cannot load its"):
+        evaluate.run(config, get_task(None), [], ["dev"])
+
+
+@pytest.mark.slow
+def test_check_params_finds_a_misspelt_harness_task_and_a_chat_harness_suite(tmp_path, monkeypatch):
+    """Both stopped stage evaluate only, after every policy had trained; check_params (the
+    first stage) names them."""
+    import json
+
+    from rlhf.params import validate_params
+    from stages import all_configs
+    from stages.check_params import harness_problems
+    from tests.conftest import tiny_params
+
+    monkeypatch.chdir(tmp_path)
+    chat = [{"prompt": [{"role": "user", "content": "1+2?"}], "answer": "3"}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in chat))
+    data = tiny_params()
+    data["prepare"]["files"] = {"eval_chat": {"path": "chat.jsonl"}}
+    data["evaluate"]["harness"] = {"tasks": ["hellaswagg"], "suites": ["chat"]}
+    params = validate_params(data, all_configs(), "params.yaml")
+    problems = harness_problems(params)
+    assert len(problems) == 2
+    assert problems[0].startswith("evaluate.harness.tasks: unknown harness task(s) 'hellaswagg' (close: hellaswag")
+    assert problems[1].startswith("evaluate.harness.suites: suite 'chat' holds conversations")
 
 
 @pytest.mark.slow

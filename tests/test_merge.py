@@ -343,6 +343,25 @@ def test_config_errors_name_the_key():
         {"method": "ties", "density": 0.3, "greedy_soup_prompts": 50}
     )
     assert Config(method="dare_ties", density=0.3, seed=1, int8_mask=True).seed == 1
+    # normalize: greedy_soup always normalises and slerp never reads it; null (the default) passes
+    assert "normalize: not read by merge method greedy_soup" in problems({"method": "greedy_soup", "normalize": False})
+    assert "normalize: not read by merge method slerp" in problems({"method": "slerp", "normalize": True})
+    assert Config(method="slerp", normalize=None).normalize is None
+
+
+def test_check_params_names_merge_members_the_policy_section_cannot_give(tmp_path):
+    """merge.models and merge.weights against the trained methods failed in stage merge,
+    after SFT and every policy had trained; check_params names them first."""
+    from tests.conftest import params_problems, tiny_params
+
+    data = tiny_params()
+    data["policy"]["offline"], data["policy"]["online"] = ["dpo"], []
+    data["merge"] = {"method": "linear", "models": ["dpo", "grpo"]}
+    assert "merge.models: ['grpo'] not in policy.offline + policy.online ['dpo']" in " ".join(
+        params_problems(tmp_path, data)
+    )
+    data["merge"] = {"method": "linear", "weights": [1.0, 2.0]}
+    assert "merge.weights: 2 weights for 1 models from every policy method" in " ".join(params_problems(tmp_path, data))
 
 
 def test_members_are_checked_against_policy_methods():

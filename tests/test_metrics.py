@@ -180,3 +180,37 @@ def test_kl_of_an_empty_completion_is_zero(policy, reference, tokenizer):
     kl = completion_kl(policy, reference, tokenizer, ["5+3\n", "23+58-17\n"], ["", COMPLETIONS[0]])
     assert kl[0] == 0.0
     assert kl[1] == pytest.approx(kl_by_hand(policy, reference, tokenizer, "23+58-17\n", COMPLETIONS[0]), abs=1e-4)
+
+
+def test_kl_prompts_zero_leaves_the_kl_unmeasured_not_zero(policy, reference, tokenizer, tmp_path):
+    """evaluate.kl_prompts 0 ("skip") reported a KL of 0.0 for every candidate, as if each
+    were SFT itself, and the gate's KL bound passed it. It is None (not measured) for a
+    candidate, still 0 for the reference against itself; the default gate tests then hold no
+    KL bound, and an explicit one is refused by check_params."""
+    import pandas as pd
+
+    from rlhf.evaluation.suites import evaluate_model
+    from rlhf.tasks.arithmetic import ArithmeticTask
+    from stages.capability_gate import Config as GateConfig
+    from stages.capability_gate import resolve
+    from stages.evaluate import Config
+    from tests.conftest import params_problems, tiny_params
+
+    suite = pd.DataFrame({"prompt": PROMPTS[:2], "answer": ["64", "8"]})
+    task = ArithmeticTask()
+
+    def kl(config, model):
+        return evaluate_model(config, task, model, reference, tokenizer, None, suite, None)[0]["kl_to_ref"]
+
+    measured = Config(kl_prompts=2, max_new_tokens=8, bootstrap_samples=100)
+    skipped = measured.model_copy(update={"kl_prompts": 0})
+    assert kl(measured, policy) > 0
+    assert kl(skipped, policy) is None and kl(skipped, reference) == 0.0
+    assert "kl_to_ref" in [t.metric for t in resolve(GateConfig(), task, "dev").tests]
+    assert "kl_to_ref" not in [t.metric for t in resolve(GateConfig(), task, "dev", kl=False).tests]
+    data = tiny_params()
+    data["evaluate"]["kl_prompts"] = 0
+    data["gate"]["tests"] = [{"metric": "kl_to_ref", "relative_to": "absolute", "op": "<=", "threshold": 1.0}]
+    assert "gate.tests[0]: kl_to_ref is not measured with evaluate.kl_prompts 0" in " ".join(
+        params_problems(tmp_path, data)
+    )

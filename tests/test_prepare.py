@@ -112,6 +112,21 @@ def test_a_prm_file_alone_gets_its_held_out_share(user_files, tmp_path):
     assert "prm_eval" in config.available()
 
 
+def test_a_prm_step_that_holds_the_step_separator_is_refused_naming_its_row(user_files, tmp_path):
+    """Steps of several lines under a task whose steps are lines: the PRM would be fitted on
+    the file's steps and score solutions split at every line (best-of-N, MCTS, rounds)."""
+    rows = [
+        {"prompt": "x?", "completions": ["Let x = 1.", "So 2"], "labels": [True, True]},
+        {"prompt": "y?", "completions": ["Let y = 1.", "\nThen 2y = 2.\nSo 2"], "labels": [True, False]},
+    ]
+    user_files["prm"] = {"path": write_jsonl(tmp_path / "steps.jsonl", rows)}
+    with pytest.raises(DataValidationError, match=r"steps.jsonl.*row 2: step 2 holds the task's step separator '\\n'"):
+        run(Config(source="files", files=user_files), GSM8K)
+    rows[1]["completions"][1] = "\nThen 2y = 2."  # a blank line before a step is the step's own
+    write_jsonl(tmp_path / "steps.jsonl", rows)
+    assert len(run(Config(source="files", files=user_files, heldout_share=0.5), GSM8K)[0]["prm"]) == 1
+
+
 def test_a_task_without_answers_derives_prompts_without_answers(user_files):
     tables, _ = run(Config(source="files", files=user_files), get_task(TaskConfig(kind="none")))
     assert tables["prompts"]["answer"].isna().all()

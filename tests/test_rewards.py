@@ -202,3 +202,35 @@ def test_model_based_rewards_read_their_path_or_the_callers_folder():
         model_paths(specs)
     with pytest.raises(ValueError, match="reward 'reward_model' has no `path`"):
         build_rewards(specs[1:2], TASK)
+
+
+def test_check_params_names_a_reward_path_that_holds_no_such_scorer(tmp_path, monkeypatch):
+    """A reward's own `path` to a folder of another kind (an SFT model as the RM), or a typo
+    under models/, failed in the policy stage after its models loaded, naming no key; an
+    uncertainty penalty on a one-member ensemble changed nothing. check_params names each;
+    a folder a stage has yet to write (models/prm) and a Hub id pass."""
+    from tests.conftest import params_problems, tiny_params
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models/sft").mkdir(parents=True)
+    (tmp_path / "models/sft/config.json").write_text("{}")
+    data = tiny_params()
+    data["policy"]["online"] = ["grpo"]
+    data["rm"]["num_members"] = 1
+    data["policy"]["grpo"]["rewards"] = [
+        {"name": "answer_match"},
+        {"name": "reward_model", "path": "models/sft"},
+        {"name": "prm", "path": "models/my_prm_typo"},
+        {"name": "prm", "path": "models/prm"},
+        {"name": "reward_model", "path": "owner/some-rm"},
+        {"name": "reward_model", "uncertainty_penalty": 1.0},
+    ]
+    found = [p for p in params_problems(tmp_path, data) if p.startswith("policy.grpo.rewards")]
+    assert found == [
+        "policy.grpo.rewards[1].path: models/sft holds no reward model ensemble (folders member_0, member_1, ...: "
+        "what stage rm writes)",
+        "policy.grpo.rewards[2].path: models/my_prm_typo does not exist, and no stage writes it (the pipeline's is "
+        "models/prm)",
+        "policy.grpo.rewards[5].uncertainty_penalty: the ensemble's spread is 0 with rm.num_members 1, so the "
+        "penalty does nothing; train several members (rm.num_members), or remove it",
+    ]

@@ -495,7 +495,9 @@ def test_base_task_defaults():
     task = Task()
     assert task.name == "none" and task.has_format is False and task.step_separator == "\n"
     assert task.is_well_formatted("anything at all") and task.is_well_formatted("")
-    assert task.split_steps("first step\n\n  \nsecond step\n") == ["first step", "second step"]
+    # blank lines begin the next step, so that the steps join to the text as written
+    assert task.split_steps("first step\n\n  \nsecond step\n") == ["first step", "\n  \nsecond step"]
+    assert task.join_steps(task.split_steps("first step\n\n  \nsecond step\n")) == "first step\n\n  \nsecond step"
     assert task.split_steps("23+58=81; answer 81") == ["23+58=81; answer 81"]
     assert task.split_steps("") == []
     assert task.join_steps(["a", "b"]) == "a\nb"

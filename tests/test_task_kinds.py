@@ -174,6 +174,19 @@ def test_math_bad_reference_is_an_error_and_steps_end_at_the_box():
     assert paragraphs.split_steps("a\nb\n\nc") == ["a\nb", "c"]
 
 
+def test_blank_lines_between_steps_stay_in_the_text_the_steps_join_to():
+    """A solution with an empty line between its steps (the usual chat layout) split and
+    joined again is the text the model wrote (blank lines were dropped, and rollouts, MCTS
+    and the PRM continued a prefix the model never wrote); the blank begins the next step."""
+    lines = task(kind="last_number")
+    written = "Tom has 3 apples.\n\nHe buys 2 more.\n\n\nSo 5\n"
+    steps = lines.split_steps(written)
+    assert steps == ["Tom has 3 apples.", "\nHe buys 2 more.", "\n\nSo 5"]
+    assert lines.join_steps(steps) == written.rstrip()
+    assert lines.join_steps(steps[:2]) + "\n" == "Tom has 3 apples.\n\nHe buys 2 more.\n"
+    assert lines.split_steps("\nfirst\nsecond") == ["\nfirst", "second"]
+
+
 def test_prompts_derived_from_sft_get_references_their_own_demonstrations_meet():
     """Stage prepare gives the prompts it derives from the SFT data the answer each
     demonstration states. Math: the LaTeX of its last box (sympy's vote form, pi/4 or

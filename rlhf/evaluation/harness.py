@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlhf.params import InputError
 from rlhf.tasks import Task, TaskConfig, get_task
 
 # The split name `datasets` gives a single data file loaded without a split mapping.
@@ -99,8 +100,8 @@ def write_suite_task(
     not_text = [i + 1 for i, p in enumerate(suite["prompt"]) if not isinstance(p, str)]
     if not_text:
         raise ValueError(
-            f"{suite_parquet} rows {not_text[:10]}: 'prompt' is not plain text (conversational prompts are not "
-            "supported by suite tasks; write the prompt as text and pass apply_chat_template to run_harness)"
+            f"{suite_parquet} rows {not_text[:10]}: 'prompt' is a conversation; a suite task feeds text prompts "
+            "only (evaluate scores a conversational suite itself: leave it out of evaluate.harness.suites)"
         )
     task_config = task_config or TaskConfig()
     # Only the keys the user set (and the kind): a kind rejects settings it does not read.
@@ -263,6 +264,31 @@ def check_tasks(tasks: Sequence[str], include_path=None) -> None:
     """Fail (naming close matches) when a task is in neither lm-eval's registry nor
     `include_path`: what a stage calls before it loads any model."""
     _task_manager([str(t) for t in tasks], include_path)
+
+
+class HarnessDataError(InputError, RuntimeError):
+    """A harness task whose documents cannot be loaded (its dataset is not in the cache and
+    the Hub cannot be reached, or no longer has it)."""
+
+
+def load_tasks(tasks: Sequence[str], include_path=None, key: str = "evaluate.harness.tasks") -> None:
+    """Load each task's documents as `simple_evaluate` will (downloading a registry task's
+    dataset into the `datasets` cache on first use), so that a task that cannot be had
+    fails here, naming it and `key`, before any model is evaluated (not inside lm-eval
+    after the eval suites of the first model)."""
+    from lm_eval.tasks import get_task_dict
+
+    tasks = [str(t) for t in tasks]
+    manager = _task_manager(tasks, include_path)
+    for name in tasks:
+        try:
+            get_task_dict([name], manager)
+        except Exception as error:  # datasets' and the Hub client's errors: connection, not found, gated
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise HarnessDataError(
+                f"{key}: harness task {name!r} cannot load its documents ({type(error).__name__}: {first}). "
+                "Run once with the network (its dataset is cached for offline runs), or remove the task"
+            ) from error
 
 
 def _task_manager(tasks: list[str], include_path):

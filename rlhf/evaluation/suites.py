@@ -98,10 +98,12 @@ def evaluate_model(config, task: Task, model, reference, tokenizer, judge, suite
     texts = generate(model, tokenizer, prompts, config.max_new_tokens, config.batch_size)
     rewards = judge.score(prompts, texts) if judge is not None else None
     kl_n = min(config.kl_prompts, len(prompts))
-    if kl_n and model is not reference:
-        kl = completion_kl(model, reference, tokenizer, prompts[:kl_n], texts[:kl_n])
-    else:
+    if model is reference:
         kl = torch.zeros(1)
+    elif kl_n:
+        kl = completion_kl(model, reference, tokenizer, prompts[:kl_n], texts[:kl_n])
+    else:  # kl_prompts 0: not measured (None), not a KL of 0 that a gate test would pass
+        kl = None
     outcomes = {
         "accuracy": [float(task.is_correct(t, a)) for t, a in zip(texts, answers) if a is not None]
         if task.checks_answers
@@ -114,7 +116,7 @@ def evaluate_model(config, task: Task, model, reference, tokenizer, judge, suite
     }
     metrics = {
         **summarise(config, outcomes, answer_difficulty(suite)),
-        "kl_to_ref": float(kl.mean()),
+        "kl_to_ref": float(kl.mean()) if kl is not None else None,
         "reward_std": float(rewards.std.mean()) if rewards is not None else None,
         "distinct_1": distinct_n(texts, 1),
         "distinct_2": distinct_n(texts, 2),

@@ -126,6 +126,26 @@ def write_absent(path: str | Path, reason: str) -> None:
     (path / ABSENT_FILE).write_text(json.dumps({"absent": reason}, indent=2) + "\n")
 
 
+MEMBER_PREFIX = "member_"  # an RM ensemble's members: folders member_0, member_1, ... (stage rm)
+PRM_FILE = "prm.json"  # beside a PRM's weights (stage prm): its kind, step separator and settings
+
+
+def scorer_problem(kind: str, path: str | Path) -> str | None:
+    """Why the folder `path` cannot be read as a `kind` scorer ("reward_model": an ensemble
+    of member_<i> folders; "prm": a PRM with its prm.json), or None when it can, or when it
+    is not there yet (a stage may write it) or names a Hub model."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    folder = resolve_model_dir(path)
+    if kind == "reward_model" and not any(p.is_dir() for p in folder.glob(f"{MEMBER_PREFIX}[0-9]*")):
+        members = f"{MEMBER_PREFIX}0, {MEMBER_PREFIX}1, ..."
+        return f"{path} holds no reward model ensemble (folders {members}: what stage rm writes)"
+    if kind == "prm" and not (folder / PRM_FILE).is_file():
+        return f"{path} has no {PRM_FILE}: it is not a process reward model written by stage prm"
+    return None
+
+
 def absent_reason(path: str | Path) -> str | None:
     """Why the stage that owns `path` wrote no model, or None when it wrote one."""
     marker = Path(path) / ABSENT_FILE

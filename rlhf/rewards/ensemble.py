@@ -18,12 +18,10 @@ from pathlib import Path
 
 import torch
 
-from rlhf.models.folders import absent_reason
+from rlhf.models.folders import MEMBER_PREFIX, absent_reason
 from rlhf.models.generation import reward_text
 from rlhf.models.loading import load_reward_model, load_tokenizer
 from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, is_likelihood_rm
-
-MEMBER_PREFIX = "member_"
 
 
 def member_dirs(root: str | Path) -> list[Path]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf.models.folders import absent_reason, resolve_model_dir
+from rlhf.models.folders import PRM_FILE, absent_reason, resolve_model_dir
 from rlhf.rewards.prm_classifier import ClassifierPRM
 from rlhf.rewards.prm_likelihood import LikelihoodPRM
-from rlhf.rewards.steps import PRM_FILE
 
 KINDS = {"classifier": ClassifierPRM, "likelihood": LikelihoodPRM}
 

@@ -35,10 +35,10 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, Trainer, TrainingArguments
 
-from rlhf.models.folders import UnusableModelError, check_model_dir, resolve_model_dir
+from rlhf.models.folders import PRM_FILE, UnusableModelError, check_model_dir, resolve_model_dir
 from rlhf.models.generation import format_prompt
 from rlhf.models.loading import load_tokenizer, save_model, token_classification_type
-from rlhf.rewards.steps import DEFAULT_SEPARATOR, PRM_FILE, StepScorer, locate_steps
+from rlhf.rewards.steps import DEFAULT_SEPARATOR, StepScorer, locate_steps
 from rlhf.training.params import LoraParams, TrainingParams
 from rlhf.training.trainer_setup import tracking_callbacks, trl_config
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-PRM_FILE = "prm.json"  # beside a PRM's weights: its kind, step separator and settings
 AGGREGATIONS = ("min", "prod", "last")
 # When a caller names no separator (the stage passes its task's): one step per line.
 DEFAULT_SEPARATOR = "\n"

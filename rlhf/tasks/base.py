@@ -63,9 +63,18 @@ class Task:
 
     def split_steps(self, completion: str) -> list[str]:
         """The steps of a solution, the final answer included, each exactly as written (a
-        leading space stays: the prefix `prompt + steps` must be the text the model wrote,
-        for rollouts, MCTS and the PRM)."""
-        return [step for step in completion.rstrip().split(self.step_separator) if step.strip()]
+        leading space stays, and blank separators before a step, such as the empty line
+        between two paragraphs, begin it: the prefix `prompt + steps` joined by
+        `join_steps` must be the text the model wrote, for rollouts, MCTS and the PRM)."""
+        steps: list[str] = []
+        blank = ""
+        for piece in completion.rstrip().split(self.step_separator):
+            if not piece.strip():
+                blank += piece + self.step_separator
+                continue
+            steps.append(blank + piece)
+            blank = ""
+        return steps
 
     def join_steps(self, steps: list[str]) -> str:
         return self.step_separator.join(steps)
