@@ -356,6 +356,7 @@ def train_online(
         logged=logged + tuple(f"rewards/{f.__name__}/mean" for f in functions),
         inputs=tuple(model_paths(params.rewards, REWARD_MODEL_DIRS)),
         on_trainer=keyed if params.keyed_sampling else None,
+        context={"task": task.identity()},
         reward_funcs=functions,
     )
 
@@ -403,7 +404,8 @@ def train_ppo_method(
     functions, weights = build_rewards(params.rewards, task, REWARD_MODEL_DIRS, config.trust_remote_code)
     ewc = consolidate_on_sft(policy, ewc_data, params)
     inputs = [SFT_DIR, PROMPTS, value_init, *model_paths(params.rewards, REWARD_MODEL_DIRS)]
-    key = fingerprint(params, inputs + ([SFT_DATA] if params.ewc.strength else []))
+    context = {"task": task.identity(), "trust": config.trust_remote_code}
+    key = fingerprint(params, inputs + ([SFT_DATA] if params.ewc.strength else []), context)
 
     def log(metrics: dict, step: int) -> None:
         if mlflow.active_run() is not None:
@@ -473,11 +475,36 @@ def plotted_curves(curve: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def check_answer_rewards(params, method: str) -> None:
+    """An online method's reward that reads the prompts' answers, on prompts without any:
+    it failed inside TRL's first training step (no `answer` column), or trained to the end
+    on a reward of 0 for every completion (an empty column). Checked before any model loads."""
+    from rlhf.data.contracts import DataValidationError, read_prepared
+    from stages import ANSWER_REWARDS
+
+    readers = [i for i, reward in enumerate(getattr(params, "rewards", [])) if reward.name in ANSWER_REWARDS]
+    if not readers:
+        return
+    table = read_prepared(PROMPTS, stage_name(method))
+    if "answer" in table and table["answer"].notna().any():
+        return
+    key = f"policy.{method}.rewards[{readers[0]}]"
+    raise DataValidationError(
+        PROMPTS,
+        [
+            f"no prompt has an answer, and {key} ({params.rewards[readers[0]].name}) scores completions against it "
+            "(every reward would be 0): map the answer column of your prompts file (prepare.files.prompts.columns: "
+            "{answer: <column>}), or use rewards that read no answer (reward_model, prm, format, length)"
+        ],
+    )
+
+
 def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
     from rlhf.models.compute import is_main
     from rlhf.training.trainer_setup import discard_checkpoints
 
     stage = stage_name(method)
+    check_answer_rewards(getattr(config, method), method)
     start = time.perf_counter()
     metrics, curve = METHODS[method](config, task, getattr(config, method), out_dir, stage)
     if is_main():

@@ -31,6 +31,7 @@ def train_trl(
     start: Path = SFT_DIR,
     length_key: str | None = None,
     forced_bos: bool = False,
+    context: dict | None = None,
     **trainer_kwargs,
 ) -> tuple[dict, list[dict]]:
     """Train the model in `start` (the SFT model unless given; a method with a reference
@@ -42,7 +43,9 @@ def train_trl(
     params key of `params.max_length`, for the offline methods) drops the rows whose prompt
     alone fills max_length (`fitting_rows`) and reports how many. `forced_bos`: the trainer
     puts a BOS before every prompt that lacks one (TRL's CPO and ORPO); it is kept to where
-    the tokenizer puts one (`without_forced_bos`)."""
+    the tokenizer puts one (`without_forced_bos`). `context`: what else the run's steps
+    depend on (the task its rewards read answers with), for the fingerprint."""
+    context = context or {}
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
@@ -69,9 +72,13 @@ def train_trl(
         trainer_tokenizer, table = without_forced_bos(tokenizer, table)
     model = load_causal_lm(start, trust_remote_code, what=start.as_posix(), training=True)
     dataset = Dataset.from_pandas(table, preserve_index=False)
-    key = fingerprint(params, [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])])
+    key = fingerprint(
+        params,
+        [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])],
+        {**context, "trust": trust_remote_code},
+    )
     config_cls, trainer_cls = trl_classes
-    args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), **trl_args)
+    args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), trust_remote_code, **trl_args)
     trainer = trainer_cls(
         model=model,
         args=args,

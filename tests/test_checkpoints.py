@@ -71,3 +71,29 @@ def test_no_whole_checkpoint_means_a_fresh_start_and_ppo_steps_are_read_too(tmp_
     save_file({"w": torch.zeros(4)}, str(step / "policy.safetensors"))
     (step / "state.json").write_text(json.dumps({"iteration": 2}))
     assert usable_checkpoint(tmp_path / "ppo", "step", "ppo") == step
+
+
+def test_a_checkpoint_resumes_only_under_the_same_task_and_trust(tmp_path):
+    """The key of a run's checkpoints held its params block and input files only: a GRPO run
+    killed and rerun after task.kind changed (how answer_match reads answers) resumed and
+    mixed two rewards. The task's identity is in the key now; TRL's configs that load a
+    reference from the policy's path get trust_remote_code (they failed on custom code)."""
+    from trl import RLOOConfig
+    from trl.experimental.orpo import ORPOConfig
+
+    from rlhf.tasks import TaskConfig, get_task
+    from rlhf.training.params import TrainingParams
+    from rlhf.training.trainer_setup import fingerprint, trl_config
+
+    params = TrainingParams()
+    data = tmp_path / "prompts.parquet"
+    data.write_text("x")
+    last_number = get_task(TaskConfig(kind="last_number")).identity()
+    regex = get_task(TaskConfig(kind="regex", pattern=r"Final: (\S+)")).identity()
+    other_regex = get_task(TaskConfig(kind="regex", pattern=r"Answer: (\S+)")).identity()
+    keys = {fingerprint(params, [data], {"task": t}) for t in (last_number, regex, other_regex)}
+    assert len(keys) == 3
+    assert fingerprint(params, [data], {"task": regex}) == fingerprint(params, [data], {"task": dict(regex)})
+    assert trl_config(RLOOConfig, params, tmp_path / "out", trust_remote_code=True).trust_remote_code is True
+    assert trl_config(RLOOConfig, params, tmp_path / "out").trust_remote_code is False
+    trl_config(ORPOConfig, params, tmp_path / "out", trust_remote_code=True)  # no such field: not passed

@@ -167,6 +167,12 @@ def test_policy_losses_trl_refuses_fail_with_the_params(tmp_path, repo_params):
     params["policy"]["grpo"]["loss_type"] = "dr_grpo"
     params["policy"]["dpo"]["label_smoothing"] = 1e-3
     stages.load_all(write_params(tmp_path, params))
+    params["policy"]["dpo"]["loss_type"] = "sigmoid"  # TRL's sigmoid loss never reads label_smoothing
+    (problem,) = params_error(write_params(tmp_path, params)).problems
+    assert problem.startswith("policy.dpo: Value error, label_smoothing 0.001: not read by loss_type sigmoid")
+    params["policy"]["dpo"]["loss_type"] = "robust"
+    stages.load_all(write_params(tmp_path, params))
+    params["policy"]["dpo"]["label_smoothing"] = 0.0
     params["policy"]["dpo"]["loss_type"] = ["sigmoid", "sft"]  # with the default sft_weight 5: NLL twice
     (problem,) = params_error(write_params(tmp_path, params)).problems
     assert problem.startswith("policy.dpo: Value error, loss_type lists sft and sft_weight is 5.0")

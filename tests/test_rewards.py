@@ -234,3 +234,25 @@ def test_check_params_names_a_reward_path_that_holds_no_such_scorer(tmp_path, mo
         "policy.grpo.rewards[5].uncertainty_penalty: the ensemble's spread is 0 with rm.num_members 1, so the "
         "penalty does nothing; train several members (rm.num_members), or remove it",
     ]
+
+
+def test_an_answer_reward_on_prompts_without_answers_fails_before_any_model(tmp_path, monkeypatch):
+    """GRPO with answer_match on the user's prompts without an answer column failed inside
+    TRL's first training step; with a column of empty answers it trained to the end on a
+    reward of 0. Both fail in the policy stage before a model loads, naming the reward."""
+    import pandas as pd
+
+    from rlhf.data.contracts import DataValidationError
+    from stages.policy import Config, check_answer_rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/prepared").mkdir(parents=True)
+    grpo = Config().grpo  # rewards: answer_match (and format)
+    for table in ({"prompt": ["a?", "b?"]}, {"prompt": ["a?", "b?"], "answer": [None, None]}):
+        pd.DataFrame(table).to_parquet("data/prepared/prompts.parquet")
+        with pytest.raises(DataValidationError, match=r"no prompt has an answer, and policy.grpo.rewards\[0\]"):
+            check_answer_rewards(grpo, "grpo")
+    pd.DataFrame({"prompt": ["a?", "b?"], "answer": [None, "3"]}).to_parquet("data/prepared/prompts.parquet")
+    check_answer_rewards(grpo, "grpo")
+    pd.DataFrame({"prompt": ["a?"]}).to_parquet("data/prepared/prompts.parquet")
+    check_answer_rewards(grpo.model_copy(update={"rewards": SPECS.validate_python([{"name": "length"}])}), "grpo")

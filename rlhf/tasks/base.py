@@ -29,6 +29,11 @@ class Task:
     # other key set in params is an error for this kind).
     settings: tuple[str, ...] = ()
 
+    def identity(self) -> dict:
+        """The kind and its settings, as text: what decides how answers and steps are read
+        (a checkpoint of a run whose rewards read them resumes only under the same)."""
+        return {"kind": self.name, **{key: str(getattr(self, key, None)) for key in self.settings}}
+
     def normalize_prompt(self, prompt: str) -> str:
         """A prompt as the model was trained to see it (e.g. a trailing newline)."""
         return prompt

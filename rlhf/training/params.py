@@ -165,12 +165,21 @@ class OfflineParams(TrainingParams):
     )
 
 
+# The DPO losses of TRL 1.16 that read label_smoothing (trl/trainer/dpo_trainer.py, dpo_loss).
+LABEL_SMOOTHING_LOSSES = ("robust", "exo_pair", "aot", "aot_unpaired")
+
+
 class DPOParams(OfflineParams):
     """Direct preference optimisation: -log sigmoid(beta * (log-ratio chosen - log-ratio rejected))."""
 
     loss_type: str | list[str] = Field("sigmoid", description="sigmoid | ipo | hinge | any TRL DPO loss type")
     beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO: assumed label noise")
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="assumed label noise: read by loss types robust, exo_pair, aot, aot_unpaired only",
+    )
     sft_weight: float = Field(
         5.0,
         ge=0,
@@ -191,6 +200,11 @@ class DPOParams(OfflineParams):
     @model_validator(mode="after")
     def _losses_trl_accepts_once(self):
         names = [self.loss_type] if isinstance(self.loss_type, str) else self.loss_type
+        if self.label_smoothing and not set(names) & set(LABEL_SMOOTHING_LOSSES):
+            raise ValueError(
+                f"label_smoothing {self.label_smoothing}: not read by loss_type {self.loss_type} (TRL reads it for "
+                f"{', '.join(LABEL_SMOOTHING_LOSSES)} only); use one of those (robust: conservative DPO), or remove it"
+            )
         if "exo_pair" in names and self.label_smoothing == 0:
             raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper's value: 1e-3)")
         if "sft" in names and self.sft_weight:

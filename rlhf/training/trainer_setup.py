@@ -32,8 +32,14 @@ def precision() -> dict[str, bool]:
     return {"bf16": False, "fp16": False} if use_cpu() else current().training_precision()
 
 
-def trl_config(config_cls, params: TrainingParams, output_dir: Path, **extra: Any):
-    """A TRL `*Config` from our params, with CPU-safe precision and checkpointing."""
+def trl_config(config_cls, params: TrainingParams, output_dir: Path, trust_remote_code: bool = False, **extra: Any):
+    """A TRL `*Config` from our params, with CPU-safe precision and checkpointing.
+    `trust_remote_code` goes to the configs that have it: the trainers that load a frozen
+    reference (or a reward model) from the policy's path load custom code only with it."""
+    import dataclasses
+
+    if trust_remote_code and "trust_remote_code" in {f.name for f in dataclasses.fields(config_cls)}:
+        extra["trust_remote_code"] = True
     return config_cls(
         output_dir=str(output_dir),
         max_steps=params.max_steps,
@@ -114,10 +120,13 @@ def tracking_callbacks() -> list[TrainerCallback]:
     return [MLflowMetrics()]
 
 
-def fingerprint(config: Any, inputs: list[str | Path]) -> str:
-    """A key for checkpoints: the resolved config and the identity (size, mtime) of every
-    input file. A restarted run with the same key resumes; any change starts afresh."""
+def fingerprint(config: Any, inputs: list[str | Path], context: Any = None) -> str:
+    """A key for checkpoints: the resolved config, the identity (size, mtime) of every input
+    file, and `context` (other settings the run's steps depend on, e.g. the task a reward
+    reads answers with). A restarted run with the same key resumes; any change starts afresh."""
     digest = hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode())
+    if context is not None:
+        digest.update(json.dumps(context, sort_keys=True, default=str).encode())
     for root in inputs:
         root = Path(root)
         files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
