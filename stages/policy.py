@@ -320,8 +320,9 @@ def train_kto(config: Config, task: Task, params: KTOParams, out_dir: Path, stag
     }
     classes = reference_trainer(KTOConfig, KTOTrainer, params, trl_args)
     return train_trl(
-        config.trust_remote_code, params, UNPAIRED, classes, trl_args, out_dir, stage, length_key=KEY.format("kto")
-    )
+        config.trust_remote_code, params, UNPAIRED, classes, trl_args, out_dir, stage, length_key=KEY.format("kto"),
+        shuffle_rows=True,  # TRL reads KTO's rows in order (its KL term pairs neighbours)
+    )  # fmt: skip
 
 
 def train_online(
@@ -394,7 +395,7 @@ def train_ppo_method(
 
     tokenizer = load_tokenizer(SFT_DIR, config.trust_remote_code)
     # A prompt must leave max_new_tokens of max_length: the rollouts would cut its start.
-    table, dropped = fitting_rows(read_prepared(PROMPTS, stage), tokenizer, params.max_length, "policy.ppo.max_length",
+    table, counts = fitting_rows(read_prepared(PROMPTS, stage), tokenizer, params.max_length, "policy.ppo.max_length",
                                   PROMPTS, room=params.max_new_tokens)  # fmt: skip
     ewc_data = sft_ewc_examples(tokenizer, params, "policy.ppo.max_length")
     policy = load_causal_lm(SFT_DIR, config.trust_remote_code, what="models/sft", training=True)
@@ -437,7 +438,7 @@ def train_ppo_method(
         "steps": len(history),
         "processes": world_size(),
         "resumed": resumed,
-        "dropped_rows": dropped,
+        **counts,
     }
     if ewc is not None:
         metrics["ewc_penalty"] = ewc.penalty()

@@ -1,20 +1,31 @@
 """Stage `prm`: a process reward model that scores every step of a solution.
 
-In:  models/sft (or models/base), data/prepared/prm.parquet and prm_eval.parquet (prompt,
-     completions = the steps, labels = one bool per step; the final `answer N` line is a step).
+In:  models/<prm.init> (the verifier by default; sft or base), data/prepared/prm.parquet and
+     prm_eval.parquet (prompt, completions = the steps, labels = one bool per step; the final
+     answer line is a step) when the user gives step labels, else data/prepared/prompts.parquet
+     (labels derived by rollouts, `derive`).
 Out: models/prm (with prm.json naming its kind and the task's step separator; a classifier's
      LoRA adapter is merged on save), metrics/prm.json, plots/prm/loss.csv.
 
 Labels follow Math-Shepherd (Wang et al., 2024): a step is good while the chain is still on
-the way to the right answer; the first wrong step and everything after it are bad. The label
-of a step sits on the last token of the separator that follows it (rlhf.rewards.prm_classifier), so one forward
-pass scores every prefix. Departures from the paper: labels are exact (the built-in task
-checks each step) instead of estimated from Monte-Carlo rollouts, and the loss is a two-class
-cross-entropy at the step positions through transformers' `Trainer` (TRL has no PRM trainer).
+the way to the right answer; the first wrong step and everything after it are bad. Given
+labels are used as they are; without a prm file they are estimated as the paper does, by
+Monte-Carlo rollouts from each step (`derive`, rlhf.rewards.prm_labels: hard, any rollout
+reaches the answer; or soft, a share of them).
+
+Two kinds (`kind`):
+* `likelihood` (the default): the LM of `init` scores each step by how surprised it is,
+  with a calibration fitted on the labelled rows (rlhf.rewards.prm_likelihood); it trains
+  no weights, so the training keys are errors under it.
+* `classifier`: a token-classification head trained on the labels. The label of a step
+  sits on the last token of the separator that follows it (rlhf.rewards.prm_classifier),
+  so one forward pass scores every prefix; the loss is a two-class cross-entropy at the
+  step positions through transformers' `Trainer` (TRL has no PRM trainer). Checkpoints go
+  to checkpoints/prm/<fingerprint>/; a killed run resumes from the last.
 
 Metrics on the held-out rows: step accuracy, F1 of the bad and of the good steps (f1_bad is
 the headline), first-error accuracy, and outcome accuracy of each aggregation (min, prod,
-last). Checkpoints go to checkpoints/prm/<fingerprint>/; a killed run resumes from the last.
+last).
 
     python -m stages.process_reward_model
 """

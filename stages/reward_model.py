@@ -205,6 +205,15 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     pairs = read_prepared(data, "rm")
     start = time.perf_counter()
     if config.kind == "classifier":
+        from rlhf.models.folders import UnusableModelError
+        from rlhf.models.loading import token_classification_type
+
+        if unsupported := token_classification_type(resolve_model_dir(init), config.trust_remote_code, "Sequence"):
+            raise UnusableModelError(
+                f"rm.init {config.init!r} ({init}): rm.kind classifier puts a sequence-classification head on the "
+                f"model, and transformers has none for model type {unsupported!r}; set rm.kind: likelihood (it "
+                "scores with the LM itself)"
+            )
         # TRL's RewardTrainer leaves out pairs longer than max_length without a word: count
         # them the way it tokenizes (and fail here when that is every pair).
         _, dropped = pairs_dataset(tokenizer, pairs, config.max_length)

@@ -32,6 +32,7 @@ def train_trl(
     length_key: str | None = None,
     forced_bos: bool = False,
     context: dict | None = None,
+    shuffle_rows: bool = False,
     **trainer_kwargs,
 ) -> tuple[dict, list[dict]]:
     """Train the model in `start` (the SFT model unless given; a method with a reference
@@ -44,7 +45,10 @@ def train_trl(
     alone fills max_length (`fitting_rows`) and reports how many. `forced_bos`: the trainer
     puts a BOS before every prompt that lacks one (TRL's CPO and ORPO); it is kept to where
     the tokenizer puts one (`without_forced_bos`). `context`: what else the run's steps
-    depend on (the task its rewards read answers with), for the fingerprint."""
+    depend on (the task its rewards read answers with), for the fingerprint. `shuffle_rows`:
+    the table in an order drawn from `params.seed`, for a trainer that reads it in file
+    order (KTO: its KL term pairs each row with its neighbour in the batch, and a table
+    derived from pairs holds each prompt's chosen and rejected side by side)."""
     context = context or {}
     from datasets import Dataset
 
@@ -63,14 +67,19 @@ def train_trl(
     )
 
     tokenizer = load_tokenizer(start, trust_remote_code)
-    table, dropped = read_prepared(data, stage), None
+    table, counts = read_prepared(data, stage), {}
     if length_key is not None:
-        table, dropped = fitting_rows(table, tokenizer, params.max_length, length_key, data)
+        table, counts = fitting_rows(table, tokenizer, params.max_length, length_key, data)
+    if shuffle_rows:
+        table = table.sample(frac=1.0, random_state=params.seed).reset_index(drop=True)
     ewc_data = sft_ewc_examples(tokenizer, params, length_key or f"policy.{stage.split('@')[-1]}.max_length")
     trainer_tokenizer = tokenizer
     if forced_bos:
         trainer_tokenizer, table = without_forced_bos(tokenizer, table)
     model = load_causal_lm(start, trust_remote_code, what=start.as_posix(), training=True)
+    section = (length_key or f"policy.{stage.split('@')[-1]}.max_length").rsplit(".", 1)[0]
+    refuses_head = trl_classes[1].__name__ in ("DPOTrainer", "KTOTrainer")  # they raise on an adapted lm_head
+    params.lora.check_targets(model, f"{section}.lora.target_modules", output_layer=not refuses_head)
     dataset = Dataset.from_pandas(table, preserve_index=False)
     key = fingerprint(
         params,
@@ -106,8 +115,7 @@ def train_trl(
     }
     if ewc is not None:
         metrics["ewc_penalty"] = penalty
-    if dropped is not None:
-        metrics["dropped_rows"] = dropped
+    metrics |= counts
     if hasattr(trainer, "ref_cache_hit"):
         metrics["ref_logps_cache_hit"] = trainer.ref_cache_hit
     return metrics, log_history_rows(history, logged)
@@ -115,20 +123,43 @@ def train_trl(
 
 def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: int = 1):
     """(`table` without the rows whose prompt, tokenized as it is trained and sampled, leaves
-    fewer than `room` of `max_length` tokens for the completion, how many were dropped).
-    TRL's DPO and KTO drop rows whose prompt fills max_length without a count, CPO (SimPO)
+    fewer than `room` of `max_length` tokens for the completion, and the counts:
+    `dropped_rows`, `truncated_rows` (kept rows whose longest response TRL cuts at
+    max_length), and for pairs `indistinct_pairs`: those whose chosen and rejected are the
+    same tokens once cut, so that they carry no preference). TRL's DPO and KTO drop rows
+    whose prompt fills max_length without a count and cut the others silently, CPO (SimPO)
     and ORPO cut their completions to nothing, whose mean log-prob is then 0/0 and turns
     every weight into NaN, and PPO's rollouts (room: max_new_tokens) would cut the prompt's
-    start. None fitting is an error naming `key` (`length_report`, as SFT's)."""
+    start. None fitting is an error naming `key` (`length_report`, as SFT's). A response
+    given as messages is counted by its contents (its template's tokens left out)."""
     from rlhf.models.generation import format_prompt
     from rlhf.training.trainer_setup import length_report
 
-    lengths = [
-        len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in table["prompt"]
-    ]
+    def tokens(text) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    lengths = [len(tokens(format_prompt(tokenizer, p))) for p in table["prompt"]]
+    responses = [c for c in ("chosen", "rejected", "completion") if c in table]
+    answers = {c: [tokens(response_text(r)) for r in table[c]] for c in responses}
+    full = [n + max((len(answers[c][i]) + 1 for c in responses), default=0) for i, n in enumerate(lengths)]
     keep = [n + room <= max_length for n in lengths]
-    dropped = length_report([(n, n) for n in lengths], keep, max_length, key, path, room)["dropped_rows"]
-    return table[keep].reset_index(drop=True), dropped
+    counts = length_report(list(zip(lengths, full)), keep, max_length, key, path, room)
+    if "chosen" in answers and "rejected" in answers:
+        counts["indistinct_pairs"] = sum(
+            kept and chosen[: max_length - n] == rejected[: max_length - n]
+            for kept, n, chosen, rejected in zip(keep, lengths, answers["chosen"], answers["rejected"])
+        )
+        if counts["indistinct_pairs"]:
+            print(
+                f"{key} {max_length}: {counts['indistinct_pairs']} pairs of {path} have chosen and rejected alike up "
+                f"to where max_length cuts them: they carry no preference; raise {key}"
+            )
+    return table[keep].reset_index(drop=True), counts
+
+
+def response_text(response) -> str:
+    """A response as text: itself, or the contents of its messages."""
+    return response if isinstance(response, str) else "".join(m["content"] for m in response)
 
 
 def without_forced_bos(tokenizer, table):
@@ -137,12 +168,21 @@ def without_forced_bos(tokenizer, table):
     the pipeline samples and scores a prompt as the tokenizer's default (and DPO, KTO and
     SFT) reads it (`format_prompt`). So they get a copy of the tokenizer without a BOS
     token, and plain-text prompts carry the BOS in their text when the tokenizer puts one
-    before text (Llama-style); chat prompts keep what their template writes."""
+    before text (Llama-style). Conversations are rendered to text here, by the tokenizer's
+    own template (TRL's `maybe_apply_chat_template`, as the trainers would): rendered by
+    the copy, a template's `{{ bos_token }}` (Llama 3, Gemma, Mistral) would write nothing,
+    and the trained prompt would lack the BOS that sampling puts there."""
     import copy
+
+    import pandas as pd
+    from trl.data_utils import maybe_apply_chat_template
 
     from rlhf.models.generation import text_start
 
-    start = text_start(tokenizer)
+    chat = len(table) and not isinstance(table["prompt"].iloc[0], str)
+    if chat:  # the template writes whatever BOS it wants: nothing more is put before it
+        table = pd.DataFrame([maybe_apply_chat_template(row, tokenizer) for row in table.to_dict("records")])
+    start = "" if chat else text_start(tokenizer)
     trainer_tokenizer = copy.deepcopy(tokenizer)
     trainer_tokenizer.bos_token = None
     if start:

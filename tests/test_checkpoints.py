@@ -97,3 +97,48 @@ def test_a_checkpoint_resumes_only_under_the_same_task_and_trust(tmp_path):
     assert trl_config(RLOOConfig, params, tmp_path / "out", trust_remote_code=True).trust_remote_code is True
     assert trl_config(RLOOConfig, params, tmp_path / "out").trust_remote_code is False
     trl_config(ORPOConfig, params, tmp_path / "out", trust_remote_code=True)  # no such field: not passed
+
+
+def test_offline_rows_cut_at_max_length_are_counted_and_pairs_cut_alike_are_named(tmp_path, capsys):
+    """TRL cuts prompt + response at max_length without a word: the cut rows were counted 0
+    (the prompt's length was passed as the whole row's), and pairs whose chosen and
+    rejected differ only after the cut carried no preference unnoticed."""
+    import pandas as pd
+
+    from rlhf.models.loading import build_tokenizer
+    from stages.trl_training import fitting_rows
+
+    tokenizer = build_tokenizer()  # one token a character
+    table = pd.DataFrame(
+        {
+            "prompt": ["1+2\n", "3+4\n", "9+9+9+9+9+9\n"],
+            "chosen": ["1+2=3; answer 3", "3+4=7; answer 7", "x"],
+            "rejected": ["1+2=3; answer 4", "3+4=8; answer 8", "y"],
+        }
+    )
+    # max_length 16: prompts of 4 tokens leave 12; "1+2=3; answer 3" (15) is cut after "1+2=3; answe" in
+    # both sides (alike), "3+4=7; ..." differs at its fifth token; the 12-token prompt fills 16 - room
+    kept, counts = fitting_rows(table, tokenizer, 16, "policy.dpo.max_length", tmp_path / "prefs.parquet", room=5)
+    assert counts == {"truncated_rows": 2, "dropped_rows": 1, "indistinct_pairs": 1}
+    assert len(kept) == 2
+    assert "1 pairs of" in capsys.readouterr().out
+    _, roomy = fitting_rows(table, tokenizer, 64, "policy.dpo.max_length", tmp_path / "prefs.parquet")
+    assert roomy == {"truncated_rows": 0, "dropped_rows": 0, "indistinct_pairs": 0}
+
+
+def test_lora_target_modules_the_model_lacks_fail_naming_the_key():
+    """A typo in lora.target_modules failed inside peft (NoMatchingPeftModuleError), and an
+    adapter on lm_head inside TRL's DPO trainer, both with a traceback naming no key."""
+    from rlhf.models.loading import build_tiny_model, build_tokenizer
+    from rlhf.params import ParamsError
+    from rlhf.training.params import LoraParams
+
+    model = build_tiny_model("micro", build_tokenizer(), seed=0)
+    key = "policy.dpo.lora.target_modules"
+    with pytest.raises(ParamsError, match=r"policy.dpo.lora.target_modules: \['q_prj'\] match no module .*q_proj"):
+        LoraParams(enabled=True, target_modules=["q_prj", "v_proj"]).check_targets(model, key)
+    head = LoraParams(enabled=True, target_modules=["q_proj", "lm_head"])
+    head.check_targets(model, key)  # a trainer that can adapt it
+    with pytest.raises(ParamsError, match=r"lm_head is the output layer, which this trainer cannot adapt"):
+        head.check_targets(model, key, output_layer=False)
+    LoraParams(enabled=True).check_targets(model, key, output_layer=False)  # all-linear: peft's own choice

@@ -228,9 +228,10 @@ def test_the_ewc_penalty_of_a_lora_run_is_reported_before_the_merge(sft_project,
     assert metrics["ewc_penalty"] > 0
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
 @pytest.mark.parametrize("bos_default", [False, True], ids=["no-bos", "llama-bos"])
 @pytest.mark.parametrize("method", ["simpo", "orpo"])
-def test_simpo_and_orpo_train_on_the_prompt_tokens_generation_reads(method, bos_default):
+def test_simpo_and_orpo_train_on_the_prompt_tokens_generation_reads(method, bos_default, chat):
     """TRL's CPO and ORPO put a BOS before every prompt that lacks one, whatever the
     tokenizer's default. The pipeline samples a prompt as the tokenizer reads text by
     default (`format_prompt`): no BOS for the built-in tokenizer, one for a Llama-style
@@ -252,6 +253,19 @@ def test_simpo_and_orpo_train_on_the_prompt_tokens_generation_reads(method, bos_
     table = pd.DataFrame(
         {"prompt": ["12+7\n", "3+4+5\n"], "chosen": ["answer 19", "answer 12"], "rejected": ["answer 1", "answer 2"]}
     )
+    if chat:  # a template that writes the BOS itself (Llama 3's, Gemma's): the trained prompt keeps it
+        tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+
+        def turn(role, text):
+            return [{"role": role, "content": text}]
+
+        table = pd.DataFrame(
+            {
+                "prompt": [turn("user", p) for p in table["prompt"]],
+                "chosen": [turn("assistant", c) for c in table["chosen"]],
+                "rejected": [turn("assistant", r) for r in table["rejected"]],
+            }
+        )
     trainer_tokenizer, trained = without_forced_bos(tokenizer, table)
     if method == "simpo":
         from trl.experimental.cpo import CPOConfig as Config
@@ -267,5 +281,5 @@ def test_simpo_and_orpo_train_on_the_prompt_tokens_generation_reads(method, bos_
     for row, prompt in zip(trainer.train_dataset, table["prompt"]):
         read = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
         assert row["prompt_input_ids"] == read
-        assert (read[0] == tokenizer.bos_token_id) == bos_default
+        assert (read[0] == tokenizer.bos_token_id) == (bos_default or chat)
         assert row["chosen_input_ids"][: len(read)] == read

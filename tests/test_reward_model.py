@@ -326,3 +326,24 @@ def test_members_are_read_in_number_order(tmp_path):
     for index in range(12):
         (tmp_path / f"member_{index}").mkdir()
     assert [p.name for p in member_dirs(tmp_path)] == [f"member_{i}" for i in range(12)]
+
+
+def test_a_classifier_rm_on_an_architecture_without_a_sequence_head_fails_naming_the_kind(tmp_path, monkeypatch):
+    """transformers has no sequence-classification class for Granite: the classifier RM says
+    to use the likelihood kind before any training (it was transformers' raw error)."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    import stages.reward_model as stage
+    from rlhf.models.folders import UnusableModelError
+    from rlhf.models.loading import build_tokenizer, save_model
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = build_tokenizer()
+    config = GraniteConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    save_model(GraniteForCausalLM(config), tokenizer, tmp_path / "models/sft")
+    data, eval_data = write_pairs(tmp_path)
+    with pytest.raises(UnusableModelError, match=r"model type 'granite'; set rm.kind: likelihood"):
+        stage.run(stage.Config(kind="classifier"), get_task(), tmp_path / "models/sft", data, eval_data, tmp_path / "o")

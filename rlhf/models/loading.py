@@ -165,15 +165,17 @@ def load_reward_model(path: str | Path, trust_remote_code: bool = False, what: s
     return model.to(placement.device)
 
 
-def token_classification_type(path, trust_remote_code: bool = False) -> str | None:
-    """None when transformers (or the model's own code) has a token-classification class for
-    the model in `path`, else its model type: Gemma 3, OLMo, OPT and GPT-J have none."""
+def token_classification_type(path, trust_remote_code: bool = False, head: str = "Token") -> str | None:
+    """None when transformers (or the model's own code) has a `head` ("Token", or
+    "Sequence") classification class for the model in `path`, else its model type: Gemma 3,
+    OLMo, OPT and GPT-J have no token classifier; Granite and Cohere no sequence classifier."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto
 
+    names = getattr(modeling_auto, f"MODEL_FOR_{head.upper()}_CLASSIFICATION_MAPPING_NAMES")
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    custom = "AutoModelForTokenClassification" in (getattr(config, "auto_map", None) or {})
-    return None if custom or config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES else config.model_type
+    custom = f"AutoModelFor{head}Classification" in (getattr(config, "auto_map", None) or {})
+    return None if custom or config.model_type in names else config.model_type
 
 
 class DivergedError(RuntimeError):

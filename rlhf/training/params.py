@@ -53,6 +53,28 @@ class LoraParams(StageConfig):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
     target_modules: str | list[str] = Field("all-linear", description="modules to adapt")
 
+    def check_targets(self, model, key: str, output_layer: bool = True) -> None:
+        """Fail naming `key` (the params key of target_modules) when a listed module name is
+        no module of `model` (peft's matching: the name, or a dotted name ending in it), or,
+        with `output_layer` False, names the output layer (TRL's DPO and KTO refuse an
+        adapter there): raised before training, not from inside peft or TRL."""
+        if not self.enabled or isinstance(self.target_modules, str):
+            return
+        from rlhf.params import ParamsError
+
+        names = [name for name, _ in model.named_modules() if name]
+        problems = []
+        unknown = [t for t in self.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+        if unknown:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if not list(m.children())})
+            problems.append(f"{key}: {unknown} match no module of the model (its layers: {', '.join(leaves)})")
+        head = model.get_output_embeddings()
+        head_names = [n for n, m in model.named_modules() if m is head]
+        if not output_layer and head_names and head_names[0].rsplit(".", 1)[-1] in self.target_modules:
+            problems.append(f"{key}: {head_names[0]} is the output layer, which this trainer cannot adapt; remove it")
+        if problems:
+            raise ParamsError("params.yaml", problems)
+
     def peft_config(self, task_type: str = "CAUSAL_LM"):
         if not self.enabled:
             return None
