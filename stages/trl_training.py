@@ -71,7 +71,7 @@ def train_trl(
     if length_key is not None:
         table, counts = fitting_rows(table, tokenizer, params.max_length, length_key, data)
     if shuffle_rows:
-        table = table.sample(frac=1.0, random_state=params.seed).reset_index(drop=True)
+        table = seeded_order(table, params.seed)
     ewc_data = sft_ewc_examples(tokenizer, params, length_key or f"policy.{stage.split('@')[-1]}.max_length")
     trainer_tokenizer = tokenizer
     if forced_bos:
@@ -155,6 +155,11 @@ def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: 
                 f"to where max_length cuts them: they carry no preference; raise {key}"
             )
     return table[keep].reset_index(drop=True), counts
+
+
+def seeded_order(table, seed: int):
+    """`table`'s rows in an order drawn from `seed` (the same for the same seed)."""
+    return table.sample(frac=1.0, random_state=seed).reset_index(drop=True)
 
 
 def response_text(response) -> str:

@@ -142,3 +142,26 @@ def test_lora_target_modules_the_model_lacks_fail_naming_the_key():
     with pytest.raises(ParamsError, match=r"lm_head is the output layer, which this trainer cannot adapt"):
         head.check_targets(model, key, output_layer=False)
     LoraParams(enabled=True).check_targets(model, key, output_layer=False)  # all-linear: peft's own choice
+
+
+def test_kto_rows_derived_from_pairs_are_not_read_side_by_side():
+    """prepare derives KTO's unpaired rows from pairs, each prompt's chosen and rejected side
+    by side, and TRL's KTO reads them in file order, pairing each row's prompt with its
+    neighbour's completion for the KL term: half of those were the prompt's own other
+    answer, in the same order whatever policy.kto.seed. The stage reads them in an order
+    drawn from the seed."""
+    import pandas as pd
+
+    from stages.trl_training import seeded_order
+
+    rows = [(f"p{i}", side, side == "chosen") for i in range(200) for side in ("chosen", "rejected")]
+    table = pd.DataFrame(rows, columns=["prompt", "completion", "label"])
+
+    def neighbours_alike(frame) -> float:
+        prompts = frame["prompt"].tolist()
+        return sum(a == b for a, b in zip(prompts, prompts[1:] + prompts[:1])) / len(prompts)
+
+    assert neighbours_alike(table) == 0.5
+    first, again, other = seeded_order(table, 0), seeded_order(table, 0), seeded_order(table, 1)
+    assert neighbours_alike(first) < 0.05 and first.equals(again) and not first.equals(other)
+    assert sorted(map(tuple, first.values.tolist())) == sorted(map(tuple, table.values.tolist()))
