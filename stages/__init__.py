@@ -269,20 +269,18 @@ def input_problems(params: dict) -> list[str]:
         one under models/ that no stage writes (a typo), named before any stage trains; and
         an uncertainty penalty on an ensemble of one member (its std is 0: no penalty)."""
         path = getattr(reward, "path", None)
-        if path is not None and (problem := scorer_problem(reward.name, path)):
+        if path is None:
+            if getattr(reward, "uncertainty_penalty", 0) > 0 and params["rm"].num_members == 1:
+                problems.append(
+                    f"{key}.uncertainty_penalty: the ensemble's spread is 0 with rm.num_members 1, so the penalty "
+                    "does nothing; train several members (rm.num_members), or remove it"
+                )
+            return
+        written = REWARD_MODEL_DIRS[reward.name]
+        if problem := scorer_problem(reward.name, path):
             problems.append(f"{key}.path: {problem}")
-        elif (
-            path is not None
-            and not Path(path).exists()
-            and Path(path).parts[:1] == (MODELS_DIR.name,)
-            and Path(path) != (written := REWARD_MODEL_DIRS[reward.name])
-        ):
+        elif not Path(path).exists() and Path(path).parts[:1] == (MODELS_DIR.name,) and Path(path) != written:
             problems.append(f"{key}.path: {path} does not exist, and no stage writes it (the pipeline's is {written})")
-        if getattr(reward, "uncertainty_penalty", 0) > 0 and path is None and params["rm"].num_members == 1:
-            problems.append(
-                f"{key}.uncertainty_penalty: the ensemble's spread is 0 with rm.num_members 1, so the penalty does "
-                "nothing; train several members (rm.num_members), or remove it"
-            )
 
     def need_answers(what: str, key: str) -> None:
         if not task.checks_answers:

@@ -206,9 +206,9 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     start = time.perf_counter()
     if config.kind == "classifier":
         from rlhf.models.folders import UnusableModelError
-        from rlhf.models.loading import token_classification_type
+        from rlhf.models.loading import missing_classifier_type
 
-        if unsupported := token_classification_type(resolve_model_dir(init), config.trust_remote_code, "Sequence"):
+        if unsupported := missing_classifier_type(resolve_model_dir(init), config.trust_remote_code, "Sequence"):
             raise UnusableModelError(
                 f"rm.init {config.init!r} ({init}): rm.kind classifier puts a sequence-classification head on the "
                 f"model, and transformers has none for model type {unsupported!r}; set rm.kind: likelihood (it "

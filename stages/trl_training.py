@@ -49,7 +49,6 @@ def train_trl(
     the table in an order drawn from `params.seed`, for a trainer that reads it in file
     order (KTO: its KL term pairs each row with its neighbour in the batch, and a table
     derived from pairs holds each prompt's chosen and rejected side by side)."""
-    context = context or {}
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
@@ -72,19 +71,20 @@ def train_trl(
         table, counts = fitting_rows(table, tokenizer, params.max_length, length_key, data)
     if shuffle_rows:
         table = seeded_order(table, params.seed)
-    ewc_data = sft_ewc_examples(tokenizer, params, length_key or f"policy.{stage.split('@')[-1]}.max_length")
+    max_length_key = length_key or f"policy.{stage.split('@')[-1]}.max_length"  # names the section in messages
+    ewc_data = sft_ewc_examples(tokenizer, params, max_length_key)
     trainer_tokenizer = tokenizer
     if forced_bos:
         trainer_tokenizer, table = without_forced_bos(tokenizer, table)
     model = load_causal_lm(start, trust_remote_code, what=start.as_posix(), training=True)
-    section = (length_key or f"policy.{stage.split('@')[-1]}.max_length").rsplit(".", 1)[0]
     refuses_head = trl_classes[1].__name__ in ("DPOTrainer", "KTOTrainer")  # they raise on an adapted lm_head
-    params.lora.check_targets(model, f"{section}.lora.target_modules", output_layer=not refuses_head)
+    lora_key = max_length_key.rsplit(".", 1)[0] + ".lora.target_modules"
+    params.lora.check_targets(model, lora_key, output_layer=not refuses_head)
     dataset = Dataset.from_pandas(table, preserve_index=False)
     key = fingerprint(
         params,
         [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])],
-        {**context, "trust": trust_remote_code},
+        {**(context or {}), "trust": trust_remote_code},
     )
     config_cls, trainer_cls = trl_classes
     args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), trust_remote_code, **trl_args)
@@ -133,6 +133,7 @@ def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: 
     start. None fitting is an error naming `key` (`length_report`, as SFT's). A response
     given as messages is counted by its contents (its template's tokens left out)."""
     from rlhf.models.generation import format_prompt
+    from rlhf.rewards.functions import completion_text
     from rlhf.training.trainer_setup import length_report
 
     def tokens(text) -> list[int]:
@@ -140,7 +141,7 @@ def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: 
 
     lengths = [len(tokens(format_prompt(tokenizer, p))) for p in table["prompt"]]
     responses = [c for c in ("chosen", "rejected", "completion") if c in table]
-    answers = {c: [tokens(response_text(r)) for r in table[c]] for c in responses}
+    answers = {c: [tokens(completion_text(r)) for r in table[c]] for c in responses}
     full = [n + max((len(answers[c][i]) + 1 for c in responses), default=0) for i, n in enumerate(lengths)]
     keep = [n + room <= max_length for n in lengths]
     counts = length_report(list(zip(lengths, full)), keep, max_length, key, path, room)
@@ -160,11 +161,6 @@ def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: 
 def seeded_order(table, seed: int):
     """`table`'s rows in an order drawn from `seed` (the same for the same seed)."""
     return table.sample(frac=1.0, random_state=seed).reset_index(drop=True)
-
-
-def response_text(response) -> str:
-    """A response as text: itself, or the contents of its messages."""
-    return response if isinstance(response, str) else "".join(m["content"] for m in response)
 
 
 def without_forced_bos(tokenizer, table):

@@ -165,7 +165,7 @@ def load_reward_model(path: str | Path, trust_remote_code: bool = False, what: s
     return model.to(placement.device)
 
 
-def token_classification_type(path, trust_remote_code: bool = False, head: str = "Token") -> str | None:
+def missing_classifier_type(path, trust_remote_code: bool = False, head: str = "Token") -> str | None:
     """None when transformers (or the model's own code) has a `head` ("Token", or
     "Sequence") classification class for the model in `path`, else its model type: Gemma 3,
     OLMo, OPT and GPT-J have no token classifier; Granite and Cohere no sequence classifier."""

@@ -37,7 +37,7 @@ from transformers import AutoModelForTokenClassification, DataCollatorForTokenCl
 
 from rlhf.models.folders import PRM_FILE, UnusableModelError, check_model_dir, resolve_model_dir
 from rlhf.models.generation import format_prompt
-from rlhf.models.loading import load_tokenizer, save_model, token_classification_type
+from rlhf.models.loading import load_tokenizer, missing_classifier_type, save_model
 from rlhf.rewards.steps import DEFAULT_SEPARATOR, StepScorer, locate_steps
 from rlhf.training.params import LoraParams, TrainingParams
 from rlhf.training.trainer_setup import tracking_callbacks, trl_config
@@ -128,7 +128,7 @@ def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str 
     from rlhf.models.compute import current
 
     path = check_model_dir(resolve_model_dir(path), what)
-    unsupported = token_classification_type(path, trust_remote_code)
+    unsupported = missing_classifier_type(path, trust_remote_code)
     if unsupported:
         raise UnusableModelError(
             f"{what} {path}: prm.kind classifier puts a token-classification head on the model, and transformers "

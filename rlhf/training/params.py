@@ -68,10 +68,11 @@ class LoraParams(StageConfig):
         if unknown:
             leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if not list(m.children())})
             problems.append(f"{key}: {unknown} match no module of the model (its layers: {', '.join(leaves)})")
-        head = model.get_output_embeddings()
-        head_names = [n for n, m in model.named_modules() if m is head]
-        if not output_layer and head_names and head_names[0].rsplit(".", 1)[-1] in self.target_modules:
-            problems.append(f"{key}: {head_names[0]} is the output layer, which this trainer cannot adapt; remove it")
+        if not output_layer:
+            head = model.get_output_embeddings()
+            name = next((n for n, m in model.named_modules() if m is head), None)
+            if name is not None and name.rsplit(".", 1)[-1] in self.target_modules:
+                problems.append(f"{key}: {name} is the output layer, which this trainer cannot adapt; remove it")
         if problems:
             raise ParamsError("params.yaml", problems)
 

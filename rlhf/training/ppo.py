@@ -387,12 +387,12 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False):
     head (`ValueHeadModel`)."""
     from transformers import AutoModel
 
-    from rlhf.models.loading import token_classification_type
+    from rlhf.models.loading import missing_classifier_type
 
     path = check_model_dir(resolve_model_dir(path), "value model init")
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code, num_labels=1)
     config.classifier_dropout = 0.0
-    if token_classification_type(path, trust_remote_code):
+    if missing_classifier_type(path, trust_remote_code):
         body = AutoModel.from_pretrained(
             str(path), trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True
         )
