@@ -131,10 +131,8 @@ def table(results: list[dict]) -> str:
         for model in MODELS:
             values = [r["models"][model]["accuracy"] for r in runs]
             spread = statistics.stdev(values) if len(values) > 1 else 0.0
-            per_seed = "; ".join(
-                f"{r['models'][model]['accuracy']:.3f} [{r['models'][model]['low']:.3f}, {r['models'][model]['high']:.3f}]"
-                for r in runs
-            )
+            scores = [r["models"][model] for r in runs]
+            per_seed = "; ".join(f"{m['accuracy']:.3f} [{m['low']:.3f}, {m['high']:.3f}]" for m in scores)
             levels = runs[0]["models"][model]["by_operands"]
             by_level = " / ".join(
                 f"{statistics.mean(r['models'][model]['by_operands'][k] for r in runs):.3f}" for k in levels

@@ -276,11 +276,16 @@ def input_problems(params: dict) -> list[str]:
                     "does nothing; train several members (rm.num_members), or remove it"
                 )
             return
-        written = REWARD_MODEL_DIRS[reward.name]
-        if problem := scorer_problem(reward.name, path):
-            problems.append(f"{key}.path: {problem}")
+        scorer_path_problem(reward.name, path, f"{key}.path")
+
+    def scorer_path_problem(kind: str, path, key: str) -> None:
+        """A scorer folder a param names: one of another kind or a PRM of another step
+        separator, or one under models/ that no stage writes (a typo)."""
+        written = REWARD_MODEL_DIRS[kind]
+        if problem := scorer_problem(kind, path, task.step_separator if kind == "prm" else None):
+            problems.append(f"{key}: {problem}")
         elif not Path(path).exists() and Path(path).parts[:1] == (MODELS_DIR.name,) and Path(path) != written:
-            problems.append(f"{key}.path: {path} does not exist, and no stage writes it (the pipeline's is {written})")
+            problems.append(f"{key}: {path} does not exist, and no stage writes it (the pipeline's is {written})")
 
     def need_answers(what: str, key: str) -> None:
         if not task.checks_answers:
@@ -308,7 +313,9 @@ def input_problems(params: dict) -> list[str]:
         if method == "ppo" and settings.value_init == "rm":
             need_model("value_init rm", "reward_model", "policy.ppo.value_init")
     infer = params["infer"]
-    if "mcts" in infer.strategies and infer.prm is None:
+    if infer.prm is not None:
+        scorer_path_problem("prm", infer.prm, "infer.prm")
+    elif "mcts" in infer.strategies:
         need_model("strategy mcts", "prm", "infer.strategies")
     if "self_consistency" in infer.strategies and not task.checks_answers:
         problems.append(
@@ -329,7 +336,7 @@ def input_problems(params: dict) -> list[str]:
                     f"infer.best_of_n.rewards[{index}]: the format reward needs a pattern: task {task.name!r} "
                     "defines no format"
                 )
-            if getattr(reward, "path", None) is None:
+            if getattr(reward, "path", None) is None and not (reward.name == "prm" and infer.prm is not None):
                 need_model(f"best_of_n reward {reward.name}", reward.name, f"infer.best_of_n.rewards[{index}]")
             check_scorer(reward, f"infer.best_of_n.rewards[{index}]")
     harness = params["evaluate"].harness

@@ -2,12 +2,13 @@
 reported one: `test` when there is one, else the only suite).
 
 In:  the candidate named by `infer.candidate` (sft, a policy method, or merged), models/prm
-     and models/rm (scorers), data/prepared/eval/<suite>.parquet; params `infer`, `task`,
-     `compute`, `prepare.source`/`prepare.files` (which suite is reported).
+     (or `infer.prm`: MCTS's PRM and best-of-N's `prm` reward's) and models/rm (scorers),
+     data/prepared/eval/<suite>.parquet; params `infer`, `task`, `compute`,
+     `prepare.source`/`prepare.files` (which suite is reported).
 Out: reports/infer.json (DVC metrics): per strategy, accuracy, generated tokens per problem,
-     samples per problem and wall time, on the first `limit` problems of the suite (accuracy
-     with its 95% bootstrap interval over problems; null for a task without checkable
-     answers);
+     samples per problem and wall time (decoding and scoring; loading the strategy's own
+     models is not counted), on the first `limit` problems of the suite (accuracy with its
+     95% bootstrap interval over problems; null for a task without checkable answers);
      reports/infer_samples.json: the first few answers of each strategy, for reading.
 
 Strategies (rlhf.inference.strategies): greedy (the baseline), best_of_n (rerank N samples with the
@@ -77,46 +78,12 @@ def summarise(task: Task, answers: list, references: list, seconds: float) -> di
     }
 
 
-def check_same_tokenizer(path, tokenizer, key: str, trust_remote_code: bool, what: str) -> None:
-    """`path` (the speculative draft, an ensemble member) is a model directory whose
-    tokenizer is the candidate's: token ids pass between the two models (the target
-    verifies the draft's; the members' logits are added id by id), so they must mean the
-    same text. `what` says what to give instead."""
-    from rlhf.models.folders import UnusableModelError, check_model_dir, resolve_model_dir
-    from rlhf.models.loading import load_tokenizer
-
-    check_model_dir(resolve_model_dir(path), key)
-    theirs, ours = load_tokenizer(path, trust_remote_code).get_vocab(), tokenizer.get_vocab()
-    if theirs != ours:
-        differ = len(set(theirs.items()) ^ set(ours.items()))
-        raise UnusableModelError(
-            f"{key} {path}: its tokenizer is not the candidate's ({len(theirs)} tokens against {len(ours)}, "
-            f"{differ} token-id pairs not shared); {what}"
-        )
-
-
-def check_prm_separator(config: Config, task: Task) -> None:
-    """MCTS splits paths on the task's step separator and the PRM scores steps laid out with
-    its own: they must be the same (as refinement asks)."""
-    import json
-
-    from rlhf.models.folders import PRM_FILE
-
-    prm = Path(config.prm) if config.prm else PRM_DIR
-    settings = prm / PRM_FILE
-    separator = json.loads(settings.read_text()).get("separator") if settings.is_file() else None
-    if separator is not None and separator != task.step_separator:
-        raise ValueError(
-            f"infer.prm {prm}: the PRM splits steps on {separator!r} but the task on {task.step_separator!r} "
-            "(task.step_separator); MCTS needs the PRM trained for this task"
-        )
-
-
 def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     import pandas as pd
 
     from rlhf.data.contracts import read_prepared
-    from rlhf.inference.strategies import run_strategy
+    from rlhf.inference.inputs import check_inputs
+    from rlhf.inference.strategies import load_strategy
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
@@ -129,25 +96,18 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     candidate = model_dir(config.candidate)
     check_model_dir(resolve_model_dir(candidate), f"infer.candidate {config.candidate}")
     tokenizer = load_tokenizer(candidate, config.trust_remote_code)
-    # What a strategy reads besides the candidate, before any strategy runs.
-    trust = config.trust_remote_code
-    if "speculative" in config.strategies:
-        what = "give a smaller model of the candidate's family, trained with the same tokenizer"
-        check_same_tokenizer(config.speculative.draft, tokenizer, "infer.speculative.draft", trust, what)
     members = [str(model_dir(name)) for name in config.ensemble.members]
-    if "ensemble" in config.strategies:
-        for index, member in enumerate(members):
-            what = "ensemble members are models trained from the candidate's base (names under models/)"
-            check_same_tokenizer(member, tokenizer, f"infer.ensemble.members[{index}]", trust, what)
-    if "mcts" in config.strategies:
-        check_prm_separator(config, task)
-    model = load_causal_lm(candidate, config.trust_remote_code, what=f"infer.candidate {config.candidate}")
     config = config.model_copy(update={"ensemble": config.ensemble.model_copy(update={"members": members})})
+    # `infer.prm` is MCTS's PRM and best-of-N's `prm` reward's where that names no path.
+    scorers = {**REWARD_MODEL_DIRS, "prm": Path(config.prm) if config.prm else PRM_DIR}
+    check_inputs(config.strategies, config, tokenizer, task, scorers)
+    model = load_causal_lm(candidate, config.trust_remote_code, what=f"infer.candidate {config.candidate}")
     report = {"candidate": config.candidate, "suite": suite_name, "problems": len(prompts), "strategies": {}}
     samples = {}
     for name in config.strategies:
+        runner = load_strategy(name, config, task, scorers)  # its scorers, draft or members: not timed
         start = time.perf_counter()
-        answers = run_strategy(name, config, model, tokenizer, prompts, task, REWARD_MODEL_DIRS)
+        answers = runner(model, tokenizer, prompts)
         report["strategies"][name] = summarise(task, answers, references, time.perf_counter() - start)
         samples[name] = [{"prompt": p, "completion": a.completion} for p, a in zip(prompts[:5], answers)]
         values = report["strategies"][name].items()
@@ -155,7 +115,7 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
         if name == "self_consistency":
             # The full vote of the same budget: what early stopping is measured against.
             start = time.perf_counter()
-            full = run_strategy(name, config, model, tokenizer, prompts, task, REWARD_MODEL_DIRS, early_stop=False)
+            full = runner(model, tokenizer, prompts, early_stop=False)
             report["strategies"]["self_consistency_full"] = summarise(
                 task, full, references, time.perf_counter() - start
             )

@@ -500,7 +500,7 @@ def test_what_a_strategy_reads_besides_the_candidate_is_checked_before_any_strat
     save_model(build_tiny_model("micro", extended, seed=0), extended, tmp_path / "models/other")
     prm = tmp_path / "models/prm"
     save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, prm)
-    (prm / "prm.json").write_text(json.dumps({"kind": "likelihood", "separator": "\n\n", "weights": [0, 0, 0]}))
+    (prm / "prm.json").write_text(json.dumps({"kind": "likelihood", "step_separator": "\n\n", "weights": [0, 0]}))
     task = get_task()
 
     def fails(error, match, **settings):
@@ -514,7 +514,7 @@ def test_what_a_strategy_reads_besides_the_candidate_is_checked_before_any_strat
           strategies=["speculative"], speculative={"draft": str(tmp_path / "missing")})  # fmt: skip
     fails(UnusableModelError, rf"^infer.ensemble.members\[1\] models/other: {bad}",
           strategies=["greedy", "ensemble"], ensemble={"members": ["sft", "other"]})  # fmt: skip
-    fails(ValueError, r"^infer.prm models/prm: the PRM splits steps on '\\n\\n' but the task on '; '",
+    fails(UnusableModelError, r"^infer.prm models/prm: the PRM splits steps on '\\n\\n' but the task on '; '",
           strategies=["greedy", "mcts"])  # fmt: skip
     fails(ModelNotFoundError, r"^infer.candidate policy/grpo directory models/policy/grpo does not exist",
           candidate="policy/grpo")  # fmt: skip
@@ -550,3 +550,164 @@ def test_the_generate_command_takes_the_projects_task(tmp_path):
     assert command_task(None, str(tmp_path / "none.yaml")).name == "builtin"
     with pytest.raises(SystemExit, match=r"^--task regex: pattern: required by task kind 'regex'.*--params FILE"):
         command_task("regex", str(tmp_path / "none.yaml"))
+
+
+# ----------------------------------------------------------------------------- a user's model and folders
+
+
+@pytest.mark.slow
+def test_speculative_text_is_greedys_with_a_sentencepiece_tokenizer():
+    """With a Metaspace tokenizer (Llama 2, Mistral) the first generated token carries the
+    word-boundary space: decoding the new tokens alone dropped it (' 8.' read '8.'), so
+    speculative's text was not greedy's. Trained briefly so that the space is generated."""
+    from tests.test_prm import sentencepiece_like_tokenizer
+
+    tokenizer = sentencepiece_like_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    texts = [f"{a} plus {b} is {a + b}.</s>" for a in range(10) for b in range(5)]
+    batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False, padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(80):
+        loss = model(**batch, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    prompts = ["3 plus 4 is", "2 plus 1 is"]
+    plain = greedy(model, tokenizer, prompts, 8)
+    assert all(a.completion.startswith(" ") for a in plain), "the test needs a first token with its space"
+    assisted = speculative(model, build_tiny_model("micro", tokenizer, seed=1).eval(), tokenizer, prompts, 8)
+    assert [(a.completion, a.tokens) for a in assisted] == [(a.completion, a.tokens) for a in plain]
+
+
+@pytest.mark.slow
+def test_greedy_and_sampling_ignore_a_repetition_penalty_in_the_models_generation_config(tokenizer):
+    """Chat models often ship generation_config.json with a repetition penalty: greedy
+    would not be greedy (the logit ensemble of the model alone, pure argmax, would differ)
+    and samples would not come from the model's distribution. The project clears it."""
+    from rlhf.models.generation import sample
+
+    model = build_tiny_model("micro", tokenizer, seed=0).eval()
+    plain = generate(model, tokenizer, PROMPTS, 20)
+    drawn = sample(model, tokenizer, PROMPTS, 2, 20, 1.0, 8, seed=5)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.no_repeat_ngram_size = 2
+    batch = tokenizer(PROMPTS[:1], return_tensors="pt", add_special_tokens=False)
+    raw = model.generate(**batch, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    raw_text = tokenizer.decode(raw[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert raw_text != plain[0], "the penalty should change transformers' own greedy output"
+    assert generate(model, tokenizer, PROMPTS, 20) == plain
+    assert [a.completion for a in ensemble_logits([model], tokenizer, PROMPTS, 20)] == plain
+    assert sample(model, tokenizer, PROMPTS, 2, 20, 1.0, 8, seed=5) == drawn
+
+
+def test_mcts_expands_a_node_at_most_max_expansions_times(task, monkeypatch):
+    """A node whose every child turns out a dead end is widened again, up to
+    `max_expansions` expansions in all (it had one more)."""
+    from rlhf.models.generation import Generated
+
+    calls = Counter()
+
+    def next_steps(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed):
+        calls[steps] += 1
+        if steps == ():  # a new first step at each expansion of the root, which nothing continues
+            return Counter({f"1+{calls[steps]}={1 + calls[steps]}": k}), set(), 5
+        return Counter(), set(), 5
+
+    monkeypatch.setattr(strategies, "next_steps", next_steps)
+    monkeypatch.setattr(strategies, "prefix_text", lambda *args: "")
+    monkeypatch.setattr(strategies, "generate", lambda *args, **kwargs: Generated(["x"], [True], [1]))
+    scorer = lambda prompts, steps, finished=None: [[0.9] * len(s) for s in steps]  # noqa: E731
+    for most in (1, 2, 3):
+        calls.clear()
+        mcts(None, None, PROBLEM, task, scorer, MCTS(simulations=20, max_expansions=most), 8)
+        assert calls[()] == most
+
+
+def test_generate_command_members_do_not_swallow_the_prompt():
+    """The README's ensemble example: members comma-separated (or the flag repeated), the
+    prompt after them stays a prompt."""
+    args = parse_args(["--model", "m", "--strategy", "ensemble", "--members", "a,b", "12+7-3"])
+    assert (args.members, args.prompts) == (["a", "b"], ["12+7-3"])
+    args = parse_args(["--model", "m", "--members", "a", "--members", "b", "12+7-3"])
+    assert (args.members, args.prompts) == (["a", "b"], ["12+7-3"])
+
+
+def test_generate_command_names_the_flag_of_a_bad_value_or_folder_before_loading(tmp_path, micro_dir):
+    """A value out of range names its flag (not `best_of_n.n` after the model loaded); a
+    folder that is not there, or a member of another tokenizer, names its flag, as one
+    line (SystemExit), not a traceback."""
+    from rlhf.models.loading import save_model
+
+    def fails(match, *argv):
+        with pytest.raises(SystemExit, match=match):
+            generate_main(["--model", str(micro_dir), *argv, "12+7-3"])
+
+    fails(r"^--n: Input should be greater than or equal to 1", "--strategy", "best_of_n", "--prm", "p", "--n", "0")
+    fails(r"^--samples: Input should be greater than or equal to 1", "--samples", "0")
+    fails(r"^--temperature: Input should be greater than 0", "--temperature", "0")
+    fails(r"^--max-new-tokens: Input should be greater than 0", "--max-new-tokens", "0")
+    with pytest.raises(SystemExit, match=r"^--model directory .*absent does not exist"):
+        generate_main(["--model", str(tmp_path / "absent"), "12+7-3"])
+    absent = str(tmp_path / "absent")
+    fails(r"^--prm .*absent does not exist", "--strategy", "mcts", "--prm", absent)
+    fails(r"^--draft directory .*absent does not exist", "--strategy", "speculative", "--draft", absent)
+    other = build_tokenizer()
+    other.add_tokens(["<tool>"])
+    save_model(build_tiny_model("micro", other, seed=0), other, tmp_path / "other")
+    fails(r"^--members \(member 1\) .*other: its tokenizer is not the candidate's",
+          "--strategy", "ensemble", "--members", f"{micro_dir},{tmp_path / 'other'}")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_generate_command_chat_sends_the_prompt_through_the_chat_template(tmp_path, tokenizer, capsys):
+    """--chat: a model trained on conversations reads the prompt as a user message through
+    its chat template, as stage infer gives it a chat suite's prompt; without --chat, plain
+    text after the task's normalising."""
+    from rlhf.models.loading import save_model
+
+    chat = build_tokenizer()
+    chat.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    model = build_tiny_model("micro", chat, seed=0).eval()
+    save_model(model, chat, tmp_path / "chat")
+    generate_main(["--model", str(tmp_path / "chat"), "--max-new-tokens", "8", "--chat", "12+7-3"])
+    generate_main(["--model", str(tmp_path / "chat"), "--max-new-tokens", "8", "12+7-3"])
+    as_chat, as_text = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert as_chat["prompt"] == as_text["prompt"] == "12+7-3"
+    assert as_chat["completion"] == generate(model, chat, [[{"role": "user", "content": "12+7-3"}]], 8)[0]
+    assert as_text["completion"] == generate(model, chat, ["12+7-3\n"], 8)[0]
+
+
+def test_a_prm_of_another_separator_is_refused_wherever_it_would_score_steps(tmp_path, tokenizer, monkeypatch):
+    """A PRM as stage prm writes it (prm.json's `step_separator`), trained on other steps
+    than the task's: refused by stage infer for MCTS and for best-of-N's prm reward, by the
+    prm reward itself (policy training), and by check_params for `infer.prm`. `infer.prm`
+    is best-of-N's PRM too (it read models/prm whatever infer.prm said)."""
+    import pandas as pd
+
+    from rlhf.models.folders import UnusableModelError, scorer_problem
+    from rlhf.models.loading import save_model
+    from rlhf.rewards.functions import PRMReward
+    from rlhf.rewards.prm_classifier import load_prm_model, save_prm
+    from stages.infer import Config, run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/prepared/eval").mkdir(parents=True)
+    pd.DataFrame({"prompt": [PROBLEM], "answer": ["16"]}).to_parquet(tmp_path / "data/prepared/eval/test.parquet")
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, tmp_path / "models/sft")
+    save_prm(load_prm_model(tmp_path / "models/sft"), tokenizer, tmp_path / "models/lines_prm", "\n")
+    save_prm(load_prm_model(tmp_path / "models/sft"), tokenizer, tmp_path / "models/own_prm", "; ")
+    task = get_task()
+    wrong = r"models/lines_prm: the PRM splits steps on '\\n' but the task on '; '"
+    for strategy in ("mcts", "best_of_n"):
+        with pytest.raises(UnusableModelError, match=rf"^infer.prm {wrong}" if strategy == "mcts" else wrong):
+            run(Config(strategies=["greedy", strategy], prm="models/lines_prm"), task, "test")
+    with pytest.raises(UnusableModelError, match=rf"^reward prm {wrong}"):
+        PRMReward(name="prm", path="models/lines_prm").build(task, {})
+    assert scorer_problem("prm", "models/lines_prm", "; ").startswith("models/lines_prm: the PRM splits steps")
+    # No models/prm here: best-of-N reranks with infer.prm's.
+    report, _ = run(Config(strategies=["best_of_n"], prm="models/own_prm", best_of_n={"n": 2}), task, "test")
+    assert report["strategies"]["best_of_n"]["samples_per_problem"] == 2

@@ -336,6 +336,23 @@ def test_rollouts_mask_after_eos_and_record_the_sampling_logprobs(model_dir, tok
     close(rollout.logprobs, expected * mask)
 
 
+def test_rollouts_ignore_a_penalty_or_truncation_in_the_models_generation_config(model_dir, tokenizer):
+    """PPO's old log-probs are those of the tempered distribution: a repetition penalty,
+    top-k or min-p in the model's generation_config.json (chat models ship them) would
+    sample from another one. The same seed draws the same tokens with them as without."""
+    policy = load_causal_lm(model_dir)
+    prompts = ["1+2\n", "12+34-5\n"]
+    torch.manual_seed(0)
+    plain = generate_rollouts(policy, tokenizer, prompts, max_new_tokens=8, temperature=1.5)
+    policy.generation_config.repetition_penalty = 5.0
+    policy.generation_config.top_k = 2
+    policy.generation_config.min_p = 0.99  # the untrained model is near uniform: only its top tokens
+    torch.manual_seed(0)
+    shipped = generate_rollouts(policy, tokenizer, prompts, max_new_tokens=8, temperature=1.5)
+    assert torch.equal(shipped.response_ids, plain.response_ids)
+    close(shipped.logprobs, plain.logprobs)
+
+
 def test_score_completions_passes_row_fields_and_wraps_conversational_completions():
     seen = {}
 

@@ -256,3 +256,29 @@ def test_an_answer_reward_on_prompts_without_answers_fails_before_any_model(tmp_
     check_answer_rewards(grpo, "grpo")
     pd.DataFrame({"prompt": ["a?"]}).to_parquet("data/prepared/prompts.parquet")
     check_answer_rewards(grpo.model_copy(update={"rewards": SPECS.validate_python([{"name": "length"}])}), "grpo")
+
+
+def test_check_params_names_a_prm_of_another_separator_and_an_infer_prm_typo(tmp_path, monkeypatch):
+    """A PRM folder a param names that splits steps on another separator than the task's
+    scores other steps than the model writes (a reward's `path`, `infer.prm`); `infer.prm`
+    under models/ that no stage writes is a typo. Each is named before any stage runs."""
+    import json
+
+    from tests.conftest import params_problems, tiny_params
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models/lines_prm").mkdir(parents=True)
+    (tmp_path / "models/lines_prm/prm.json").write_text(json.dumps({"kind": "classifier", "step_separator": "\n"}))
+    data = tiny_params()
+    data["policy"]["online"] = ["grpo"]
+    data["policy"]["grpo"]["rewards"] = [{"name": "answer_match"}, {"name": "prm", "path": "models/lines_prm"}]
+    data["infer"]["prm"] = "models/prm_typo"
+    other = "models/lines_prm: the PRM splits steps on '\\n' but the task on '; ' (task.step_separator)"
+    found = [p for p in params_problems(tmp_path, data) if p.startswith(("policy.grpo.rewards", "infer"))]
+    assert [p.split(": it would")[0] for p in found] == [
+        f"policy.grpo.rewards[1].path: {other}",
+        "infer.prm: models/prm_typo does not exist, and no stage writes it (the pipeline's is models/prm)",
+    ]
+    data["infer"]["prm"] = "models/lines_prm"
+    found = [p for p in params_problems(tmp_path, data) if p.startswith("infer")]
+    assert [p.split(": it would")[0] for p in found] == [f"infer.prm: {other}"]

@@ -4,12 +4,15 @@
     rlhf-generate --model models/sft --strategy best_of_n --prm models/prm --n 8 "12+7-3"
     rlhf-generate --model models/sft --strategy mcts --prm models/prm "12+7-3"
     rlhf-generate --model models/sft --strategy speculative --draft models/draft "12+7-3"
-    rlhf-generate --model models/sft --strategy ensemble --members models/sft models/policy/dpo "12+7-3"
+    rlhf-generate --model models/sft --strategy ensemble --members models/sft,models/policy/dpo "12+7-3"
+    rlhf-generate --model my-chat-model --chat "What is 12+7-3?"
 
 (`python -m rlhf.inference.generate` is the same command.) Prompts come from the
 arguments or, with none, one per line on stdin; the task (the `task` block of the project's
 params.yaml, or `--task`, else the built-in one) puts them in the form the model was
-trained on and reads their answers and steps. Prints one JSON object per prompt:
+trained on and reads their answers and steps; `--chat` sends each as a user message
+through the model's chat template (for a model trained on conversations: without it the
+model reads plain text it never saw). Prints one JSON object per prompt:
 the completion, its answer, tokens generated and samples drawn. Every setting a flag does
 not give keeps the default of `rlhf.inference.settings.Strategies`, the same default that
 params.yaml `infer` has. Best-of-n reranks with the PRM (`--prm`) unless `--reward-model`
@@ -72,8 +75,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--simulations", type=int, help=f"mcts: simulations (default {defaults.mcts.simulations})")
     parser.add_argument("--draft", help="speculative: the draft model directory")
-    parser.add_argument("--members", nargs="+", help="ensemble: member model directories")
+    parser.add_argument(
+        "--members",
+        action="extend",
+        type=lambda value: [path for path in value.split(",") if path],
+        help="ensemble: member model directories, comma-separated (or the flag repeated)",
+    )
     parser.add_argument("--ensemble-mode", choices=("logits", "vote"), help=f"default {defaults.ensemble.mode}")
+    parser.add_argument(
+        "--chat", action="store_true", help="send each prompt as a user message through the chat template"
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
     return parser.parse_args(argv)
 
@@ -125,29 +136,64 @@ def command_task(kind: str | None, params_path: str):
         ) from None
 
 
+# A settings field -> the flag that gives it (for errors that name what the user typed).
+_FLAGS = {where: "--" + flag.replace("_", "-") for flag, where in _SETTINGS.items()}
+_KEYS = {
+    "draft": "--draft",
+    "member": "--members (member {index})",
+    "prm": "--prm",
+    "reward": "best_of_n's scorer (--prm or --reward-model)",
+}
+
+
+def checked_settings(args: argparse.Namespace) -> Strategies:
+    """`settings_from`, with a value out of range failing as an error that names its flag."""
+    from pydantic import ValidationError
+
+    try:
+        return settings_from(args)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = tuple(str(part) for part in first["loc"])
+        flag = "--temperature" if where[-1:] == ("temperature",) else _FLAGS.get(where, ".".join(where))
+        raise SystemExit(f"{flag}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.strategy == "speculative" and not args.draft:
         raise SystemExit("--strategy speculative needs --draft DIR (a smaller model with the same tokenizer)")
     if args.strategy == "ensemble" and len(args.members or []) < 2:
-        raise SystemExit("--strategy ensemble needs --members DIR DIR [...]")
+        raise SystemExit("--strategy ensemble needs --members DIR,DIR[,...]")
     if args.strategy == "mcts" and not args.prm:
         raise SystemExit("--strategy mcts needs --prm DIR (the pipeline writes models/prm)")
     if args.strategy == "best_of_n" and not (args.prm or args.reward_model):
         raise SystemExit("--strategy best_of_n needs a scorer: --prm DIR or --reward-model DIR")
-    from rlhf.inference.strategies import run_strategy
-    from rlhf.models.loading import load_causal_lm, load_tokenizer
-
+    settings = checked_settings(args)
     task = command_task(args.task, args.params)
     prompts = args.prompts or [line for line in sys.stdin.read().splitlines() if line.strip()]
-    prompts = [task.normalize_prompt(p) for p in prompts]
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    model = load_causal_lm(args.model, args.trust_remote_code, what="--model")
-    for prompt, answer in zip(
-        prompts, run_strategy(args.strategy, settings_from(args), model, tokenizer, prompts, task)
-    ):
+    shown = [p.strip() for p in prompts]
+    prompts = [[{"role": "user", "content": p}] if args.chat else task.normalize_prompt(p) for p in prompts]
+
+    from rlhf.inference.inputs import check_inputs
+    from rlhf.inference.strategies import load_strategy
+    from rlhf.models.folders import check_model_dir, resolve_model_dir
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.params import InputError
+
+    try:  # every folder the command reads, before any model loads
+        check_model_dir(resolve_model_dir(args.model), "--model")
+        tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+        check_inputs([args.strategy], settings, tokenizer, task, keys=_KEYS)
+        model = load_causal_lm(args.model, args.trust_remote_code, what="--model")
+        runner = load_strategy(args.strategy, settings, task)
+    except Exception as error:  # InputError is a mixin: its message alone says what to fix
+        if not isinstance(error, InputError):
+            raise
+        raise SystemExit(str(error)) from None
+    for prompt, answer in zip(shown, runner(model, tokenizer, prompts)):
         record = {
-            "prompt": prompt.strip(),
+            "prompt": prompt,
             "completion": answer.completion,
             "answer": task.extract_answer(answer.completion),
             "tokens": answer.tokens,

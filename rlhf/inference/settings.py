@@ -70,5 +70,9 @@ class Strategies(StageConfig):
     mcts: MCTS = Field(default_factory=MCTS, description="tree-search settings")
     speculative: Speculative = Field(default_factory=Speculative, description="speculative decoding settings")
     ensemble: Ensemble = Field(default_factory=Ensemble, description="ensemble settings")
-    prm: str | None = Field(None, description="process reward model directory (mcts); null = the caller's default")
+    prm: str | None = Field(
+        None,
+        description="process reward model directory: mcts's, and best_of_n's prm reward's where it names no path; "
+        "null = the caller's default (the stage's: models/prm)",
+    )
     trust_remote_code: bool = Field(False, description="allow custom modelling code")

@@ -29,6 +29,7 @@ import torch
 
 from rlhf.inference.settings import MCTS, STRATEGIES, BestOfN, SelfConsistency, Strategies
 from rlhf.models.generation import (
+    PLAIN_DECODING,
     check_fits,
     decode_continuations,
     ends,
@@ -265,7 +266,7 @@ def mcts(
                 break
             node = max(open_children, key=lambda child, parent=node: puct(parent, child, c_puct))
             path.append(node)
-        if not node.terminal and len(node.steps) < max_depth and node.expansions <= max_expansions:
+        if not node.terminal and len(node.steps) < max_depth and node.expansions < max_expansions:
             counted, final, generated = next_steps(
                 model,
                 tokenizer,
@@ -362,9 +363,11 @@ def speculative(
             max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=stop_token_ids(target, tokenizer),
+            **PLAIN_DECODING,
         )
-        new = output[0, batch["input_ids"].shape[1] :]
-        answers.append(Answer(tokenizer.decode(new, skip_special_tokens=True), len(new)))
+        length = batch["input_ids"].shape[1]
+        # Decoded as greedy decodes (a word-boundary space of the first token stays).
+        answers.append(Answer(decode_continuations(tokenizer, output, length)[0], output.shape[1] - length))
     return answers
 
 
@@ -453,6 +456,56 @@ def ensemble_vote(models: Sequence, tokenizer, prompts: Sequence, task: Task, ma
 # ----------------------------------------------------------------------------- settings and dispatch
 
 
+Runner = Callable[..., list[Answer]]  # (model, tokenizer, prompts, early_stop=True) -> answers
+
+
+def load_strategy(name: str, settings: Strategies, task: Task, model_dirs: ModelDirs | None = None) -> Runner:
+    """Strategy `name`, with the models it reads besides the candidate loaded (its scorers,
+    the draft, the ensemble members): a function of (model, tokenizer, prompts,
+    early_stop=True) that runs it, so that a strategy's time is its decoding, not its
+    loading. Ensemble members are model directories; `model_dirs` gives the scorers'
+    folders when the settings name none ({"prm": ..., "reward_model": ...}). A PRM must
+    split steps on the task's separator (`rlhf.rewards.prm.check_prm`)."""
+    budget, seed, trust = settings.max_new_tokens, settings.seed, settings.trust_remote_code
+    model_dirs = model_dirs or {}
+    if name == "greedy":
+        return lambda model, tokenizer, prompts, early_stop=True: greedy(model, tokenizer, prompts, budget)
+    if name == "best_of_n":
+        scorer = weighted_sum(*build_rewards(settings.best_of_n.rewards, task, model_dirs, trust))
+        return lambda model, tokenizer, prompts, early_stop=True: best_of_n(
+            model, tokenizer, prompts, scorer, settings.best_of_n, budget, seed
+        )
+    if name == "self_consistency":
+        return lambda model, tokenizer, prompts, early_stop=True: self_consistency(
+            model, tokenizer, prompts, task, settings.self_consistency, budget, early_stop, seed
+        )
+    if name == "mcts":
+        prm_dir = settings.prm or model_dirs.get("prm")
+        if prm_dir is None:
+            raise ValueError("strategy mcts needs a process reward model: set `prm` (the pipeline writes models/prm)")
+        prm = load_prm(prm_dir, trust, task.step_separator, key="mcts prm")
+        return lambda model, tokenizer, prompts, early_stop=True: [
+            mcts(model, tokenizer, prompt, task, prm.score_steps, settings.mcts, budget, seed + i)
+            for i, prompt in enumerate(prompts)
+        ]
+    if name == "speculative":
+        draft = load_causal_lm(settings.speculative.draft, trust, what="speculative draft")
+        tokens = settings.speculative.num_assistant_tokens
+        return lambda model, tokenizer, prompts, early_stop=True: speculative(
+            model, draft, tokenizer, prompts, budget, tokens
+        )
+    if name == "ensemble":
+        members = [load_causal_lm(path, trust, what=f"ensemble member {path}") for path in settings.ensemble.members]
+        if settings.ensemble.mode == "logits":
+            return lambda model, tokenizer, prompts, early_stop=True: ensemble_logits(
+                members, tokenizer, prompts, budget
+            )
+        return lambda model, tokenizer, prompts, early_stop=True: ensemble_vote(
+            members, tokenizer, prompts, task, budget
+        )
+    raise ValueError(f"unknown strategy {name!r}; expected one of {STRATEGIES}")
+
+
 def run_strategy(
     name: str,
     settings: Strategies,
@@ -463,33 +516,5 @@ def run_strategy(
     model_dirs: ModelDirs | None = None,
     early_stop: bool = True,
 ) -> list[Answer]:
-    """Run strategy `name` on `prompts`. Ensemble members are model directories;
-    `model_dirs` gives the scorers' folders when the settings name none
-    ({"prm": ..., "reward_model": ...})."""
-    budget, seed, trust = settings.max_new_tokens, settings.seed, settings.trust_remote_code
-    model_dirs = model_dirs or {}
-    if name == "greedy":
-        return greedy(model, tokenizer, prompts, budget)
-    if name == "best_of_n":
-        scorer = weighted_sum(*build_rewards(settings.best_of_n.rewards, task, model_dirs, trust))
-        return best_of_n(model, tokenizer, prompts, scorer, settings.best_of_n, budget, seed)
-    if name == "self_consistency":
-        return self_consistency(model, tokenizer, prompts, task, settings.self_consistency, budget, early_stop, seed)
-    if name == "mcts":
-        prm_dir = settings.prm or model_dirs.get("prm")
-        if prm_dir is None:
-            raise ValueError("strategy mcts needs a process reward model: set `prm` (the pipeline writes models/prm)")
-        prm = load_prm(prm_dir, trust)
-        return [
-            mcts(model, tokenizer, prompt, task, prm.score_steps, settings.mcts, budget, seed + i)
-            for i, prompt in enumerate(prompts)
-        ]
-    if name == "speculative":
-        draft = load_causal_lm(settings.speculative.draft, trust, what="speculative draft")
-        return speculative(model, draft, tokenizer, prompts, budget, settings.speculative.num_assistant_tokens)
-    if name == "ensemble":
-        members = [load_causal_lm(path, trust, what=f"ensemble member {path}") for path in settings.ensemble.members]
-        if settings.ensemble.mode == "logits":
-            return ensemble_logits(members, tokenizer, prompts, budget)
-        return ensemble_vote(members, tokenizer, prompts, task, budget)
-    raise ValueError(f"unknown strategy {name!r}; expected one of {STRATEGIES}")
+    """Run strategy `name` on `prompts` (`load_strategy`, then the run)."""
+    return load_strategy(name, settings, task, model_dirs)(model, tokenizer, prompts, early_stop)

@@ -130,10 +130,11 @@ MEMBER_PREFIX = "member_"  # an RM ensemble's members: folders member_0, member_
 PRM_FILE = "prm.json"  # beside a PRM's weights (stage prm): its kind, step separator and settings
 
 
-def scorer_problem(kind: str, path: str | Path) -> str | None:
+def scorer_problem(kind: str, path: str | Path, separator: str | None = None) -> str | None:
     """Why the folder `path` cannot be read as a `kind` scorer ("reward_model": an ensemble
-    of member_<i> folders; "prm": a PRM with its prm.json), or None when it can, or when it
-    is not there yet (a stage may write it) or names a Hub model."""
+    of member_<i> folders; "prm": a PRM with its prm.json, and with `separator`, the task's
+    step separator, the one it splits steps on), or None when it can, or when it is not
+    there yet (a stage may write it) or names a Hub model."""
     path = Path(path)
     if not path.is_dir():
         return None
@@ -141,9 +142,24 @@ def scorer_problem(kind: str, path: str | Path) -> str | None:
     if kind == "reward_model" and not any(p.is_dir() for p in folder.glob(f"{MEMBER_PREFIX}[0-9]*")):
         members = f"{MEMBER_PREFIX}0, {MEMBER_PREFIX}1, ..."
         return f"{path} holds no reward model ensemble (folders {members}: what stage rm writes)"
-    if kind == "prm" and not (folder / PRM_FILE).is_file():
-        return f"{path} has no {PRM_FILE}: it is not a process reward model written by stage prm"
+    if kind == "prm":
+        if not (folder / PRM_FILE).is_file():
+            return f"{path} has no {PRM_FILE}: it is not a process reward model written by stage prm"
+        theirs = prm_separator(folder)
+        if separator is not None and theirs != separator:
+            return (
+                f"{path}: the PRM splits steps on {theirs!r} but the task on {separator!r} (task.step_separator): "
+                "it would score other steps than the model writes; give the PRM trained for this task"
+            )
     return None
+
+
+def prm_separator(path: str | Path) -> str | None:
+    """The step separator the PRM in `path` was trained with (its prm.json), None if unreadable."""
+    try:
+        return json.loads((Path(path) / PRM_FILE).read_text()).get("step_separator")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def absent_reason(path: str | Path) -> str | None:

@@ -62,6 +62,26 @@ class PromptTooLongError(InputError, ValueError):
     """A prompt and the tokens to generate do not fit in the model's positions."""
 
 
+# What a model's own generation_config.json may set (chat models often ship a repetition
+# penalty, top_k or top_p) that would change what is decoded: greedy would not be greedy,
+# and samples would not be drawn from the model's distribution at the given temperature.
+# Cleared wherever the project generates, as TRL's GRPO and RLOO set top_k, top_p, min_p and
+# repetition_penalty for their rollouts. As keyword arguments of `generate`, None overrides
+# the model's value (`PLAIN_DECODING`); in a GenerationConfig, where None is filled from the
+# model's, neutral values: `NEUTRAL_DECODING`, and `NEUTRAL_SAMPLING` when it samples.
+PLAIN_DECODING = {
+    "top_k": None,
+    "top_p": None,
+    "min_p": None,
+    "typical_p": None,
+    "repetition_penalty": None,
+    "no_repeat_ngram_size": None,
+    "num_beams": 1,
+}
+NEUTRAL_DECODING = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "num_beams": 1}
+NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0}
+
+
 def check_fits(model, length: int, max_new_tokens: int, text: str) -> None:
     """Fail with what to change, not an index error deep in the model, when `length` prompt
     tokens plus `max_new_tokens` exceed the model's `max_position_embeddings`."""
@@ -117,8 +137,7 @@ def generate(
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             temperature=temperature if do_sample else None,
-            top_p=None,
-            top_k=None,
+            **PLAIN_DECODING,
             num_return_sequences=num_return_sequences,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=stops,

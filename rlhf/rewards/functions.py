@@ -241,7 +241,7 @@ class PRMReward(_Reward):
     def build(self, task: Task, model_dirs: ModelDirs, trust_remote_code: bool = False) -> RewardFn:
         from rlhf.rewards.prm import load_prm
 
-        prm = load_prm(model_path(self, model_dirs), trust_remote_code)
+        prm = load_prm(model_path(self, model_dirs), trust_remote_code, task.step_separator, key="reward prm")
 
         def prm_reward(prompts, completions, **_):
             return prm.score_completions(list(prompts), [completion_text(c) for c in completions], self.aggregate)

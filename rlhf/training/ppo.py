@@ -52,7 +52,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, Generation
 from rlhf.artifacts import atomic_dir
 from rlhf.models.compute import current, is_main, rank, world_size
 from rlhf.models.folders import check_model_dir, resolve_model_dir
-from rlhf.models.generation import KeyedSampling, format_prompt, stop_token_ids
+from rlhf.models.generation import NEUTRAL_DECODING, NEUTRAL_SAMPLING, KeyedSampling, format_prompt, stop_token_ids
 from rlhf.training.checkpoints import usable_checkpoint
 from rlhf.training.params import PPOParams
 from rlhf.training.trainer_setup import merged_model
@@ -192,10 +192,11 @@ def generate_rollouts(
         max_length=max_prompt_length,
     ).to(policy.device)
     config = GenerationConfig(
+        # no penalty or truncation a model's generation_config may hold
+        **NEUTRAL_DECODING,
+        **(NEUTRAL_SAMPLING if keyed is None else {}),
         do_sample=keyed is None,
         temperature=temperature if keyed is None else None,
-        top_k=0 if keyed is None else None,
-        top_p=1.0 if keyed is None else None,
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos_token_id,
