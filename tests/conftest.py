@@ -94,6 +94,28 @@ def tiny_params(**overrides) -> dict:
     return deep_update(params, overrides)
 
 
+def fit_texts(model, tokenizer, texts, steps: int, lr: float, optimizer: str = "Adam", stop_below=None) -> float:
+    """Train `model` full-batch on `texts` (padding left out of the loss) for `steps` steps
+    of torch.optim.<optimizer>, or until its loss is below `stop_below`; leaves it in eval
+    mode and returns the last loss. What the tests that need a model with a known answer
+    train it with."""
+    import torch
+
+    batch = tokenizer(list(texts), return_tensors="pt", add_special_tokens=False, padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    step = getattr(torch.optim, optimizer)(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(**batch, labels=labels).loss
+        if stop_below is not None and loss.item() < stop_below:
+            break
+        step.zero_grad()
+        loss.backward()
+        step.step()
+    model.eval()
+    return loss.item()
+
+
 def write_params(root: Path, params: dict) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 

@@ -35,23 +35,15 @@ def memorised():
 
     from rlhf.models.loading import build_tiny_model, build_tokenizer
     from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
+    from tests.conftest import fit_texts
 
     sizes = TaskSizes(sft=0, prefs=0, prefs_eval=0, unpaired=0, prm=0, prm_eval=0, prompts=0, eval_dev=SUITE)
     rows = sorted(generate_datasets(TaskSpec(), sizes, seed=0)["eval_dev"], key=lambda r: int(r["answer"]))
     tokenizer = build_tokenizer()
     model = build_tiny_model("tiny", tokenizer, seed=0)
     texts = [r["prompt"] + "answer " + r["answer"] + tokenizer.eos_token for r in rows[:TRAINED]]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(0)
-    model.train()
-    for _ in range(100):
-        loss = model(**batch, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    fit_texts(model, tokenizer, texts, 100, lr=3e-3, optimizer="AdamW")
     tokenizer.padding_side = "left"
     return model, tokenizer, pd.DataFrame(rows)
 

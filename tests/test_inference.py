@@ -40,6 +40,7 @@ from rlhf.models.generation import generate
 from rlhf.models.loading import build_tiny_model, build_tokenizer
 from rlhf.tasks import get_task
 from rlhf.tasks.arithmetic import ArithmeticTask, check_steps
+from tests.conftest import fit_texts
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["12+7-3\n", "4+4+4+4\n", "29-9\n"]
@@ -69,16 +70,8 @@ def models(tokenizer):
 def train_on(tokenizer, completions: list[str], steps: int = 150) -> torch.nn.Module:
     """A micro model trained (full batch, Adam) on PROBLEM followed by each completion."""
     model = build_tiny_model("micro", tokenizer, seed=0)
-    texts = [PROBLEM + c + tokenizer.eos_token for c in completions]
-    batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model.train()
-    for _ in range(steps):
-        loss = model(**batch, labels=batch["input_ids"]).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval()
+    fit_texts(model, tokenizer, [PROBLEM + c + tokenizer.eos_token for c in completions], steps, lr=1e-2)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -565,17 +558,7 @@ def test_speculative_text_is_greedys_with_a_sentencepiece_tokenizer():
     tokenizer = sentencepiece_like_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
     model = build_tiny_model("micro", tokenizer, seed=0)
-    texts = [f"{a} plus {b} is {a + b}.</s>" for a in range(10) for b in range(5)]
-    batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False, padding=True)
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model.train()
-    for _ in range(80):
-        loss = model(**batch, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    fit_texts(model, tokenizer, [f"{a} plus {b} is {a + b}.</s>" for a in range(10) for b in range(5)], 80, lr=1e-2)
     prompts = ["3 plus 4 is", "2 plus 1 is"]
     plain = greedy(model, tokenizer, prompts, 8)
     assert all(a.completion.startswith(" ") for a in plain), "the test needs a first token with its space"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from rlhf.inference import refine as refine_module
 from rlhf.inference.refine import KEPT, REPAIRED, UNREPAIRED, Refinement, first_bad_step, refine, repair_report
@@ -23,6 +22,7 @@ from rlhf.models.loading import build_tiny_model, build_tokenizer
 from rlhf.rewards.steps import StepScorer
 from rlhf.tasks import arithmetic
 from rlhf.tasks.base import Task
+from tests.conftest import fit_texts
 
 PROBLEM = "12+7-3\n"
 GOOD = " 12+7=19\n 19-3=16\n answer 16"
@@ -76,18 +76,9 @@ def model(tokenizer):
     instead left some initialisations mixing their steps)."""
     model = build_tiny_model("micro", tokenizer, seed=0)
     texts = [PROBLEM + c + tokenizer.eos_token for c in (GOOD, BAD)]
-    batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False)
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
-    model.train()
-    for _ in range(800):
-        loss = model(**batch, labels=batch["input_ids"]).loss
-        if loss.item() < 0.03:
-            break
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.03, f"the micro model did not learn the two solutions (loss {loss.item():.3f})"
-    return model.eval()
+    loss = fit_texts(model, tokenizer, texts, 800, lr=5e-3, stop_below=0.03)
+    assert loss < 0.03, f"the micro model did not learn the two solutions (loss {loss:.3f})"
+    return model
 
 
 @pytest.fixture
