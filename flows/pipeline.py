@@ -66,6 +66,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 import rlhf  # noqa: F401  (offline, no-telemetry environment first)
+from rlhf.params import InputError
 from rlhf.tracking.runs import (
     PARENT_RUN_ENV,
     flatten,
@@ -396,25 +397,33 @@ def describe(state) -> str:
     return "failed" if state.is_failed() or state.is_crashed() else "not run: an upstream stage failed"
 
 
-def read_metrics(root: Path = ROOT) -> dict:
-    def load(path: str):
+# The report each stage writes, under the key the summary and the parent run read it by.
+REPORTS = {
+    "sft": ("sft", "metrics/sft.json"),
+    "rm": ("rm", "metrics/rm.json"),
+    "prm": ("prm", "metrics/prm.json"),
+    "eval": ("evaluate", "reports/eval.json"),
+    "infer": ("infer", "reports/infer.json"),
+    "gate": ("gate", "reports/gate.json"),
+}
+
+
+def read_metrics(root: Path = ROOT, current: set[str] | None = None) -> dict:
+    """The stages' reports. With `current`, the stages whose outputs are this run's (they
+    ran, were restored or were up to date), only theirs: a stage that failed or did not run
+    (upstream of it failed) left an earlier run's report, for other inputs."""
+
+    def load(stage: str, path: str):
         file = root / path
-        return json.loads(file.read_text()) if file.exists() else None
+        return json.loads(file.read_text()) if file.exists() and (current is None or stage in current) else None
 
     rounds = {}
     for address in stage_order(root) if (root / "reports/rounds").is_dir() else []:
         if address.startswith("round@"):
             name = address.split("@", 1)[1]
-            rounds[name] = load(f"reports/rounds/{name}.json")
-    return {
-        "sft": load("metrics/sft.json"),
-        "rm": load("metrics/rm.json"),
-        "prm": load("metrics/prm.json"),
-        "eval": load("reports/eval.json"),
-        "infer": load("reports/infer.json"),
-        "gate": load("reports/gate.json"),
-        "rounds": {name: report for name, report in rounds.items() if report},
-    }
+            rounds[name] = load(address, f"reports/rounds/{name}.json")
+    metrics = {key: load(stage, path) for key, (stage, path) in REPORTS.items()}
+    return metrics | {"rounds": {name: report for name, report in rounds.items() if report}}
 
 
 def number(value) -> str:
@@ -510,7 +519,10 @@ def summary_markdown(results: list[dict], metrics: dict) -> str:
     if metrics.get("rounds"):
         lines += rounds_table(metrics["rounds"])
     gate = metrics["gate"]
-    if gate:
+    gate_status = next((r["status"] for r in results if r["stage"] == "gate"), None)
+    if gate and gate_status == "skipped":  # up to date: an earlier run's verdict, nothing moved now
+        lines += ["", f"## Gate: not run, its inputs are unchanged (champion: {gate['champion']})"]
+    elif gate:
         verdict = f"promoted **{gate['promote']}**" if gate["promoted"] else "no promotion"
         lines += ["", f"## Gate: {verdict} (champion: {gate['champion']})"]
         for name, result in gate["candidates"].items():
@@ -535,12 +547,49 @@ def pipeline(
     if root:
         ROOT = Path(root).resolve()
     os.chdir(ROOT)
+    check_inputs(ROOT)
     with workspace_lock(ROOT):
         return run_pipeline(set(force or []), retries, pull, push, jobs or default_jobs(ROOT))
 
 
+def check_inputs(root: Path) -> None:
+    """params.yaml (as stage check_params reads it) and MLFLOW_TRACKING_URI, before the flow
+    reads either (the stage graph, the default --jobs, the parent run): a typo there fails
+    with the check's message, not with DVC's or MLflow's traceback."""
+    from rlhf.tracking.runs import tracking_uri
+
+    tracking_uri()
+    if (root / "params.yaml").is_file() and (root / "stages").is_dir():  # the project's own stages
+        from stages import load_all
+
+        load_all(str(root / "params.yaml"))
+
+
+class ForceError(InputError, ValueError):
+    """--force names a stage dvc.yaml does not have."""
+
+
+def forced_stages(names: set[str], order: list[str]) -> set[str]:
+    """The stage addresses `--force` names: a stage (`sft`, `policy@dpo`) or a foreach
+    group (`policy`: each of its stages). A name that is none fails before any stage runs
+    (a typo forced nothing, and the run said every stage was up to date)."""
+    groups: dict[str, list[str]] = {}
+    for address in order:
+        groups.setdefault(address.split("@", 1)[0], []).append(address)
+    unknown = sorted(n for n in names if n not in order and n not in groups)
+    if unknown:
+        raise ForceError(f"--force {' '.join(unknown)}: no such stage in dvc.yaml; its stages are {', '.join(order)}")
+    return {address for name in names for address in ([name] if name in order else groups[name])}
+
+
 def run_pipeline(force: set[str], retries: int, pull: bool, push: bool, jobs: int = 1) -> dict:
     global SLOTS
+    if push and default_remote(ROOT) is None:  # before the stages, not after them
+        raise RuntimeError(
+            "--push: this project has no default DVC remote; add one with `dvc remote add -d <name> <url>`"
+        )
+    order, upstream = stage_graph(ROOT)
+    force = forced_stages(force, order)
     if pull:
         sync_remote("pull")
     setup_experiment()
@@ -555,7 +604,6 @@ def run_pipeline(force: set[str], retries: int, pull: bool, push: bool, jobs: in
         },
     ) as parent:
         task = run_stage.with_options(retries=retries, retry_delay_seconds=10)
-        order, upstream = stage_graph(ROOT)
         # Each stage waits for the stages it depends on: the run graph draws dvc.yaml's DAG,
         # and a stage downstream of a failure is not run (Prefect marks it NotReady) while
         # the others go on. Every task has a thread; Slots lets `jobs` of them run at once.
@@ -574,12 +622,15 @@ def run_pipeline(force: set[str], retries: int, pull: bool, push: bool, jobs: in
             for a in order
         ]
         tag_stage_runs_with_lock(parent.info.run_id, ROOT / "dvc.lock")
-        metrics = read_metrics(ROOT)
+        metrics = read_metrics(ROOT, current={a for a in order if a not in failed})
+        gate_ran = any(r["stage"] == "gate" and r["status"] == "ran" for r in results)
         log_run_definition(ROOT)
-        log_metrics(headline_metrics(metrics))
+        # The parent run carries a verdict only when its gate decided one (a run where the
+        # gate was up to date promoted nothing).
+        log_metrics(headline_metrics(metrics if gate_ran else {**metrics, "gate": None}))
         for r in results:
             mlflow.set_tag(f"stage.{r['stage'].replace('@', ':')}", r["status"])
-        if metrics["gate"]:
+        if metrics["gate"] and gate_ran:
             mlflow.set_tags(
                 {"gate.promoted": str(metrics["gate"]["promoted"]), "gate.champion": str(metrics["gate"]["champion"])}
             )
@@ -599,7 +650,12 @@ def run_pipeline(force: set[str], retries: int, pull: bool, push: bool, jobs: in
     )
     print(markdown)
     if push and not failed:
-        sync_remote("push")
+        try:
+            sync_remote("push")
+        except Exception:
+            mlflow.MlflowClient().set_tag(parent.info.run_id, "pipeline.failed", "dvc push")
+            mlflow.MlflowClient().set_terminated(parent.info.run_id, "FAILED")
+            raise
     if failed:
         raise RuntimeError(
             "stages not completed: " + ", ".join(f"{a} ({describe(states[a])})" for a in order if a in failed)
@@ -650,7 +706,9 @@ def deploy(pool: str, cron: str, name: str = DEPLOYMENT, parameters: dict | None
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="rerun these stages even if unchanged")
+    parser.add_argument(
+        "--force", nargs="*", default=None, metavar="STAGE", help="rerun these stages even if unchanged"
+    )
     parser.add_argument("--retries", type=int, default=0, help="retry a failed stage this many times")
     parser.add_argument("--pull", action="store_true", help="dvc pull --run-cache from the default remote first")
     parser.add_argument("--push", action="store_true", help="dvc push --run-cache to the default remote after")
@@ -664,8 +722,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", default="rlhf", help="process work pool of --deploy (created when missing)")
     parser.add_argument("--cron", default="0 3 * * *", help="schedule of --serve and --deploy (UTC)")
     args = parser.parse_args(argv)
+    if args.force == []:
+        parser.error("--force needs the stages to rerun (e.g. --force sft, or --force policy for each method)")
+    try:
+        check_inputs(ROOT)
+        forced_stages(set(args.force or []), stage_order(ROOT))
+    except Exception as error:  # params, the tracking URI, --force: the message says what to fix
+        if not isinstance(error, InputError):
+            raise
+        raise SystemExit(f"flows.pipeline: {error}") from None
     # Every run of a schedule takes these, as one run started here would.
-    parameters = {"force": args.force, "retries": args.retries, "pull": args.pull, "push": args.push}
+    parameters = {"force": args.force or [], "retries": args.retries, "pull": args.pull, "push": args.push}
     parameters |= {"jobs": args.jobs} if args.jobs is not None else {}
     if args.deploy:
         deployment = deploy(args.pool, args.cron, parameters=parameters)
@@ -678,7 +745,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         pipeline.serve(name="scheduled", cron=args.cron, parameters=parameters)
         return
-    pipeline(force=args.force, retries=args.retries, pull=args.pull, push=args.push, jobs=args.jobs)
+    pipeline(force=args.force or [], retries=args.retries, pull=args.pull, push=args.push, jobs=args.jobs)
 
 
 if __name__ == "__main__":

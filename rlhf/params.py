@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
@@ -35,14 +36,14 @@ class ParamsError(InputError, ValueError):
         super().__init__(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  {p}" for p in problems))
 
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def _check_name(name: str) -> str:
     if not _NAME.fullmatch(name) or ".." in name:
         raise ValueError(
             f"{name!r} is not a plain name: names become file and folder names under the project, "
-            "so use letters, digits and _ . + - only (no '/', no '..')"
+            "and MLflow metric names, so use letters, digits and _ . - only (no '/', no '..')"
         )
     return name
 
@@ -66,12 +67,37 @@ def reject_unused(config: BaseModel, unused, why: str) -> None:
         raise ValueError(f"{', '.join(given)}: not read {why}; remove {'it' if len(given) == 1 else 'them'}")
 
 
+def reject_changed(config: BaseModel, unused, why: str) -> None:
+    """`reject_unused` for keys that params.yaml writes out at their defaults: only a value
+    other than the default is an error (one the user meant, that would be ignored)."""
+    fields = type(config).model_fields
+    changed = [key for key in unused if getattr(config, key) != fields[key].get_default(call_default_factory=True)]
+    reject_unused(config, changed, why)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key written twice in one mapping: PyYAML keeps the last
+    value and DVC refuses the file, so the check would pass what the run then stops on."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} written twice in one mapping (first on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def read_params(path: str | Path = PARAMS_FILE) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; run from the project root (where dvc.yaml is)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as error:
         raise ParamsError(path, [f"not valid YAML: {error}"]) from error
     if not isinstance(data, dict):
@@ -88,7 +114,29 @@ def format_validation_error(section: str, error: ValidationError) -> list[str]:
         elif item["type"] == "missing":
             problems.append(f"{key}: required key is missing")
         else:
-            problems.append(f"{key}: {item['msg']} (got {item.get('input')!r:.80})")
+            problems.append(f"{key}: {item['msg'].removeprefix('Value error, ')} (got {item.get('input')!r:.80})")
+    return problems
+
+
+def _kinds(annotation) -> set:
+    return set(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else {annotation}
+
+
+def flags_for_numbers(raw: Mapping, config: type[BaseModel], prefix: str) -> list[str]:
+    """true/false given for a number, in `raw` or the blocks nested in it: pydantic reads
+    `max_steps: true` as 1 step and `learning_rate: false` as 0 without a word."""
+    problems = []
+    for key, value in raw.items():
+        field = config.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue
+        kinds = _kinds(field.annotation)
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            problems.append(f"{prefix}.{key}: a number, not {str(value).lower()}")
+        elif isinstance(value, Mapping):
+            for kind in kinds:
+                if isinstance(kind, type) and issubclass(kind, BaseModel):
+                    problems.extend(flags_for_numbers(value, kind, f"{prefix}.{key}"))
     return problems
 
 
@@ -109,10 +157,13 @@ def validate_params(
         if not isinstance(raw, Mapping):
             problems.append(f"{section}: must be a mapping of keys, got {type(raw).__name__}")
             continue
+        flags = flags_for_numbers(raw, config, section)
+        problems.extend(flags)
+        flagged = {flag.split(":")[0] for flag in flags}
         try:
             validated[section] = config.model_validate(dict(raw))
         except ValidationError as error:
-            problems.extend(format_validation_error(section, error))
+            problems.extend(p for p in format_validation_error(section, error) if p.split(":")[0] not in flagged)
     if problems:
         raise ParamsError(path, problems)
     return validated

@@ -339,6 +339,22 @@ def input_problems(params: dict) -> list[str]:
             if getattr(reward, "path", None) is None and not (reward.name == "prm" and infer.prm is not None):
                 need_model(f"best_of_n reward {reward.name}", reward.name, f"infer.best_of_n.rewards[{index}]")
             check_scorer(reward, f"infer.best_of_n.rewards[{index}]")
+    # Models infer names under models/: what a stage writes (a typo failed after every
+    # stage, with DVC's "No such file or directory" for the infer stage's dependency).
+    written = ["sft", "merged", "champion", *(f"policy/{m}" for m in policy.methods)]
+    written += [f"rounds/{name}" for name in params["improve"].rounds]
+    names = [("infer.candidate", infer.candidate)]
+    if "ensemble" in infer.strategies:
+        names += [(f"infer.ensemble.members[{i}]", member) for i, member in enumerate(infer.ensemble.members)]
+    for key, name in names:
+        if name not in written:
+            problems.append(
+                f"{key}: {name} is not a model a stage writes under models/ (one of {written}); name a trained "
+                "method as policy/<method>"
+            )
+    draft = infer.speculative.draft
+    if "speculative" in infer.strategies and draft and not Path(draft).exists():
+        problems.append(f"infer.speculative.draft: {draft} does not exist (the draft is a model folder of yours)")
     harness = params["evaluate"].harness
     if harness and harness.suites and not task.checks_answers:
         problems.append(

@@ -36,7 +36,7 @@ from rlhf.models.folders import (
     fetch_from_hub,
     looks_like_hub_id,
 )
-from rlhf.params import StageConfig
+from rlhf.params import StageConfig, reject_changed
 from stages import MODELS_DIR, load_model_stage
 
 OUT_DIR = MODELS_DIR / "base"
@@ -74,6 +74,14 @@ class Config(StageConfig):
             except OSError as error:  # pydantic reports ValueErrors with the key's name
                 raise ValueError(str(error)) from error
         return value
+
+    @model_validator(mode="after")
+    def _keys_of_another_kind_of_model(self):
+        if self.model.startswith(BUILTIN_PREFIX):
+            reject_changed(self, ["revision"], "by a built-in model (a Hub model id's branch, tag or commit)")
+        else:
+            reject_changed(self, ["seed", "max_length"], "by a model of your own (they shape a built-in model)")
+        return self
 
     @model_validator(mode="after")
     def _check_nope_layers(self):

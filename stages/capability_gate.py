@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
@@ -77,6 +77,15 @@ class Config(StageConfig):
     promote_in_experiments: bool = Field(
         False, description="let a `dvc exp run` move the champion (by default its verdict is only reported)"
     )
+
+    @field_validator("registered_model")
+    @classmethod
+    def _a_name_mlflow_takes(cls, value: str) -> str:
+        # MLflow's rule for registered model names (mlflow.utils.validation), written out
+        # here so that params validate without importing mlflow: it fails at promotion.
+        if not value.strip() or "/" in value or ":" in value:
+            raise ValueError(f"{value!r}: MLflow's registered model names are not empty and hold no '/' or ':'")
+        return value
 
 
 def resolve(config: Config, task, suite: str, kl: bool = True) -> Config:
@@ -182,7 +191,7 @@ def held_back(
     name = verdict["promote"]
     if not name:
         return None
-    again = "run `dvc repro -f gate` in the workspace to promote it"
+    again = "run `dvc repro -f -s gate` in the workspace to promote it"
     if experiment and temporary:
         return (
             f"{name} passed in queued DVC experiment {experiment!r}, which runs in a temporary copy of the project: "

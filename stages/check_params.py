@@ -8,8 +8,14 @@ Every other stage depends on the stamp, so `dvc repro` runs this check first whe
 params.yaml or a Config changed, and a typo, a wrong type or an out-of-range value stops the
 run in about a second with one message naming every bad key — before DVC removes any
 stage's outputs to rerun it. Because the stamp's content is constant, passing the check
-never invalidates the stages after it: only their own params do. It imports no torch and
+never invalidates the stages after it: only their own params do. It imports no torch
+(unless compute.device names a device: torch then says whether this machine has it) and
 logs nothing to MLflow (each stage logs its own resolved section), which keeps it fast.
+
+A section left out of params.yaml takes its Config's defaults in Python, but DVC refuses to
+run a stage whose params are missing from the file (after the stages before it ran): every
+key dvc.yaml's stages list must be in the file, and a missing one is named here with what
+to write (`verifier: {}` takes the defaults).
 
 It also reads the `difficulty` column of the eval suites that come from local files
 (prepare.files.eval_<suite>), so that a gate or round test at a difficulty the suite lacks
@@ -25,8 +31,11 @@ text prompts (read from its file, as above).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from rlhf.artifacts import atomic_file
-from rlhf.params import PARAMS_FILE, ParamsError
+from rlhf.params import PARAMS_FILE, ParamsError, read_params
 from stages import REPORTS_DIR, difficulty_problems, load_all, suite_difficulties, suite_file
 
 STAMP = REPORTS_DIR / "params.ok"
@@ -38,11 +47,77 @@ def main() -> None:
     # the file (load_all checks the built-in suites without reading any file).
     problems = difficulty_problems(params, lambda suite: suite_difficulties(params, suite))
     problems += harness_problems(params)
+    problems += listed_params_problems(read_params(PARAMS_FILE), params)
+    if params["compute"].device not in ("auto", "cpu"):  # torch imported only then
+        from rlhf.models.compute import device_problem
+
+        problems += [problem] if (problem := device_problem(params["compute"].device)) else []
     if problems:
         raise ParamsError(PARAMS_FILE, problems)
     with atomic_file(STAMP) as tmp:
         tmp.write_text("params.yaml is valid\n")
     print("check_params: params.yaml is valid")
+
+
+def listed_params(dvc: dict, data: dict) -> dict[str, list[str]]:
+    """Per stage of dvc.yaml (a foreach stage once per item of its list or mapping in
+    `data`, the raw params), the params keys it lists, `${item}`/`${key}` filled in."""
+    listed: dict[str, list[str]] = {}
+    for name, stage in (dvc.get("stages") or {}).items():
+        keys = [key for key in stage.get("do", stage).get("params", []) if isinstance(key, str)]
+        if "foreach" not in stage:
+            listed[name] = keys
+            continue
+        group = lookup(data, str(stage["foreach"]).removeprefix("${").removesuffix("}"))
+        items = group.items() if isinstance(group, dict) else enumerate(group) if isinstance(group, list) else []
+        for key, item in items:
+            filled = [k.replace("${key}", str(key)).replace("${item}", str(item)) for k in keys]
+            listed[f"{name}@{item if isinstance(group, list) else key}"] = [k for k in filled if "${" not in k]
+    return listed
+
+
+_MISSING = object()
+
+
+def lookup(data, dotted: str):
+    """The value at a dotted key of nested mappings, or `_MISSING`."""
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return _MISSING
+        data = data[part]
+    return data
+
+
+def listed_params_problems(data: dict, params: dict, dvc_file: str = "dvc.yaml") -> list[str]:
+    """Keys dvc.yaml's stages read from params.yaml that the file lacks. A section left out
+    takes its defaults here, but DVC refuses to run a stage whose params are missing
+    (`Parameters 'verifier' are missing from 'params.yaml'`, after the stages before it have
+    run): named here, with the default value to write."""
+    import yaml
+
+    path = Path(dvc_file)
+    if not path.is_file():
+        return []
+    dvc = yaml.safe_load(path.read_text()) or {}
+    missing: dict[str, list[str]] = {}
+    for stage, keys in listed_params(dvc, data).items():
+        for key in keys:
+            if lookup(data, key) is _MISSING:
+                missing.setdefault(key, []).append(stage)
+    problems = []
+    for key, stages in missing.items():
+        section, _, rest = key.partition(".")
+        default = lookup(params[section].model_dump(mode="json"), rest) if rest and section in params else _MISSING
+        name = key.rsplit(".", 1)[-1]
+        if default is _MISSING or isinstance(default, dict):
+            write = f"`{name}: {{}}` to take the defaults"
+        else:
+            write = f"`{name}: {json.dumps(default)}` (its default)"
+        problems.append(
+            f"{key}: missing, and {dvc_file}'s stage {', '.join(stages)} reads it: DVC refuses to run a stage whose "
+            f"params are missing from {PARAMS_FILE}; write {write}"
+        )
+    return problems
 
 
 def harness_problems(params: dict) -> list[str]:

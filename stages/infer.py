@@ -30,6 +30,7 @@ from pydantic import Field, model_validator
 
 from rlhf.artifacts import write_json
 from rlhf.inference.settings import STRATEGIES, Strategies
+from rlhf.params import reject_changed
 from rlhf.tasks import Task, get_task
 from stages import MODELS_DIR, PRM_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_model_stage, report_suite
 
@@ -46,6 +47,13 @@ class Config(Strategies):
     strategies: list[Literal[STRATEGIES]] = Field(
         ["greedy", "best_of_n", "self_consistency", "mcts"], min_length=1, description="strategies to run"
     )
+
+    @model_validator(mode="after")
+    def _settings_of_strategies_not_run(self):
+        for strategy in ("speculative", "ensemble"):
+            if strategy not in self.strategies:
+                reject_changed(self, [strategy], f"unless infer.strategies lists {strategy}")
+        return self
 
     @model_validator(mode="after")
     def _strategy_inputs(self):

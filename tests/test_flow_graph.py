@@ -45,6 +45,10 @@ def test_the_run_graph_has_the_dags_edges_and_a_failure_stops_only_its_downstrea
         monkeypatch.delenv(name, raising=False)
     try:
         with prefect_test_harness(server_startup_timeout=120):
+            # --push without a DVC remote fails before any stage (it failed after all of them).
+            with pytest.raises(RuntimeError, match=r"^--push: this project has no default DVC remote"):
+                pipeline(root=str(root), push=True)
+            assert not (root / "a.txt").exists()
             with pytest.raises(RuntimeError, match=r"stages not completed: b \(failed\), c \(not run"):
                 pipeline(root=str(root))
 

@@ -141,3 +141,70 @@ def test_the_summary_of_a_run_whose_rm_dropped_out_and_with_a_harness_task():
     assert "| dpo | 0.700 | n/a | n/a | n/a | n/a |" in markdown
     assert "## Harness task `rlhf_dev`" in markdown and "| sft | accuracy 0.500, accuracy_stderr 0.050 |" in markdown
     assert markdown.rstrip().endswith("- dpo: pass")
+
+
+def test_force_names_stages_or_groups_and_a_typo_fails_before_any_stage():
+    """`--force policy` forces each policy stage; a name that is no stage fails naming it
+    (it forced nothing, and the run said every stage was up to date); `--force` alone
+    is an error, not a run that forces nothing."""
+    import pytest
+
+    from flows.pipeline import ForceError, forced_stages, main
+
+    order = ["prepare", "sft", "policy@dpo", "policy@kto", "gate"]
+    assert forced_stages({"sft", "policy"}, order) == {"sft", "policy@dpo", "policy@kto"}
+    assert forced_stages({"policy@kto"}, order) == {"policy@kto"}
+    with pytest.raises(ForceError, match=r"^--force sfft: no such stage in dvc.yaml; its stages are prepare, sft"):
+        forced_stages({"sft", "sfft"}, order)
+    with pytest.raises(SystemExit, match=r"^flows.pipeline: --force sfft: no such stage in dvc.yaml"):
+        main(["--force", "sfft"])
+    with pytest.raises(SystemExit):
+        main(["--force"])
+
+
+def test_reports_of_stages_that_did_not_complete_are_not_this_runs(tmp_path):
+    """A stage that failed or did not run left an earlier run's report: the summary and
+    the parent run leave it out. A gate that was up to date decided nothing in this run."""
+    import json
+
+    from flows.pipeline import read_metrics, summary_markdown
+
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "metrics/sft.json").write_text(json.dumps({"accuracy": 0.5}))
+    gate = {"promoted": True, "promote": "dpo", "champion": "dpo", "candidates": {}}
+    (tmp_path / "reports/gate.json").write_text(json.dumps(gate))
+    assert read_metrics(tmp_path)["gate"] == gate
+    current = read_metrics(tmp_path, current={"sft"})
+    assert current["sft"] == {"accuracy": 0.5} and current["gate"] is None
+    skipped = [{"stage": "gate", "status": "skipped", "seconds": 1.0}]
+    assert "## Gate: not run, its inputs are unchanged (champion: dpo)" in summary_markdown(skipped, {"gate": gate})
+    ran = [{"stage": "gate", "status": "ran", "seconds": 1.0}]
+    assert "## Gate: promoted **dpo** (champion: dpo)" in summary_markdown(ran, {"gate": gate})
+
+
+def test_the_flow_checks_params_and_the_tracking_uri_before_reading_them(tmp_path, monkeypatch):
+    """The flow reads params.yaml (the default --jobs, DVC's stage graph) before stage
+    check_params runs: a wrong type there failed with DVC's or Python's traceback; a bare
+    path as MLFLOW_TRACKING_URI with MLflow's."""
+    import shutil
+
+    import pytest
+    import yaml
+
+    from flows.pipeline import check_inputs
+    from rlhf.params import ParamsError
+    from rlhf.tracking.runs import TrackingURIError
+    from tests.conftest import REPO
+
+    shutil.copytree(REPO / "stages", tmp_path / "stages")
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["policy"]["offline"] = "dpo"
+    params["compute"]["processes"] = "two"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ParamsError, match=r"compute.processes: .*\n.*policy.offline: "):
+        check_inputs(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "store"))
+    with pytest.raises(TrackingURIError, match="MLFLOW_TRACKING_URI=.*store: a path, not a URI"):
+        check_inputs(tmp_path)

@@ -326,20 +326,18 @@ def problems(section: dict) -> str:
 
 
 def test_config_errors_name_the_key():
-    assert "merge.models: Value error, slerp interpolates exactly 2 models" in problems(
+    assert "merge.models: slerp interpolates exactly 2 models" in problems(
         {"method": "slerp", "models": ["dpo", "kto", "orpo"]}
     )
-    assert "merge.weights: Value error, 3 weights for 2 models" in problems(
-        {"models": ["dpo", "kto"], "weights": [1, 2, 3]}
-    )
-    assert "merge.weights: Value error, not used by slerp" in problems({"method": "slerp", "weights": [1, 2]})
+    assert "merge.weights: 3 weights for 2 models" in problems({"models": ["dpo", "kto"], "weights": [1, 2, 3]})
+    assert "merge.weights: not used by slerp" in problems({"method": "slerp", "weights": [1, 2]})
     assert "merge.method" in problems({"method": "soup"})
     assert "merge.density" in problems({"density": 0})
     assert "merge.t" in problems({"method": "slerp", "t": [0.0, 1.5]})
     assert "merge.merge_method: unknown key" in problems({"merge_method": "ties"})
     # A key the chosen method does not read is an error, not a silent no-op.
-    assert "merge: Value error, density, t: not read by merge method linear" in problems({"density": 0.3, "t": 0.2})
-    assert "merge: Value error, greedy_soup_prompts: not read by merge method ties" in problems(
+    assert "merge: density, t: not read by merge method linear" in problems({"density": 0.3, "t": 0.2})
+    assert "merge: greedy_soup_prompts: not read by merge method ties" in problems(
         {"method": "ties", "density": 0.3, "greedy_soup_prompts": 50}
     )
     assert Config(method="dare_ties", density=0.3, seed=1, int8_mask=True).seed == 1

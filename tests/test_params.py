@@ -135,9 +135,9 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
         "sft.learnin_rate: unknown key",
         "sft.max_steps: Input should be a valid integer",
         "rm.num_members: Input should be greater than or equal to 1 (got 0)",
-        "policy.dpo.loss_type: Value error, unknown DPO loss type(s) ['sigmoidd']",
+        "policy.dpo.loss_type: unknown DPO loss type(s) ['sigmoidd']",
         "gate.tests.1.op: Input should be '>=', '<=', '>' or '<' (got '==')",
-        "prepare.builtin: Value error, min_operands (6) is larger than max_operands (5)",
+        "prepare.builtin: min_operands (6) is larger than max_operands (5)",
         "rewards: unknown section (known: task, compute, prepare, base, sft, verifier, rm, prm, policy, merge, "
         "evaluate, validate, gate, infer, improve)",
     ]:
@@ -150,7 +150,7 @@ def test_unknown_dpo_loss_type_lists_the_known_ones(tmp_path, repo_params):
     params["policy"]["dpo"]["loss_type"] = ["sigmoid", "ipo2"]
     error = params_error(write_params(tmp_path, params))
     assert len(error.problems) == 1
-    assert error.problems[0].startswith("policy.dpo.loss_type: Value error, unknown DPO loss type(s) ['ipo2']")
+    assert error.problems[0].startswith("policy.dpo.loss_type: unknown DPO loss type(s) ['ipo2']")
     assert "'hinge'" in error.problems[0]
 
 
@@ -162,20 +162,20 @@ def test_policy_losses_trl_refuses_fail_with_the_params(tmp_path, repo_params):
     params["policy"]["dpo"]["loss_type"] = "exo_pair"
     error = params_error(write_params(tmp_path, params))
     assert len(error.problems) == 2, error.problems
-    assert error.problems[0].startswith("policy.dpo: Value error, loss_type exo_pair needs label_smoothing > 0")
+    assert error.problems[0].startswith("policy.dpo: loss_type exo_pair needs label_smoothing > 0")
     assert error.problems[1].startswith("policy.grpo.loss_type: Input should be 'grpo', 'dr_grpo', 'dapo'")
     params["policy"]["grpo"]["loss_type"] = "dr_grpo"
     params["policy"]["dpo"]["label_smoothing"] = 1e-3
     stages.load_all(write_params(tmp_path, params))
     params["policy"]["dpo"]["loss_type"] = "sigmoid"  # TRL's sigmoid loss never reads label_smoothing
     (problem,) = params_error(write_params(tmp_path, params)).problems
-    assert problem.startswith("policy.dpo: Value error, label_smoothing 0.001: not read by loss_type sigmoid")
+    assert problem.startswith("policy.dpo: label_smoothing 0.001: not read by loss_type sigmoid")
     params["policy"]["dpo"]["loss_type"] = "robust"
     stages.load_all(write_params(tmp_path, params))
     params["policy"]["dpo"]["label_smoothing"] = 0.0
     params["policy"]["dpo"]["loss_type"] = ["sigmoid", "sft"]  # with the default sft_weight 5: NLL twice
     (problem,) = params_error(write_params(tmp_path, params)).problems
-    assert problem.startswith("policy.dpo: Value error, loss_type lists sft and sft_weight is 5.0")
+    assert problem.startswith("policy.dpo: loss_type lists sft and sft_weight is 5.0")
 
 
 def test_unknown_policy_method(tmp_path, repo_params):
@@ -191,7 +191,7 @@ def test_online_method_listed_as_offline(tmp_path, repo_params):
     params = copy.deepcopy(repo_params)
     params["policy"]["offline"] = ["dpo", "grpo"]
     error = params_error(write_params(tmp_path, params))
-    assert error.problems == ["policy.offline: Value error, ['grpo'] belong in policy.online (got ['dpo', 'grpo'])"]
+    assert error.problems == ["policy.offline: ['grpo'] belong in policy.online (got ['dpo', 'grpo'])"]
 
 
 def test_a_key_the_kind_ignores_is_an_error(tmp_path, repo_params):
@@ -200,7 +200,7 @@ def test_a_key_the_kind_ignores_is_an_error(tmp_path, repo_params):
     params["prm"]["max_steps"] = 400
     error = params_error(write_params(tmp_path, params))
     assert len(error.problems) == 1
-    assert error.problems[0].startswith("prm: Value error, max_steps: not read by kind likelihood")
+    assert error.problems[0].startswith("prm: max_steps: not read by kind likelihood")
     params["prm"]["kind"] = "classifier"
     assert stages.load_all(write_params(tmp_path, params))["prm"].max_steps == 400
 
@@ -317,3 +317,83 @@ def test_a_name_that_would_write_outside_the_project_is_refused(tmp_path, repo_p
     assert len(error.problems) == 1, error.problems
     assert error.problems[0].startswith(expected), error.problems[0]
     assert "not a plain name" in error.problems[0] and "no '..'" in error.problems[0]
+
+
+def test_check_params_names_keys_dvc_reads_that_the_file_lacks(tmp_path, repo_params, monkeypatch):
+    """A section left out takes its defaults in Python, but DVC refuses to run a stage whose
+    params are missing (after the stages before it ran): the stage check names each key
+    with what to write. `verifier: {}` (or null) and every key present pass."""
+    from stages.check_params import listed_params_problems
+
+    monkeypatch.chdir(REPO)  # dvc.yaml
+    params = copy.deepcopy(repo_params)
+    del params["verifier"], params["evaluate"]["kl_prompts"]
+    params["policy"]["offline"] = ["dpo", "kto"]
+    params["policy"].pop("kto", None)
+    validated = stages.load_all(write_params(tmp_path, params))
+    found = listed_params_problems(params, validated)
+    assert [p.split(": missing")[0] for p in found] == ["verifier", "policy.kto", "evaluate.kl_prompts"]
+    assert "stage policy@kto reads it" in found[1] and found[1].endswith("write `kto: {}` to take the defaults")
+    assert found[2].endswith("write `kl_prompts: 200` (its default)")
+    assert listed_params_problems(repo_params, stages.load_all(str(REPO / "params.yaml"))) == []
+    params.update(
+        verifier=None, policy={**params["policy"], "kto": {}}, evaluate={**params["evaluate"], "kl_prompts": 8}
+    )
+    assert listed_params_problems(params, stages.load_all(write_params(tmp_path, params))) == []
+
+
+def test_a_key_written_twice_and_a_flag_for_a_number_are_named(tmp_path, repo_params):
+    """PyYAML keeps a duplicated key's last value (DVC refuses the file); pydantic reads
+    `max_steps: true` as one step. Both are errors naming the key."""
+    path = tmp_path / "params.yaml"
+    path.write_text("sft:\n  max_steps: 3\nrm: {}\nsft:\n  max_steps: 4\n")
+    assert "key 'sft' written twice in one mapping (first on line 1)" in str(params_error(str(path)))
+    params = copy.deepcopy(repo_params)
+    params["sft"]["max_steps"] = True
+    params["sft"]["learning_rate"] = False
+    params["infer"]["mcts"]["simulations"] = True
+    params["sft"]["gradient_checkpointing"] = True  # a flag where a flag belongs
+    problems = params_error(write_params(tmp_path, params)).problems
+    assert problems == [
+        "sft.max_steps: a number, not true",
+        "sft.learning_rate: a number, not false",
+        "infer.mcts.simulations: a number, not true",
+    ]
+
+
+def test_check_params_names_what_would_fail_at_the_last_stages(tmp_path, repo_params, monkeypatch):
+    """Caught by stage infer or the gate after every model trained (or ignored): an infer
+    candidate or member no stage writes, a draft that is not there, a registered model name
+    MLflow refuses, a name MLflow refuses as a metric key, seed or max_length of a built-in
+    model given to one's own, settings of a strategy not run."""
+    monkeypatch.chdir(tmp_path)
+    params = copy.deepcopy(repo_params)
+    params["infer"]["candidate"] = "policy/kto"
+    params["infer"]["strategies"] = ["greedy", "ensemble", "speculative"]
+    params["infer"]["ensemble"] = {"members": ["sft", "models/policy/dpo"]}
+    params["infer"]["speculative"] = {"draft": "my/draft"}
+    found = params_error(write_params(tmp_path, params)).problems
+    written = "(one of ['sft', 'merged', 'champion', 'policy/dpo'])"
+    assert found == [
+        f"infer.candidate: policy/kto is not a model a stage writes under models/ {written}; name a trained "
+        "method as policy/<method>",
+        f"infer.ensemble.members[1]: models/policy/dpo is not a model a stage writes under models/ {written}; name "
+        "a trained method as policy/<method>",
+        "infer.speculative.draft: my/draft does not exist (the draft is a model folder of yours)",
+    ]
+    params = copy.deepcopy(repo_params)
+    params["gate"]["registered_model"] = "team/rlhf-policy"
+    params["base"] = {"model": "gpt2", "seed": 3}
+    params["infer"]["ensemble"] = {"members": ["sft", "merged"]}
+    params["prepare"]["files"] = {"eval_a+b": {"path": "data/raw/x.jsonl"}}
+    found = [p.split(" (got")[0] for p in params_error(write_params(tmp_path, params)).problems]
+    assert (
+        found[0] == "prepare.files.eval_a+b.[key]: 'eval_a+b' is not a plain name: names become file and folder "
+        "names under the project, and MLflow metric names, so use letters, digits and _ . - only (no '/', no '..')"
+    )
+    assert "base: seed: not read by a model of your own (they shape a built-in model); remove it" in found
+    assert (
+        "gate.registered_model: 'team/rlhf-policy': MLflow's registered model names are not empty and hold "
+        "no '/' or ':'" in found
+    )
+    assert "infer: ensemble: not read unless infer.strategies lists ensemble; remove it" in found

@@ -31,7 +31,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf.params import StageConfig
+from rlhf.params import InputError, StageConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -94,6 +94,23 @@ class Placement:
         return {"bf16": self.dtype == "bfloat16", "fp16": self.dtype == "float16"}
 
 
+class DeviceError(InputError, RuntimeError):
+    """compute.device names a device this machine does not have."""
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` (compute.device) cannot be used here, or None."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"compute.device is {device!r} but torch sees no CUDA GPU; use compute.device: auto or cpu"
+    if device.startswith("cuda:") and int(device.split(":")[1]) >= torch.cuda.device_count():
+        return f"compute.device is {device!r} but torch sees {torch.cuda.device_count()} CUDA GPU(s), from cuda:0"
+    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        return "compute.device is 'mps' but torch sees no MPS device; use compute.device: auto or cpu"
+    return None
+
+
 def resolve(config: ComputeConfig | None = None) -> Placement:
     """The device and dtype `config` means on this machine; a device that is named but not
     present is an error that says so."""
@@ -108,10 +125,8 @@ def resolve(config: ComputeConfig | None = None) -> Placement:
             device = "mps"
         else:
             device = "cpu"
-    elif device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"compute.device is {device!r} but torch sees no CUDA GPU; use compute.device: auto or cpu")
-    elif device == "mps" and not torch.backends.mps.is_available():
-        raise RuntimeError("compute.device is 'mps' but torch sees no MPS device; use compute.device: auto or cpu")
+    elif problem := device_problem(device):
+        raise DeviceError(problem)
     dtype = config.dtype
     if dtype == "auto":
         if device == "cpu":
