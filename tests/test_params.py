@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import time
@@ -397,3 +398,21 @@ def test_check_params_names_what_would_fail_at_the_last_stages(tmp_path, repo_pa
         "no '/' or ':'" in found
     )
     assert "infer: ensemble: not read unless infer.strategies lists ensemble; remove it" in found
+
+
+def test_check_params_names_a_device_this_machine_lacks(tmp_path, repo_params):
+    """compute.device: cuda on a machine without a GPU passed the check, and stage base
+    failed with a traceback after DVC had removed models/base."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    params = copy.deepcopy(repo_params)
+    params["compute"]["device"] = "cuda"
+    write_params(tmp_path, params)
+    done = subprocess.run(
+        [sys.executable, "-m", "stages.check_params"], cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "compute.device is 'cuda' but torch sees no CUDA GPU; use compute.device: auto or cpu" in done.stderr
