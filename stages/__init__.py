@@ -312,6 +312,12 @@ def input_problems(params: dict) -> list[str]:
                 problems.append(f"{key}: the format reward needs a pattern: task {task.name!r} defines no format")
         if method == "ppo" and settings.value_init == "rm":
             need_model("value_init rm", "reward_model", "policy.ppo.value_init")
+        processes = params["compute"].processes
+        if method == "ppo" and settings.rollout_batch_size % processes:
+            problems.append(
+                f"policy.ppo.rollout_batch_size: {settings.rollout_batch_size} is not a multiple of compute.processes "
+                f"({processes}): each process samples an equal share of the batch"
+            )
     infer = params["infer"]
     if infer.prm is not None:
         scorer_path_problem("prm", infer.prm, "infer.prm")

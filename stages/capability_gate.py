@@ -30,6 +30,7 @@ from pydantic import Field, field_validator
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import StageConfig
+from rlhf.tracking.champion import ChampionMovedError
 from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, decision_suite, load_all
 
 REPORT = REPORTS_DIR / "eval.json"
@@ -82,9 +83,12 @@ class Config(StageConfig):
     @classmethod
     def _a_name_mlflow_takes(cls, value: str) -> str:
         # MLflow's rule for registered model names (mlflow.utils.validation), written out
-        # here so that params validate without importing mlflow: it fails at promotion.
-        if not value.strip() or "/" in value or ":" in value:
-            raise ValueError(f"{value!r}: MLflow's registered model names are not empty and hold no '/' or ':'")
+        # here so that params validate without importing mlflow: it failed at promotion.
+        if not value.strip() or any(c in value for c in "/:'\""):
+            raise ValueError(
+                f"{value!r}: a registered model name is not empty and holds no '/' or ':' (MLflow's rule) nor "
+                "quotes (the rollback command searches the registry by name)"
+            )
         return value
 
 
@@ -123,7 +127,7 @@ def run(
     )
     verdict["previous_champion"] = champion["candidate"] if champion else None
     verdict["champion_record"] = (
-        {"pinned": champion.get("pinned"), "model_version": champion.get("model_version")} if champion else None
+        {k: champion.get(k) for k in ("pinned", "model_version", "gate_run_id")} if champion else None
     )
     return verdict
 
@@ -140,9 +144,11 @@ def champion_outcomes(outcomes: dict | None, name: str) -> dict:
     }
 
 
-def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -> dict:
+def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str, registry=None) -> dict:
     """Log the winner to the gate run as an MLflow transformers model, register it, move
-    models/champion and the registry alias. Returns the new champion record."""
+    models/champion and the registry alias, unless the registry's champion is no longer
+    `registry` (what the verdict was held against: `ChampionMovedError`). Returns the new
+    champion record."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -166,7 +172,7 @@ def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str) -
     }
     mlflow.log_dict(record, CHAMPION_RECORD)  # what a rollback to this version restores
     # The folder and the alias move together: until then the registry's champion is the old one.
-    with moving_champion(client, config.registered_model, version, CHAMPION_DIR) as staging:
+    with moving_champion(client, config.registered_model, version, CHAMPION_DIR, registry) as staging:
         install_champion(source, record, staging)
     return record
 
@@ -202,14 +208,22 @@ def held_back(
             f"{name} passed, but this is DVC experiment {experiment!r}: the champion moves only in the workspace's "
             f"own runs ({again}; gate.promote_in_experiments: true allows it)"
         )
-    version, registry_pin = registry
-    local = (verdict.get("champion_record") or {}).get("model_version")
+    version, registry_pin, registry_run = (*registry, None)[:3]
+    record = verdict.get("champion_record") or {}
+    local, local_run = record.get("model_version"), record.get("gate_run_id")
     if version is not None and version != local:
         holds = f"version {local}" if local else "no champion"
         return (
             f"{name} passed, but the registry's champion is version {version} and {CHAMPION_DIR} holds {holds} "
             f"(another clone moved it): `python -m stages.rollback --sync` brings {CHAMPION_DIR} to version "
             f"{version}; then {again}"
+        )
+    if version is not None and registry_run and local_run and registry_run != local_run:
+        return (
+            f"{name} passed, but the registry's champion, version {version}, is another model than {CHAMPION_DIR}'s "
+            f"version {local} (logged by run {registry_run}, not {local_run}: a tracking store or registered model "
+            f"other than the one this champion was promoted in): `python -m stages.rollback --sync` brings "
+            f"{CHAMPION_DIR} to the registry's champion; then {again}"
         )
     pinned = (verdict.get("champion_record") or {}).get("pinned") or registry_pin
     if pinned:
@@ -220,8 +234,8 @@ def held_back(
     return None
 
 
-def registry_state(config: Config) -> tuple[str | None, str | None]:
-    """The registry's (champion version, pin) (rlhf.tracking.champion.registry_champion)."""
+def registry_state(config: Config):
+    """The registry's champion (rlhf.tracking.champion.registry_champion)."""
     from mlflow.tracking import MlflowClient
 
     from rlhf.tracking.champion import registry_champion
@@ -249,13 +263,19 @@ def main() -> None:
     temporary = workspace_champion.resolve() != CHAMPION_DIR.resolve()
     with stage_run("gate", config) as active:
         verdict = run(config, report, outcomes, workspace_champion if temporary else CHAMPION_DIR, validation)
-        held = held_back(verdict, config, os.environ.get(EXPERIMENT_ENV), temporary, registry_state(config))
+        registry = registry_state(config)
+        held = held_back(verdict, config, os.environ.get(EXPERIMENT_ENV), temporary, registry)
+        record = None
+        if not held and verdict["promote"]:
+            try:
+                record = promote(config, verdict, outcomes, active.info.run_id, registry)
+            except ChampionMovedError as error:  # another clone moved it meanwhile: nothing moved here
+                held = f"{verdict['promote']} passed, but {error}"
         if held:
             verdict["held_back"] = held
             print(f"gate: {held}")
             verdict["promote"] = None
-        if verdict["promote"]:
-            record = promote(config, verdict, outcomes, active.info.run_id)
+        if record is not None:
             verdict["champion"] = record["candidate"]
             verdict["model_version"] = record["model_version"]
             print(f"gate: promoted {record['candidate']} (registry version {record['model_version']})")

@@ -9,7 +9,8 @@ params.yaml or a Config changed, and a typo, a wrong type or an out-of-range val
 run in about a second with one message naming every bad key — before DVC removes any
 stage's outputs to rerun it. Because the stamp's content is constant, passing the check
 never invalidates the stages after it: only their own params do. It imports no torch
-(unless compute.device names a device: torch then says whether this machine has it) and
+(unless compute.device names a device or compute.processes is above 1: torch then says
+whether this machine has the device, and a GPU for each process) and
 logs nothing to MLflow (each stage logs its own resolved section), which keeps it fast.
 
 A section left out of params.yaml takes its Config's defaults in Python, but DVC refuses to
@@ -48,10 +49,11 @@ def main() -> None:
     problems = difficulty_problems(params, lambda suite: suite_difficulties(params, suite))
     problems += harness_problems(params)
     problems += listed_params_problems(read_params(PARAMS_FILE), params)
-    if params["compute"].device not in ("auto", "cpu"):  # torch imported only then
-        from rlhf.models.compute import device_problem
+    compute = params["compute"]
+    if compute.device not in ("auto", "cpu") or compute.processes > 1:  # torch imported only then
+        from rlhf.models.compute import placement_problem
 
-        problems += [problem] if (problem := device_problem(params["compute"].device)) else []
+        problems += [problem] if (problem := placement_problem(compute)) else []
     if problems:
         raise ParamsError(PARAMS_FILE, problems)
     with atomic_file(STAMP) as tmp:

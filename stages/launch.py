@@ -6,9 +6,11 @@ how they start without a change to dvc.yaml:
 * `launcher: python` (the default): `python -m MODULE ARGS`, one process;
 * `launcher: torchrun, processes: N`: `torchrun --standalone --nproc_per_node N -m MODULE
   ARGS`, N data-parallel processes on this machine (gloo on CPUs, NCCL on GPUs);
-* `launcher: accelerate, processes: N`: `accelerate launch --num_processes N
-  [--config_file compute.accelerate_config] -m MODULE ARGS`, e.g. with one of the DeepSpeed
-  ZeRO or FSDP configs in configs/accelerate/ (GPU only).
+* `launcher: accelerate, processes: N`: `accelerate launch --config_file
+  compute.accelerate_config --num_processes N -m MODULE ARGS`, e.g. with one of the
+  DeepSpeed ZeRO or FSDP configs in configs/accelerate/ (GPU only); without one,
+  configs/accelerate/ddp.yaml (plain data parallelism), never the user's own default
+  accelerate config, which the run would not show.
 
 Data-parallel training keeps the global batch at `per_device_train_batch_size x processes
 x gradient_accumulation_steps`: halve the per-device batch when you double the processes
@@ -26,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
+DEFAULT_ACCELERATE_CONFIG = "configs/accelerate/ddp.yaml"  # plain data parallelism (gloo without a GPU)
 MULTI_PROCESS = {"stages.sft", "stages.verifier", "stages.policy", "stages.reward_model", "stages.process_reward_model"}
 
 
@@ -42,10 +45,13 @@ def command(module: str, args: list[str], config) -> list[str]:
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.processes}",
             "-m", module, *args,
         ]  # fmt: skip
-    extra = ["--config_file", config.accelerate_config] if config.accelerate_config else []
+    # Always a config file: without one accelerate reads the user's own default config
+    # (~/.cache/huggingface/accelerate), or, with none there, starts one process on a
+    # machine without a GPU whatever --num_processes says.
+    config_file = config.accelerate_config or DEFAULT_ACCELERATE_CONFIG
     return [
-        sys.executable, "-m", "accelerate.commands.launch", *extra, "--num_processes", str(config.processes),
-        "-m", module, *args,
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+        "--num_processes", str(config.processes), "-m", module, *args,
     ]  # fmt: skip
 
 

@@ -53,6 +53,14 @@ def list_versions(client, registered_model: str) -> list[dict]:
     ]
 
 
+def not_promoted(registered_model: str, version: str) -> str:
+    return (
+        f"rollback: version {version} of {registered_model!r} was not promoted by the gate (it has no `candidate` "
+        "tag, and its run no champion.json record to compare the next candidate against): only a version the "
+        "gate promoted can be the champion (`--list` shows each version's candidate)"
+    )
+
+
 def rollback(version: str, registered_model: str) -> dict:
     """Make registry `version` the champion again; returns the restored record."""
     import mlflow
@@ -69,6 +77,8 @@ def rollback(version: str, registered_model: str) -> dict:
             f"rollback: {registered_model!r} has no version {version} (versions: {sorted(known, key=int) or 'none'}); "
             f"is MLFLOW_TRACKING_URI the store the gate promoted into ({tracking_uri()})?"
         )
+    if not known[version]["candidate"]:
+        raise SystemExit(not_promoted(registered_model, version))
     if known[version]["champion"]:
         raise SystemExit(
             f"rollback: version {version} is the champion already (`python -m stages.rollback --sync` brings "
@@ -104,12 +114,14 @@ def sync(registered_model: str) -> dict:
 
     setup_experiment()
     client = MlflowClient(tracking_uri())
-    version, pin = registry_champion(client, registered_model)
+    version, pin, _ = registry_champion(client, registered_model)
     if version is None:
         raise SystemExit(
             f"rollback: {registered_model!r} has no champion in the registry at {tracking_uri()} (nothing promoted "
             "there yet; is MLFLOW_TRACKING_URI the store the gate promoted into?)"
         )
+    if not client.get_model_version(registered_model, version).tags.get("candidate"):
+        raise SystemExit(not_promoted(registered_model, version) + " (the alias was moved by hand)")
     with mlflow.start_run(run_name=f"sync-to-v{version}", tags={"rlhf.stage": "rollback", "rollback.sync": version}):
         with atomic_dir(CHAMPION_DIR) as staging:
             record = restore_version(client, registered_model, version, staging)
@@ -133,7 +145,7 @@ def unpin(registered_model: str) -> dict:
     setup_experiment()
     client = MlflowClient(tracking_uri())
     record = read_champion(CHAMPION_DIR) or {}
-    _, registry_pin = registry_champion(client, registered_model)
+    registry_pin = registry_champion(client, registered_model).pin
     pinned = record.get("pinned") or registry_pin
     if not pinned:
         raise SystemExit(f"rollback: the champion is not pinned ({CHAMPION_DIR} nor the registry's)")
@@ -172,7 +184,10 @@ def main(argv: list[str] | None = None) -> None:
 
         from rlhf.tracking.runs import tracking_uri
 
-        for row in list_versions(MlflowClient(tracking_uri()), registered_model):
+        rows = list_versions(MlflowClient(tracking_uri()), registered_model)
+        if not rows:
+            print(f"rollback: no versions of {registered_model!r} in {tracking_uri()} (nothing promoted there yet)")
+        for row in rows:
             mark = "  <- champion" if row["champion"] else ""
             print(f"v{row['version']}  {row['candidate']}  {row['created']}  run {row['run_id']}{mark}")
         return

@@ -40,6 +40,11 @@ def test_the_launch_command_follows_compute_params(tmp_path):
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
         "-m", "stages.sft",
     ]  # fmt: skip
+    # Without accelerate_config, the project's plain DDP config: accelerate alone would read
+    # the user's default config, or start one process on a machine without a GPU.
+    assert command("stages.sft", [], compute(launcher="accelerate", processes=2))[3:7] == [
+        "--config_file", "configs/accelerate/ddp.yaml", "--num_processes", "2",
+    ]  # fmt: skip
     # PPO (our own loop) is data-parallel too; a stage that does not train starts as one process.
     assert command("stages.policy", ["ppo"], compute(launcher="torchrun", processes=2))[2] == "torch.distributed.run"
     assert command("stages.evaluate", [], compute(launcher="torchrun", processes=2)) == [

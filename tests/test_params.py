@@ -394,8 +394,8 @@ def test_check_params_names_what_would_fail_at_the_last_stages(tmp_path, repo_pa
     )
     assert "base: seed: not read by a model of your own (they shape a built-in model); remove it" in found
     assert (
-        "gate.registered_model: 'team/rlhf-policy': MLflow's registered model names are not empty and hold "
-        "no '/' or ':'" in found
+        "gate.registered_model: 'team/rlhf-policy': a registered model name is not empty and holds no '/' or ':' "
+        "(MLflow's rule) nor quotes (the rollback command searches the registry by name)" in found
     )
     assert "infer: ensemble: not read unless infer.strategies lists ensemble; remove it" in found
 
@@ -416,3 +416,16 @@ def test_check_params_names_a_device_this_machine_lacks(tmp_path, repo_params):
     )  # fmt: skip
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "compute.device is 'cuda' but torch sees no CUDA GPU; use compute.device: auto or cpu" in done.stderr
+
+
+def test_a_ppo_batch_the_processes_cannot_share_is_named_before_any_stage(tmp_path, repo_params):
+    """Each process samples an equal share of PPO's rollout batch: a batch of 3 over 2
+    processes failed in every rank after the models loaded."""
+    params = copy.deepcopy(repo_params)
+    params["compute"].update(launcher="torchrun", processes=2)
+    params["policy"]["online"] = ["ppo"]
+    params["policy"]["ppo"].update(rollout_batch_size=9, mini_batch_size=3)
+    assert params_error(write_params(tmp_path, params)).problems == [
+        "policy.ppo.rollout_batch_size: 9 is not a multiple of compute.processes (2): each process samples an "
+        "equal share of the batch"
+    ]

@@ -161,6 +161,7 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
         assert STAGE_MODULE[name] == module, f"stage {name} runs {module}"
         if launched:  # the launcher reads params `compute` and is the stage's code too
             assert "stages/launch.py" in body["deps"] and "compute" in body.get("params", []), name
+            assert "configs/accelerate" in body["deps"], f"stage {name}: its accelerate config decides how it runs"
         source = REPO / (module.replace(".", "/") + ".py")
         assert source.relative_to(REPO).as_posix() in body["deps"], f"stage {name} must depend on {source.name}"
         reused = {f for f in code_closure(source) if f.startswith("stages/") and f != "stages/__init__.py"}

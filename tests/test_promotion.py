@@ -637,3 +637,18 @@ def test_a_test_by_difficulty_reads_accuracy_only():
         CapabilityTest(metric="format_rate", difficulty=8)
     with pytest.raises(ValueError, match=r"difficulty \[\]: name at least one difficulty, or null"):
         CapabilityTest(metric="accuracy", difficulty=[])
+
+
+def test_a_registry_champion_of_the_same_number_but_another_run_holds_the_gate_back():
+    """Version numbers repeat across tracking stores (and registered model names): a
+    folder holding version 2 of one store is not version 2 of another. The gate compares
+    the run that logged the registry's champion with the record's and holds back (it moved
+    a team's better champion to a worse candidate); the same run passes."""
+    from stages.capability_gate import held_back
+
+    verdict = {"promote": "dpo", "champion_record": {"model_version": "2", "gate_run_id": "run-a", "pinned": None}}
+    reason = held_back(verdict, Config(), None, False, ("2", None, "run-b"))
+    assert reason.startswith("dpo passed, but the registry's champion, version 2, is another model than ")
+    assert "(logged by run run-b, not run-a" in reason and "stages.rollback --sync" in reason
+    assert held_back(verdict, Config(), None, False, ("2", None, "run-a")) is None
+    assert held_back(verdict, Config(), None, False, ("2", None)) is None  # a caller without the run

@@ -443,6 +443,25 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
             (staging / "config.json").write_text("{}")
     assert tree_digest(project / "models/champion") == before
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
+    # Another clone moved the champion (or pinned it) while this one logged its model: the
+    # alias and the folder stay, and the error says how to catch up.
+    from rlhf.tracking.champion import ChampionMovedError, RegistryChampion, registry_champion
+
+    seen = registry_champion(client, "rlhf-policy")
+    stale = RegistryChampion(current, None, seen.run_id)
+    with pytest.raises(ChampionMovedError, match=rf"moved while this ran \(version {current} -> {target}\)"):
+        with moving_champion(client, "rlhf-policy", current, project / "models/champion", stale) as staging:
+            (staging / "config.json").write_text("{}")
+    assert tree_digest(project / "models/champion") == before
+    assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
+
+    # A version registered by hand (no gate run, no record) cannot become the champion:
+    # refused before any download (it failed after the weights came, on the missing record).
+    source = client.get_model_version("rlhf-policy", target).source
+    by_hand = str(client.create_model_version("rlhf-policy", source).version)
+    with pytest.raises(SystemExit, match=rf"version {by_hand} of 'rlhf-policy' was not promoted by the gate"):
+        stages.rollback.main(["--version", by_hand])
+    assert tree_digest(project / "models/champion") == before
 
 
 def test_policy_plots_find_a_reward_under_the_name_trl_logs():

@@ -50,7 +50,9 @@ class ComputeConfig(StageConfig):
     )
     processes: int = Field(1, ge=1, description="training processes on this machine (torchrun / accelerate launch)")
     accelerate_config: str | None = Field(
-        None, description="accelerate config file for launcher accelerate (configs/accelerate/: DeepSpeed, FSDP; GPU)"
+        None,
+        description="accelerate config file for launcher accelerate (configs/accelerate/: DeepSpeed, FSDP; GPU); "
+        "null: configs/accelerate/ddp.yaml",
     )
 
     @model_validator(mode="after")
@@ -96,6 +98,23 @@ class Placement:
 
 class DeviceError(InputError, RuntimeError):
     """compute.device names a device this machine does not have."""
+
+
+def placement_problem(config: ComputeConfig) -> str | None:
+    """Why `config`'s device, or its processes on the GPUs, cannot be used on this machine,
+    or None (torch imported: stage check_params asks only when a device is named or
+    several processes are)."""
+    import torch
+
+    if problem := device_problem(config.device):
+        return problem
+    on_gpus = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    if config.processes > 1 and on_gpus and config.processes > torch.cuda.device_count():
+        return (
+            f"compute.processes is {config.processes} but torch sees {torch.cuda.device_count()} CUDA GPU(s): one "
+            "process per GPU (lower compute.processes)"
+        )
+    return None
 
 
 def device_problem(device: str) -> str | None:

@@ -25,8 +25,10 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from rlhf.artifacts import atomic_dir
+from rlhf.params import InputError
 
 CHAMPION_RECORD = "champion.json"
 CHAMPION_ALIAS = "champion"
@@ -85,19 +87,37 @@ def set_champion_alias(client, registered_model: str, version: str) -> None:
     client.set_registered_model_alias(registered_model, CHAMPION_ALIAS, version)
 
 
-def registry_champion(client, registered_model: str) -> tuple[str | None, str | None]:
-    """(the version the registry's champion alias names, the registry's pin): None for
-    either where there is none (nothing registered or promoted yet, not pinned)."""
+class RegistryChampion(NamedTuple):
+    """The registry's champion: the version its alias names, the registry's pin, and the
+    run that logged that version (the gate run whose record models/champion holds when the
+    folder is that champion: version numbers alone repeat across tracking stores). None
+    where there is none (nothing registered or promoted yet, not pinned)."""
+
+    version: str | None
+    pin: str | None
+    run_id: str | None = None
+
+
+class ChampionMovedError(InputError, RuntimeError):
+    """The registry's champion moved (another clone promoted, rolled back or pinned) while
+    this process was about to move it."""
+
+
+def registry_champion(client, registered_model: str) -> RegistryChampion:
+    """The registry's champion of `registered_model` (`RegistryChampion`)."""
     from mlflow.exceptions import MlflowException
 
     try:
         model = client.get_registered_model(registered_model)
     except MlflowException as error:
         if error.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return None, None
+            return RegistryChampion(None, None)
         raise
     version = (model.aliases or {}).get(CHAMPION_ALIAS)
-    return (None if version is None else str(version)), (model.tags or {}).get(PIN_TAG)
+    pin = (model.tags or {}).get(PIN_TAG)
+    if version is None:
+        return RegistryChampion(None, pin)
+    return RegistryChampion(str(version), pin, client.get_model_version(registered_model, str(version)).run_id)
 
 
 def set_pin(client, registered_model: str, pin: str | None) -> None:
@@ -109,15 +129,29 @@ def set_pin(client, registered_model: str, pin: str | None) -> None:
 
 
 @contextmanager
-def moving_champion(client, registered_model: str, version: str, champion_dir: Path) -> Iterator[Path]:
+def moving_champion(
+    client, registered_model: str, version: str, champion_dir: Path, expected: RegistryChampion | None = None
+) -> Iterator[Path]:
     """An atomic_dir for `champion_dir` that also moves the registry alias to `version`:
     the alias moves after the caller has filled the staging folder (a failure before leaves
-    both as they were), and moves back if putting the folder in place then fails."""
-    previous, _ = registry_champion(client, registered_model)
+    both as they were), and moves back if putting the folder in place then fails. With
+    `expected` (the registry's champion the caller decided against), a registry whose
+    champion or pin has changed since (another clone promoted or rolled back meanwhile:
+    logging a model takes seconds) raises `ChampionMovedError` before the alias moves,
+    leaving both as they were."""
+    previous = registry_champion(client, registered_model).version if expected is None else expected.version
     moved = False
     try:
         with atomic_dir(champion_dir) as staging:
             yield staging
+            now = registry_champion(client, registered_model)
+            if expected is not None and (now.version, now.pin) != (expected.version, expected.pin):
+                raise ChampionMovedError(
+                    f"the registry's champion of {registered_model!r} moved while this ran (version "
+                    f"{expected.version} -> {now.version}{f', pinned: {now.pin}' if now.pin else ''}): version "
+                    f"{version} was registered but neither the alias nor {champion_dir} moved; `python -m "
+                    f"stages.rollback --sync` brings {champion_dir} to the registry's champion"
+                )
             set_champion_alias(client, registered_model, version)
             moved = True
     except BaseException:

@@ -592,7 +592,7 @@ def train_ppo(
     bad_fields = [k for k, v in row_fields.items() if len(v) != n]
     if not n or bad_fields:
         raise ValueError(f"need prompts, and row fields of the same length ({n}); wrong length: {bad_fields}")
-    if params.rollout_batch_size % world_size():
+    if params.rollout_batch_size % world_size():  # check_params says so first; here for a caller of its own
         raise ValueError(
             f"rollout_batch_size ({params.rollout_batch_size}) must be a multiple of the number of training "
             f"processes ({world_size()}, compute.processes): each process samples an equal share"
