@@ -726,7 +726,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--force needs the stages to rerun (e.g. --force sft, or --force policy for each method)")
     try:
         check_inputs(ROOT)
-        forced_stages(set(args.force or []), stage_order(ROOT))
+        if args.force:
+            forced_stages(set(args.force), stage_order(ROOT))
     except Exception as error:  # params, the tracking URI, --force: the message says what to fix
         if not isinstance(error, InputError):
             raise
