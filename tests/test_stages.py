@@ -455,10 +455,40 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     assert tree_digest(project / "models/champion") == before
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
 
-    # A version registered by hand (no gate run, no record) cannot become the champion:
-    # refused before any download (it failed after the weights came, on the missing record).
+    # A version registered by hand (no gate run, no record), which another clone's alias
+    # could name.
     source = client.get_model_version("rlhf-policy", target).source
     by_hand = str(client.create_model_version("rlhf-policy", source).version)
+    # Putting the folder in place fails after the alias moved: the alias moves back, unless
+    # another clone moved it in between (its move stands).
+    from contextlib import contextmanager
+
+    import rlhf.tracking.champion as champion_module
+    from rlhf.artifacts import atomic_dir
+
+    def failing_after(other_clone: str | None):
+        @contextmanager
+        def failing_dir(path):
+            with atomic_dir(path) as staging:
+                yield staging
+                if other_clone:
+                    client.set_registered_model_alias("rlhf-policy", "champion", other_clone)
+                raise OSError("no space left on device")
+
+        return failing_dir
+
+    for other_clone, expected in ((None, target), (by_hand, by_hand)):
+        monkeypatch.setattr(champion_module, "atomic_dir", failing_after(other_clone))
+        with pytest.raises(OSError, match="no space left"):
+            with moving_champion(client, "rlhf-policy", current, project / "models/champion") as staging:
+                (staging / "config.json").write_text("{}")
+        assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == expected
+        assert tree_digest(project / "models/champion") == before
+    monkeypatch.setattr(champion_module, "atomic_dir", atomic_dir)
+    client.set_registered_model_alias("rlhf-policy", "champion", target)
+
+    # The version registered by hand cannot become the champion: refused before any
+    # download (it failed after the weights came, on the missing record).
     with pytest.raises(SystemExit, match=rf"version {by_hand} of 'rlhf-policy' was not promoted by the gate"):
         stages.rollback.main(["--version", by_hand])
     assert tree_digest(project / "models/champion") == before

@@ -155,10 +155,13 @@ def moving_champion(
             set_champion_alias(client, registered_model, version)
             moved = True
     except BaseException:
-        if moved and previous is not None:
-            set_champion_alias(client, registered_model, previous)
-        elif moved:
-            client.delete_registered_model_alias(registered_model, CHAMPION_ALIAS)
+        # Moved back only while the alias still names `version` (another clone may have
+        # moved it since: its move stands).
+        if moved and registry_champion(client, registered_model).version == str(version):
+            if previous is not None:
+                set_champion_alias(client, registered_model, previous)
+            else:
+                client.delete_registered_model_alias(registered_model, CHAMPION_ALIAS)
         raise
 
 
