@@ -713,7 +713,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pull", action="store_true", help="dvc pull --run-cache from the default remote first")
     parser.add_argument("--push", action="store_true", help="dvc push --run-cache to the default remote after")
     parser.add_argument(
-        "--jobs", type=int, default=None, help="stages at once (default: 2 on a CPU machine of 2+ cores, 1 with a GPU)"
+        "--jobs",
+        type=int,
+        default=None,
+        help="stages at once (default: 2 on a CPU machine of 2+ cores with 4 GiB free, else 1; 1 with a GPU)",
     )
     parser.add_argument("--serve", action="store_true", help="serve the flow with a schedule (needs a Prefect server)")
     parser.add_argument(

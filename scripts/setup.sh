@@ -14,7 +14,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-# The CPU build of torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
+# torch first, pinned: a bare `torch` requirement could pull a multi-GB CUDA build. (The reference
+# machine's pip finds the CPU build of this version locally; elsewhere add
+# --index-url https://download.pytorch.org/whl/cpu for it: README, Requirements.)
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[test]"
 # A headless browser for the labelling page's browser test (tests/test_feedback.py): Debian's
