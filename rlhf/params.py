@@ -10,7 +10,8 @@ errors: every section forbids extras.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -26,6 +27,18 @@ class InputError:
     alone says what to fix: a stage process prints that message, not a traceback
     (stages.report_input_errors). Mixed into the exception's own class, e.g.
     `class ParamsError(InputError, ValueError)`."""
+
+
+@contextmanager
+def input_errors_exit(prefix: str = "") -> Iterator[None]:
+    """For a command: an `InputError` raised inside leaves as SystemExit with its message
+    alone (after `prefix`), which says what to fix; any other error keeps its traceback."""
+    try:
+        yield
+    except Exception as error:  # InputError is a mixin, not an exception class of its own
+        if not isinstance(error, InputError):
+            raise
+        raise SystemExit(f"{prefix}{error}") from None
 
 
 class ParamsError(InputError, ValueError):
@@ -122,22 +135,23 @@ def _kinds(annotation) -> set:
     return set(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else {annotation}
 
 
-def flags_for_numbers(raw: Mapping, config: type[BaseModel], prefix: str) -> list[str]:
-    """true/false given for a number, in `raw` or the blocks nested in it: pydantic reads
-    `max_steps: true` as 1 step and `learning_rate: false` as 0 without a word."""
-    problems = []
+def flags_for_numbers(raw: Mapping, config: type[BaseModel], prefix: str) -> dict[str, bool]:
+    """The dotted keys given true/false for a number, in `raw` or the blocks nested in it,
+    with that value: pydantic reads `max_steps: true` as 1 step and `learning_rate: false`
+    as 0 without a word."""
+    flags = {}
     for key, value in raw.items():
         field = config.model_fields.get(key) if isinstance(key, str) else None
         if field is None:
             continue
         kinds = _kinds(field.annotation)
         if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
-            problems.append(f"{prefix}.{key}: a number, not {str(value).lower()}")
+            flags[f"{prefix}.{key}"] = value
         elif isinstance(value, Mapping):
             for kind in kinds:
                 if isinstance(kind, type) and issubclass(kind, BaseModel):
-                    problems.extend(flags_for_numbers(value, kind, f"{prefix}.{key}"))
-    return problems
+                    flags |= flags_for_numbers(value, kind, f"{prefix}.{key}")
+    return flags
 
 
 def validate_params(
@@ -158,12 +172,11 @@ def validate_params(
             problems.append(f"{section}: must be a mapping of keys, got {type(raw).__name__}")
             continue
         flags = flags_for_numbers(raw, config, section)
-        problems.extend(flags)
-        flagged = {flag.split(":")[0] for flag in flags}
+        problems.extend(f"{key}: a number, not {str(value).lower()}" for key, value in flags.items())
         try:
             validated[section] = config.model_validate(dict(raw))
-        except ValidationError as error:
-            problems.extend(p for p in format_validation_error(section, error) if p.split(":")[0] not in flagged)
+        except ValidationError as error:  # a flagged key's own complaint is said once, above
+            problems.extend(p for p in format_validation_error(section, error) if p.split(":")[0] not in flags)
     if problems:
         raise ParamsError(path, problems)
     return validated

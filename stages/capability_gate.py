@@ -30,7 +30,7 @@ from pydantic import Field, field_validator
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import StageConfig
-from rlhf.tracking.champion import ChampionMovedError
+from rlhf.tracking.champion import ChampionMovedError, RegistryChampion
 from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, decision_suite, load_all
 
 REPORT = REPORTS_DIR / "eval.json"
@@ -208,7 +208,7 @@ def held_back(
             f"{name} passed, but this is DVC experiment {experiment!r}: the champion moves only in the workspace's "
             f"own runs ({again}; gate.promote_in_experiments: true allows it)"
         )
-    version, registry_pin, registry_run = (*registry, None)[:3]
+    version, registry_pin, registry_run = RegistryChampion(*registry)
     record = verdict.get("champion_record") or {}
     local, local_run = record.get("model_version"), record.get("gate_run_id")
     if version is not None and version != local:
@@ -225,7 +225,7 @@ def held_back(
             f"other than the one this champion was promoted in): `python -m stages.rollback --sync` brings "
             f"{CHAMPION_DIR} to the registry's champion; then {again}"
         )
-    pinned = (verdict.get("champion_record") or {}).get("pinned") or registry_pin
+    pinned = record.get("pinned") or registry_pin
     if pinned:
         return (
             f"{name} passed, but the champion is pinned: {pinned}; `python -m stages.rollback --unpin` lets the gate "

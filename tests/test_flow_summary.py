@@ -1,11 +1,12 @@
 """What the flow shows: a summary row per self-improvement round, the parent run's
-headline metrics, and the tables it publishes as Prefect artifacts (flows/pipeline.py)."""
+headline metrics, and the tables it publishes as Prefect artifacts (flows/summary.py), and
+the flow's own checks and scheduling (flows/pipeline.py)."""
 
 from __future__ import annotations
 
 
 def test_the_flow_summary_has_a_row_per_round():
-    from flows.pipeline import rounds_table
+    from flows.summary import rounds_table
 
     accuracy = {"accuracy": 0.5, "accuracy_low": 0.4, "accuracy_high": 0.6}
     rounds = {
@@ -21,7 +22,7 @@ def test_the_flow_summary_has_a_row_per_round():
 
 
 def test_the_parent_run_headline_has_each_models_suite_metrics_and_each_round():
-    from flows.pipeline import headline_metrics
+    from flows.summary import headline_metrics
 
     metrics = {
         "eval": {"suites": {"dev": {"sft": {"accuracy": 0.5, "kl_to_ref": 0.0}, "dpo": {"accuracy": 0.7}}}},
@@ -42,7 +43,7 @@ def test_the_parent_run_headline_has_each_models_suite_metrics_and_each_round():
 
 
 def test_the_tables_are_the_eval_the_gate_verdict_and_the_strategies():
-    from flows.pipeline import table_artifacts
+    from flows.summary import table_artifacts
 
     metrics = {
         "eval": {"suites": {"dev": {"sft": {"accuracy": 0.5}, "dpo": {"accuracy": 0.7, "kl_to_ref": 0.2}}}},
@@ -121,7 +122,7 @@ def test_the_summary_of_a_run_whose_rm_dropped_out_and_with_a_harness_task():
     """No preference data: metrics/rm.json says why the RM dropped out (so does the PRM's);
     a harness task's suite holds lm-eval's metrics, not evaluate's. The summary says so and
     still ends with the gate (it raised a KeyError after every stage had run)."""
-    from flows.pipeline import summary_markdown
+    from flows.summary import summary_markdown
 
     metrics = {
         "rm": {"absent": "no preference pairs"},
@@ -167,7 +168,7 @@ def test_reports_of_stages_that_did_not_complete_are_not_this_runs(tmp_path):
     the parent run leave it out. A gate that was up to date decided nothing in this run."""
     import json
 
-    from flows.pipeline import read_metrics, summary_markdown
+    from flows.summary import read_metrics, summary_markdown
 
     (tmp_path / "metrics").mkdir()
     (tmp_path / "reports").mkdir()

@@ -179,18 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     from rlhf.inference.strategies import load_strategy
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import load_causal_lm, load_tokenizer
-    from rlhf.params import InputError
+    from rlhf.params import input_errors_exit
 
-    try:  # every folder the command reads, before any model loads
+    with input_errors_exit():  # every folder the command reads, before any model loads
         check_model_dir(resolve_model_dir(args.model), "--model")
         tokenizer = load_tokenizer(args.model, args.trust_remote_code)
         check_inputs([args.strategy], settings, tokenizer, task, keys=_KEYS)
         model = load_causal_lm(args.model, args.trust_remote_code, what="--model")
         runner = load_strategy(args.strategy, settings, task)
-    except Exception as error:  # InputError is a mixin: its message alone says what to fix
-        if not isinstance(error, InputError):
-            raise
-        raise SystemExit(str(error)) from None
     for prompt, answer in zip(shown, runner(model, tokenizer, prompts)):
         record = {
             "prompt": prompt,
