@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Set up the environment and run the whole test suite (slow end-to-end tests included).
-# Extra arguments go to pytest (e.g. -m "not slow" for the quick ones).
+# Extra arguments go to pytest (e.g. -m "not slow" for the quick ones, -n 0 for one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
-exec .venv/bin/python -m pytest "$@"
+# Two pytest workers (pytest-xdist; RLHF_TEST_WORKERS=N for more), each torch process on one
+# thread: the tests' tiny models gain nothing from a second thread, and two processes that
+# each spin two threads on two cores slow each other several times over.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+exec .venv/bin/python -m pytest -n "${RLHF_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -228,6 +228,29 @@ def no_dangling_mlflow_run():
         mlflow.end_run()
 
 
+# The modules that take minutes, longest first (the rest take well under one).
+LONGEST_MODULES = [
+    "test_pipeline_e2e", "test_faults", "test_own_data", "test_ui_check", "test_distributed", "test_improve",
+    "test_flow_graph",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    """Longest modules first, then those with other slow tests, then the quick ones; each
+    module's tests together and in file order. scripts/test.sh gives each of its pytest
+    workers a whole module (`--dist loadfile`: a module's shared fixtures, such as the
+    end-to-end module's pipeline run, are built once) and the next one when it is free, so
+    a long module started last cannot keep one worker busy while the other idles."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> tuple[int, int]:
+        if item.path.stem in LONGEST_MODULES:
+            return (0, LONGEST_MODULES.index(item.path.stem))
+        return (1, 0 if item.path in slow else 1)
+
+    items.sort(key=rank)
+
+
 # ----------------------------------------------------------------------------- tracking waits
 # Every MLflow write and run end of the session (this process and the stages it starts) is
 # timed into one file (rlhf.tracking.runs.record_wait); the summary reports the longest.
