@@ -463,18 +463,24 @@ def input_problems(params: dict) -> list[str]:
                 + (f" (did you mean {' or '.join(close)}?)" if close else "")
                 + f"; one of {', '.join(SUITE_METRICS)} (a harness task's own metrics: name its suite harness/<task>)"
             )
-    for index, test in enumerate(gate.tests or []):
-        if test.metric == "accuracy":
-            need_answers("metric accuracy", f"gate.tests[{index}]")
-        if test.metric == "format_rate" and not task.has_format:
-            problems.append(f"gate.tests[{index}]: task {task.name!r} defines no format (set task.format_pattern)")
-        if test.metric in ("reward", "win_rate"):
-            need_model(f"metric {test.metric}", "reward_model", f"gate.tests[{index}]")
-        if test.metric == "kl_to_ref" and params["evaluate"].kl_prompts == 0:
+
+    def metric_needs(metric: str, key: str, remedy: str) -> None:
+        """What the run must have for `metric` to be in the eval report a gate reads."""
+        if metric == "accuracy":
+            need_answers("metric accuracy", key)
+        if metric == "format_rate" and not task.has_format:
+            problems.append(f"{key}: task {task.name!r} defines no format (set task.format_pattern)")
+        if metric in ("reward", "win_rate"):
+            need_model(f"metric {metric}", "reward_model", key)
+        if metric == "kl_to_ref" and params["evaluate"].kl_prompts == 0:
             problems.append(
-                f"gate.tests[{index}]: kl_to_ref is not measured with evaluate.kl_prompts 0; set kl_prompts above 0, "
-                "or remove the test"
+                f"{key}: kl_to_ref is not measured with evaluate.kl_prompts 0; set kl_prompts above 0, or {remedy}"
             )
+
+    for index, test in enumerate(gate.tests or []):
+        metric_needs(test.metric, f"gate.tests[{index}]", "remove the test")
+    if gate.select_metric is not None:  # the candidates that pass are ranked on it
+        metric_needs(gate.select_metric, "gate.select_metric", "choose another metric")
     return list(dict.fromkeys(problems))  # a default every round inherits, named once
 
 

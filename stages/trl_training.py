@@ -99,7 +99,7 @@ def train_trl(
     )
     if on_trainer is not None:
         on_trainer(trainer)
-    ewc = consolidate_on_sft(trainer.model, ewc_data, params, params.gradient_accumulation_steps)
+    ewc = consolidate_on_sft(trainer.model, ewc_data, params, params.gradient_accumulation_steps, trainer)
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
     penalty = ewc.penalty() if ewc is not None else None  # before LoRA is merged away
@@ -204,15 +204,17 @@ def sft_ewc_examples(tokenizer, params, key: str):
     return ewc_examples(tokenizer, table, params.ewc, params.max_length, params.seed, key, SFT_DATA)
 
 
-def consolidate_on_sft(model, examples, params, accumulation: int = 1):
+def consolidate_on_sft(model, examples, params, accumulation: int = 1, trainer=None):
     """EWC towards the weights `model` starts from (the SFT model's, unless a round trains
     on), with the Fisher information of the SFT data's `examples` (`sft_ewc_examples`);
-    None when there are none (`ewc.strength` 0)."""
+    None when there are none (`ewc.strength` 0). `trainer`: the transformers Trainer that
+    trains `model`, whose fp16 loss scale the pull is scaled by."""
     if examples is None:
         return None
-    from rlhf.training.ewc import consolidate
+    from rlhf.training.ewc import consolidate, trainer_loss_scale
 
-    return consolidate(model, examples, params.ewc.strength, 1.0 / accumulation)
+    loss_scale = trainer_loss_scale(trainer) if trainer is not None else None
+    return consolidate(model, examples, params.ewc.strength, 1.0 / accumulation, loss_scale)
 
 
 def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:

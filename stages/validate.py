@@ -16,7 +16,7 @@ Out: reports/validation.json: per candidate, every check (perplexity under the r
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlhf.artifacts import read_json, write_json
 from rlhf.params import StageConfig
@@ -49,6 +49,13 @@ class Config(StageConfig):
     banned: list[str] = Field(default_factory=list, description="strings no completion may contain")
     batch_size: int = Field(32, gt=0, description="completions per forward pass of the reference")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+    @field_validator("banned")
+    @classmethod
+    def _no_blank(cls, value: list[str]) -> list[str]:
+        if blank := [i for i, text in enumerate(value) if not text.strip()]:
+            raise ValueError(f"entries {blank} are blank: every completion contains them; remove them")
+        return value
 
 
 def run(config: Config, completions: dict, report: dict, suite: str, outcomes: dict | None = None) -> dict:

@@ -66,6 +66,27 @@ def test_hooks_add_the_gradient_of_the_penalty(micro):
     assert all(float(p.grad.abs().sum()) == 0.0 for p in params.values()), "removed hooks add nothing"
 
 
+def test_under_fp16_loss_scaling_the_optimizer_sees_the_penalty_gradient_unscaled(micro):
+    """fp16 training scales the loss (accelerate's GradScaler), so the gradients the hooks
+    see are scaled and are divided by the scale before the optimizer step: the pull is
+    multiplied by the scale (`loss_scale`), else it reached the optimizer 65536 times too weak."""
+    model, _ = micro
+    params = dict(model.named_parameters())
+    fisher = {name: torch.rand_like(p) for name, p in params.items()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    attach(model, fisher, strength=3.0, loss_scale=scaler.get_scale)
+    moved = {}
+    with torch.no_grad():
+        for name, p in params.items():
+            moved[name] = torch.randn_like(p) * 0.01
+            p += moved[name]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.scale(sum(p.sum() * 0.0 for p in params.values())).backward()
+    scaler.unscale_(optimizer)
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad, 3.0 * fisher[name] * moved[name], rtol=1e-4, atol=1e-7)
+
+
 def _loss(model, examples) -> float:
     with torch.no_grad():
         return sum(

@@ -106,6 +106,8 @@ def test_every_config_field_is_documented():
         # cosine_with_min_lr needs scheduler arguments no param gives.
         ("sft", "lr_scheduler_type", "cosin", "sft.lr_scheduler_type: Input should be 'linear', 'cosine', "),
         ("sft", "lr_scheduler_type", "cosine_with_min_lr", "sft.lr_scheduler_type: Input should be 'linear', "),
+        # Every completion contains "": every candidate failed the validator, after evaluation.
+        ("validate", "banned", ["as an AI", " "], "validate.banned: entries [1] are blank"),
     ],
 )
 def test_one_bad_key(tmp_path, repo_params, section, key, value, expected):

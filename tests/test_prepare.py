@@ -280,6 +280,30 @@ def test_a_gate_metric_no_suite_reports_fails_naming_the_key(tmp_path, params):
     assert len(found) == 2, found
 
 
+def test_a_selection_metric_the_run_does_not_measure_fails_with_the_params(tmp_path, params):
+    """gate.select_metric ranks the candidates that pass: one the run never measures (a
+    reward without preference data, a format the task lacks, a KL not measured, accuracy
+    without answers) failed in the gate, after the whole pipeline, once one passed."""
+    data = copy.deepcopy(params)
+    del data["prepare"]["files"]["prefs"]
+    data["policy"]["offline"], data["policy"]["online"], data["infer"]["strategies"] = [], ["grpo"], ["greedy"]
+    data["policy"]["grpo"]["rewards"] = [{"name": "answer_match"}]
+    for metric, expected in [
+        ("reward", "gate.select_metric: metric reward needs the reward model, which needs preference data"),
+        ("format_rate", "gate.select_metric: task 'gsm8k' defines no format (set task.format_pattern)"),
+        ("kl_to_ref", "gate.select_metric: kl_to_ref is not measured with evaluate.kl_prompts 0; set kl_prompts "
+         "above 0, or choose another metric"),
+    ]:  # fmt: skip
+        data["gate"]["select_metric"] = metric
+        data["evaluate"]["kl_prompts"] = 0
+        assert any(p.startswith(expected) for p in problems(tmp_path, data)), metric
+    data["task"] = {"kind": "none"}
+    data["gate"]["select_metric"] = "accuracy"
+    assert any(
+        p.startswith("gate.select_metric: metric accuracy needs checkable answers") for p in problems(tmp_path, data)
+    )
+
+
 def test_a_task_without_answers_cannot_feed_answer_rewards_or_derive_step_labels(tmp_path, params):
     data = copy.deepcopy(params)
     data["task"] = {"kind": "none"}

@@ -202,6 +202,17 @@ def test_the_better_of_two_passing_candidates_is_promoted():
     assert decide(tests, report, None, "format_rate", "dev")["promote"] == "good"
 
 
+def test_a_selection_metric_a_passing_candidate_lacks_is_an_input_error():
+    """The message alone says what to fix (a stage prints it, not a traceback)."""
+    from rlhf.params import InputError
+
+    with pytest.raises(
+        ValueError, match=r"gate.select_metric 'win_rate' on suite 'dev' is missing for \['good'\]"
+    ) as error:
+        decide([ACCURACY_VS_SFT], report_with(good=GOOD), None, "win_rate", "dev")
+    assert isinstance(error.value, InputError)
+
+
 def test_a_better_but_failing_candidate_is_not_promoted():
     """`sloppy` has the highest accuracy (0.70) but a format rate of 0.80 < 0.9: only
     good is promotable, so good wins."""

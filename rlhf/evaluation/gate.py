@@ -47,7 +47,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from rlhf.params import StageConfig
+from rlhf.params import InputError, StageConfig
 
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 # The models that score a metric (keys of the eval report's `scorers`), and their names.
@@ -292,6 +292,11 @@ def validator_tests(validation: dict | None, name: str) -> list[dict]:
     ]
 
 
+class SelectMetricError(InputError, ValueError):
+    """A candidate that passed has no `gate.select_metric` to be ranked on (check_params
+    refuses the metrics a run cannot measure; this catches the rest, e.g. a harness task's)."""
+
+
 def decide(
     tests,
     report: dict,
@@ -341,7 +346,7 @@ def decide(
     passing = [n for n in report["candidates"] if verdicts[n]["passed"]]
     missing = [n for n in passing if per_model[n].get(select_suite, {}).get(select_metric) is None]
     if missing:
-        raise ValueError(
+        raise SelectMetricError(
             f"gate.select_metric {select_metric!r} on suite {select_suite!r} is missing for {missing} in the eval "
             "report; choose a metric every candidate has (see reports/eval.json), e.g. reward or win_rate for a "
             "suite without answers"

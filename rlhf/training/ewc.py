@@ -6,13 +6,17 @@ how much that weight mattered on the previous data,
 
 where theta* are the weights at the start and F the diagonal of the empirical Fisher
 information of the previous data under theta*: the mean over examples of the squared
-gradient of the example's log-likelihood (`fisher_diagonal`).
+gradient of the example's log-likelihood (`fisher_diagonal`), here its mean over the
+example's completion tokens, the loss the trainers minimise, so that examples of every
+length weigh alike (the sum over tokens, as the paper writes it for one output, gives an
+example's Fisher times the square of its completion's length; `strength` is on this scale).
 
 It is applied as gradient hooks (`attach`): each trainable parameter's gradient gets
 `strength * F * (theta - theta*)` added, which is the penalty's gradient. So EWC works
 under any trainer that calls `backward` (TRL's SFT, DPO, KTO, GRPO ... and our PPO) without
 subclassing it; `scale` divides the added gradient when a trainer accumulates several
-backward passes into one step.
+backward passes into one step, and `loss_scale` multiplies it by fp16 training's loss scale
+(the gradients a hook sees are scaled, and are divided by it before the optimizer step).
 
 Why our own: neither TRL, PEFT nor transformers has EWC; continual-learning libraries that
 do (avalanche) own the training loop, which the pipeline's trainers already do.
@@ -20,7 +24,7 @@ do (avalanche) own the training loop, which the pipeline's trainers already do.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,10 +101,18 @@ class EWC:
         self.handles.clear()
 
 
-def attach(model, fisher: dict[str, torch.Tensor], strength: float, scale: float = 1.0) -> EWC:
+def attach(
+    model,
+    fisher: dict[str, torch.Tensor],
+    strength: float,
+    scale: float = 1.0,
+    loss_scale: Callable[[], float] | None = None,
+) -> EWC:
     """Anchor `model` at its current weights and add EWC's gradient,
     `strength * scale * F * (theta - theta*)`, to every parameter `fisher` names, on every
-    backward pass. `scale` is 1 / the gradient-accumulation steps of the trainer."""
+    backward pass. `scale` is 1 / the gradient-accumulation steps of the trainer;
+    `loss_scale`, when given, the current loss scale of fp16 training (`trainer_loss_scale`),
+    which the added gradient is multiplied by as the loss's gradient is."""
     anchor, handles = {}, []
     for name, p in model.named_parameters():
         if name not in fisher or not p.requires_grad:
@@ -109,7 +121,10 @@ def attach(model, fisher: dict[str, torch.Tensor], strength: float, scale: float
         weight = (strength * scale) * fisher[name].to(p.device)
 
         def hook(grad, p=p, weight=weight, anchor_value=anchor[name]):
-            return grad + (weight * (p.detach().float() - anchor_value)).to(grad.dtype)
+            pull = weight * (p.detach().float() - anchor_value)
+            if loss_scale is not None:
+                pull = pull * loss_scale()
+            return grad + pull.to(grad.dtype)
 
         handles.append(p.register_hook(hook))
     if not handles:
@@ -158,7 +173,16 @@ def ewc_examples(tokenizer, table, params, max_length: int, seed: int, key: str,
     return examples
 
 
-def consolidate(model, examples: Sequence[dict], strength: float, scale: float = 1.0) -> EWC:
+def trainer_loss_scale(trainer) -> Callable[[], float] | None:
+    """The current loss scale of a transformers Trainer that trains in fp16 (accelerate's
+    gradient scaler), or None (no scaler: fp32 and bf16 gradients are not scaled)."""
+    scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+    return None if scaler is None else scaler.get_scale
+
+
+def consolidate(
+    model, examples: Sequence[dict], strength: float, scale: float = 1.0, loss_scale: Callable[[], float] | None = None
+) -> EWC:
     """EWC for `model` at its current weights, with the Fisher information of `examples`
     (`ewc_examples`), `attach`ed with `strength`."""
-    return attach(model, fisher_diagonal(model, examples), strength, scale)
+    return attach(model, fisher_diagonal(model, examples), strength, scale, loss_scale)

@@ -108,9 +108,15 @@ def train_sft(
     )
     consolidation = None
     if consolidating:
-        from rlhf.training.ewc import consolidate
+        from rlhf.training.ewc import consolidate, trainer_loss_scale
 
-        consolidation = consolidate(trainer.model, examples, ewc[0].strength, 1.0 / config.gradient_accumulation_steps)
+        consolidation = consolidate(
+            trainer.model,
+            examples,
+            ewc[0].strength,
+            1.0 / config.gradient_accumulation_steps,
+            trainer_loss_scale(trainer),
+        )
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
