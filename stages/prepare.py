@@ -134,10 +134,22 @@ class Config(StageConfig):
         for name, spec in self.files.items():
             if name not in FILE_KINDS and not name.startswith(EVAL_PREFIX):
                 problems.append(f"files.{name}: unknown file name; use one of {sorted(FILE_KINDS)} or eval_<suite>")
+            if name == EVAL_PREFIX:
+                problems.append(f"files.{name}: name the suite after {EVAL_PREFIX} (e.g. {EVAL_PREFIX}heldout)")
             if not Path(spec.path).exists() and not looks_like_hub_dataset(spec.path):
                 problems.append(
                     f"files.{name}.path: {spec.path} does not exist (nor is it a Hub dataset name, owner/name)"
                 )
+            elif spec.config is not None and Path(spec.path).exists():
+                problems.append(
+                    f"files.{name}.config: {spec.path} is a local path; config names a Hub dataset's configuration: "
+                    "remove it"
+                )
+        given = self.given() | ({"prefs"} if FEEDBACK_FILE.is_file() and FEEDBACK_FILE.stat().st_size else set())
+        for held_out, source in (("prefs_eval", "prefs"), ("prm_eval", "prm")):
+            if held_out in self.files and source not in given:  # read by nothing: RM / PRM train without it
+                problems.append(f"files.{held_out}: given without files.{source}, which it is held out of; add "
+                                f"files.{source}, or remove {held_out}")  # fmt: skip
         if self.source == "files":
             if "sft" not in self.files:
                 problems.append("files.sft: source=files needs at least an sft file (prompt, completion)")

@@ -268,6 +268,67 @@ def test_bad_messages(tmp_path):
     assert error.value.problems[1] == "row 2: 'prompt' is an empty list of messages"
 
 
+def test_conversations_with_unknown_roles_or_no_assistant_turn(tmp_path):
+    """ShareGPT's human/gpt roles: a chat template renders nothing of them (or fails), and
+    an SFT conversation without an assistant turn trains on nothing; both named by row."""
+    rows = [
+        {"messages": [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]},
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+    ]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "chat.jsonl", rows), "sft")
+    assert error.value.problems == [
+        "row 1: 'messages' message 0 role 'human' is not one of system, developer, user, assistant, tool, function, "
+        "ipython (ShareGPT's 'human' is 'user': rename it)",
+        "row 2: 'messages' has no assistant turn: SFT trains on the assistant's turns",
+    ]
+
+
+def test_an_answer_that_is_a_list_or_a_bool_is_refused(tmp_path):
+    """str() of a list of aliases is "['Jupiter', 'planet Jupiter']", which no reply matches."""
+    rows = [
+        {"prompt": "Largest planet?", "answer": ["Jupiter", "planet Jupiter"]},
+        {"prompt": "Is 2 even?", "answer": True},
+        {"prompt": "2+2?", "answer": 4},
+    ]
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(tmp_path / "eval.jsonl", rows), "prompts")
+    assert error.value.problems == [
+        "row 1: 'answer' must be a string or a number, got a list; give one answer per row",
+        "row 2: 'answer' must be a string or a number, got bool; give one answer per row",
+    ]
+
+
+def test_a_damaged_save_to_disk_folder_is_named_with_the_fix(tmp_path):
+    """Its Arrow file missing or cut short: one error naming the folder, no traceback."""
+    folder = tmp_path / "heldout"
+    Dataset.from_list(PREFS).save_to_disk(folder)
+    arrow = next(folder.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    with pytest.raises(DataValidationError, match="save it again with `save_to_disk`") as error:
+        load_contract(folder, "preference")
+    assert str(folder) in str(error.value)
+    arrow.unlink()
+    with pytest.raises(DataValidationError, match="cannot be read as a save_to_disk folder"):
+        load_contract(folder, "preference")
+
+
+def test_a_file_that_is_not_utf8_says_so(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(
+        json.dumps({"prompt": "caf\u00e9", "chosen": "a", "rejected": "b"}).encode().replace(b"\\u00e9", b"\xe9")
+        + b"\n"
+    )
+    with pytest.raises(DataValidationError, match=r"is not UTF-8 text \(byte 0xe9 .*save the file as UTF-8"):
+        load_contract(path, "preference")
+
+
+def test_a_config_on_a_local_file_is_refused(tmp_path):
+    with pytest.raises(DataValidationError, match="config 'main': a local file or folder has no configurations"):
+        load_contract(write(tmp_path / "prefs.jsonl", PREFS), "preference", config="main")
+
+
 def test_empty_file(tmp_path):
     path = tmp_path / "empty.csv"
     path.write_text("prompt,chosen,rejected\n")

@@ -280,6 +280,28 @@ def test_a_gate_metric_no_suite_reports_fails_naming_the_key(tmp_path, params):
     assert len(found) == 2, found
 
 
+def test_file_entries_that_nothing_would_read_fail_with_the_params(tmp_path, params):
+    """A held-out file without the file it is held out of (the RM and PRM would train
+    without it, on nothing or on derived labels), a Hub `config` on a local file, and an
+    eval suite with no name (written as data/prepared/eval/.parquet)."""
+    data = copy.deepcopy(params)
+    prefs = data["prepare"]["files"].pop("prefs")
+    data["prepare"]["files"]["prefs_eval"] = prefs
+    data["prepare"]["files"]["prm_eval"] = prefs
+    data["prepare"]["files"]["eval_"] = dict(data["prepare"]["files"]["eval_heldout"])
+    data["prepare"]["files"]["eval_heldout"]["config"] = "main"
+    data["policy"]["offline"], data["policy"]["online"] = [], ["grpo"]
+    data["policy"]["grpo"]["rewards"] = [{"name": "answer_match"}]
+    found = " ".join(problems(tmp_path, data))
+    for expected in [
+        "files.eval_: name the suite after eval_ (e.g. eval_heldout)",
+        f"files.eval_heldout.config: {tmp_path / 'eval.jsonl'} is a local path; config names a Hub dataset's",
+        "files.prefs_eval: given without files.prefs, which it is held out of; add files.prefs, or remove prefs_eval",
+        "files.prm_eval: given without files.prm, which it is held out of",
+    ]:
+        assert found.count(expected) == 1, (expected, found)
+
+
 def test_a_selection_metric_the_run_does_not_measure_fails_with_the_params(tmp_path, params):
     """gate.select_metric ranks the candidates that pass: one the run never measures (a
     reward without preference data, a format the task lacks, a KL not measured, accuracy

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -83,6 +84,10 @@ def read_table(path: str | Path, *, split: str | None = None, config: str | None
             ["does not exist; check the path in params.yaml (prepare.files), or name a Hugging Face dataset as "
              "owner/name"],
         )  # fmt: skip
+    if config is not None:
+        raise DataValidationError(
+            local, [f"config {config!r}: a local file or folder has no configurations (a Hub dataset has); remove it"]
+        )
     if local.is_dir():
         return _read_saved_dataset(local, split)
     if split is not None:
@@ -103,7 +108,12 @@ def read_table(path: str | Path, *, split: str | None = None, config: str | None
             return pd.read_csv(local, dtype=str, keep_default_na=False).replace({"": None})
     except DataValidationError:
         raise
-    except ValueError as error:  # also a file that is not UTF-8
+    except UnicodeDecodeError as error:
+        byte = error.object[error.start : error.start + 1].hex()
+        raise DataValidationError(
+            local, [f"is not UTF-8 text (byte 0x{byte} is not UTF-8: {error.reason}); save the file as UTF-8"]
+        ) from error
+    except ValueError as error:
         raise DataValidationError(local, [f"cannot be parsed as {suffix}: {error}"]) from error
     raise DataValidationError(
         local, [f"unsupported file type {suffix!r}; use one of {', '.join(FORMATS)} or a save_to_disk folder"]
@@ -205,7 +215,12 @@ def _read_saved_dataset(path: Path, split: str | None) -> pd.DataFrame:
         )
     from datasets import DatasetDict, load_from_disk
 
-    dataset = load_from_disk(str(path))
+    try:
+        dataset = load_from_disk(str(path))
+    except (OSError, ValueError) as error:  # a data file missing or cut short (pyarrow's errors are ValueErrors)
+        raise DataValidationError(
+            path, [f"cannot be read as a save_to_disk folder ({error}); save it again with `save_to_disk`"]
+        ) from error
     if isinstance(dataset, DatasetDict):
         split = split or "train"
         if split not in dataset:
@@ -215,7 +230,13 @@ def _read_saved_dataset(path: Path, split: str | None) -> pd.DataFrame:
         raise DataValidationError(
             path, [f"split {split!r}: this saved Dataset has no splits (a saved DatasetDict has); remove it"]
         )
-    return _arrow_frame(dataset.with_format("arrow")[:])
+    try:
+        table = dataset.with_format("arrow")[:]
+    except (OSError, ValueError) as error:
+        raise DataValidationError(
+            path, [f"cannot be read as a save_to_disk folder ({error}); save it again with `save_to_disk`"]
+        ) from error
+    return _arrow_frame(table)
 
 
 def looks_like_hub_dataset(name: str) -> bool:
@@ -324,7 +345,7 @@ def validate_contract(
         "completion": _check_text_or_messages,
         "chosen": _check_text_or_messages,
         "rejected": _check_text_or_messages,
-        "messages": _check_messages,
+        "messages": _check_conversation,
         "label": _check_bool,
         "completions": _check_str_list,
         "labels": _check_bool_list,
@@ -500,6 +521,11 @@ def _written_messages(text: str) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
 
 
+# The roles chat templates know (OpenAI's, and the function-calling ones some templates add).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+
+
 def _check_messages(value):
     messages = _as_list(value)
     if messages is None:
@@ -512,8 +538,20 @@ def _check_messages(value):
             return messages, f"message {i} must be a {{'role', 'content'}} mapping, got {message!r:.60}"
         if not isinstance(message["content"], str):
             return messages, f"message {i} content must be a string"
-        normalised.append({"role": str(message["role"]), "content": message["content"]})
+        role = str(message["role"])
+        if role not in ROLES:  # a chat template renders none of it, or fails on it
+            hint = f" (ShareGPT's {role!r} is {SHAREGPT_ROLES[role]!r}: rename it)" if role in SHAREGPT_ROLES else ""
+            return messages, f"message {i} role {role!r} is not one of {', '.join(ROLES)}{hint}"
+        normalised.append({"role": role, "content": message["content"]})
     return normalised, None
+
+
+def _check_conversation(value):
+    """An SFT conversation: messages with an assistant turn (the turns SFT trains on)."""
+    messages, problem = _check_messages(value)
+    if problem is None and not any(m["role"] == "assistant" for m in messages):
+        problem = "has no assistant turn: SFT trains on the assistant's turns"
+    return messages, problem
 
 
 _TRUE = {"true", "1", "yes", "desirable"}
@@ -573,6 +611,9 @@ def _check_answer(value):
     as floats, and `3.0` would not match an answer `3` (nor difficulty `8` a test's 8)."""
     if _is_missing(value):
         return None, None
+    if isinstance(value, bool) or not isinstance(value, str | numbers.Real):  # str() would write "['a', 'b']"
+        kind = "a list" if _as_list(value) is not None else type(value).__name__
+        return value, f"must be a string or a number, got {kind}; give one answer per row"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     text = str(value).strip()
