@@ -431,6 +431,15 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
         tables["prompts"] = prompts_from_sft(tables["sft"], task)
         answered = int(tables["prompts"]["answer"].notna().sum())
         origins["prompts"] = f"derived: sft prompts, {answered} with an answer read by task {task.name!r}"
+        if task.checks_answers and not answered and len(tables["sft"]):
+            # Not an error: evaluation reads the eval files' answers. But a model trained on
+            # these demonstrations writes no answer this task reads, and the answer rewards,
+            # rounds and the PRM's derived labels have none (they fail at their stage).
+            print(
+                f"prepare: warning: task.kind {task.name!r} reads no answer in any of the {len(tables['sft'])} sft "
+                "demonstrations: a model trained on them writes no answer it can check; set the task.kind that "
+                "reads your files' answers (gsm8k, math, last_number, regex, choice) or none"
+            )
     for name, kind in FILE_KINDS.items():
         if name not in tables:
             columns = CONTRACTS[kind]["required"]

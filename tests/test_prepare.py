@@ -280,6 +280,16 @@ def test_a_gate_metric_no_suite_reports_fails_naming_the_key(tmp_path, params):
     assert len(found) == 2, found
 
 
+def test_a_task_that_reads_no_answer_in_the_demonstrations_is_warned_of(user_files, capsys):
+    """GSM8K-style files under the default task.kind (builtin, `answer N`): nothing to check."""
+    run(Config(source="files", files=user_files), get_task())
+    assert "prepare: warning: task.kind 'builtin' reads no answer in any of the 12 sft demonstrations" in (
+        capsys.readouterr().out
+    )
+    run(Config(source="files", files=user_files), GSM8K)
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_file_entries_that_nothing_would_read_fail_with_the_params(tmp_path, params):
     """A held-out file without the file it is held out of (the RM and PRM would train
     without it, on nothing or on derived labels), a Hub `config` on a local file, and an
