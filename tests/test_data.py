@@ -51,6 +51,13 @@ def write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def row_problems(path: Path, rows: list[dict], kind: str) -> list[str]:
+    """The problems validating `rows` (written to `path` as JSONL) as a `kind` file finds; it must find some."""
+    with pytest.raises(DataValidationError) as error:
+        load_contract(write(path, rows), kind)
+    return error.value.problems
+
+
 def records(frame: pd.DataFrame) -> list[dict]:
     return frame.to_dict(orient="records")
 
@@ -213,9 +220,8 @@ def test_prm_step_and_label_counts_must_agree(tmp_path):
         {"prompt": "p", "completions": ["a"], "labels": [True]},
         {"prompt": "p", "completions": ["a"], "labels": [True, True]},
     ]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "prm.jsonl", rows), "prm")
-    assert error.value.problems == [
+    problems = row_problems(tmp_path / "prm.jsonl", rows, "prm")
+    assert problems == [
         "row 1: 'completions' has 3 steps but 'labels' has 2; give one label per step",
         "row 3: 'completions' has 1 steps but 'labels' has 2; give one label per step",
     ]
@@ -262,10 +268,9 @@ def test_bad_messages(tmp_path):
         {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
         {"prompt": [], "chosen": "a", "rejected": "b"},
     ]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "conv.jsonl", rows), "preference")
-    assert error.value.problems[0].startswith("row 1: 'prompt' message 0 must be a {'role', 'content'} mapping")
-    assert error.value.problems[1] == "row 2: 'prompt' is an empty list of messages"
+    problems = row_problems(tmp_path / "conv.jsonl", rows, "preference")
+    assert problems[0].startswith("row 1: 'prompt' message 0 must be a {'role', 'content'} mapping")
+    assert problems[1] == "row 2: 'prompt' is an empty list of messages"
 
 
 def test_conversations_with_unknown_roles_or_no_assistant_turn(tmp_path):
@@ -276,9 +281,8 @@ def test_conversations_with_unknown_roles_or_no_assistant_turn(tmp_path):
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]},
         {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
     ]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "chat.jsonl", rows), "sft")
-    assert error.value.problems == [
+    problems = row_problems(tmp_path / "chat.jsonl", rows, "sft")
+    assert problems == [
         "row 1: 'messages' message 0 role 'human' is not one of system, developer, user, assistant, tool, function, "
         "ipython (ShareGPT's 'human' is 'user': rename it)",
         "row 2: 'messages' has no assistant turn: SFT trains on the assistant's turns",
@@ -292,9 +296,8 @@ def test_an_answer_that_is_a_list_or_a_bool_is_refused(tmp_path):
         {"prompt": "Is 2 even?", "answer": True},
         {"prompt": "2+2?", "answer": 4},
     ]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "eval.jsonl", rows), "prompts")
-    assert error.value.problems == [
+    problems = row_problems(tmp_path / "eval.jsonl", rows, "prompts")
+    assert problems == [
         "row 1: 'answer' must be a string or a number, got a list; give one answer per row",
         "row 2: 'answer' must be a string or a number, got bool; give one answer per row",
     ]
@@ -503,9 +506,8 @@ def test_implicit_prompt_problems_name_the_row(tmp_path):
     prompt; row 3 has no common first message; row 4 puts text beside messages."""
     user = {"role": "user", "content": "q"}
     text_rows = [HH[0], {"chosen": "Yes.", "rejected": "No."}, {"chosen": "same", "rejected": "same"}]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "text.jsonl", text_rows), "preference")
-    assert error.value.problems == [
+    problems = row_problems(tmp_path / "text.jsonl", text_rows, "preference")
+    assert problems == [
         "row 2: chosen and rejected share no prompt (no common prefix); add a prompt column",
         "row 3: chosen and rejected are identical",
     ]
@@ -522,9 +524,8 @@ def test_implicit_prompt_problems_name_the_row(tmp_path):
         {"chosen": [user], "rejected": [{"role": "user", "content": "p"}]},
         {"chosen": "text", "rejected": [user]},
     ]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "messages.jsonl", message_rows), "preference")
-    assert error.value.problems == [
+    problems = row_problems(tmp_path / "messages.jsonl", message_rows, "preference")
+    assert problems == [
         "row 2: chosen and rejected differ before the reply (at a 'user' message); add a prompt column",
         "row 3: chosen and rejected share no prompt (no common first message); add a prompt column",
         "row 4: 'chosen' is text, 'rejected' is messages; a row's fields must all be text or all be messages",
@@ -542,9 +543,8 @@ def test_one_format_per_file(tmp_path):
         {"prompt": user, "completion": "4"},
         {"prompt": "3+3?", "completion": "6"},
     ]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "sft.jsonl", rows), "sft")
-    assert error.value.problems == [
+    problems = row_problems(tmp_path / "sft.jsonl", rows, "sft")
+    assert problems == [
         "row 2: its fields are messages but row 1's are text; a file holds one format (all text or all "
         "messages): convert the rows, or split them into two files",
         "row 3: 'prompt' is messages, 'completion' is text; a row's fields must all be text or all be messages",
@@ -558,9 +558,8 @@ def test_identical_chosen_and_rejected(tmp_path):
     """Compared after normalising: the conversation's messages differ only by a key the
     contract drops."""
     rows = [dict(PREFS[0], rejected=PREFS[0]["chosen"]), PREFS[1]]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "p.jsonl", rows), "preference")
-    assert error.value.problems == ["row 1: chosen and rejected are identical"]
+    problems = row_problems(tmp_path / "p.jsonl", rows, "preference")
+    assert problems == ["row 1: chosen and rejected are identical"]
     rows = [
         CONVERSATIONAL[0],
         {
@@ -569,9 +568,8 @@ def test_identical_chosen_and_rejected(tmp_path):
             "rejected": [{"role": "assistant", "content": "4"}],
         },
     ]
-    with pytest.raises(DataValidationError) as error:
-        load_contract(write(tmp_path / "c.jsonl", rows), "preference")
-    assert error.value.problems == ["row 2: chosen and rejected are identical"]
+    problems = row_problems(tmp_path / "c.jsonl", rows, "preference")
+    assert problems == ["row 2: chosen and rejected are identical"]
 
 
 # ----------------------------------------------------------------------------- splits and the Hub
