@@ -145,7 +145,7 @@ class Config(StageConfig):
                     f"files.{name}.config: {spec.path} is a local path; config names a Hub dataset's configuration: "
                     "remove it"
                 )
-        given = self.given() | ({"prefs"} if FEEDBACK_FILE.is_file() and FEEDBACK_FILE.stat().st_size else set())
+        given = self.given()  # params checks read no data file: the feedback file counts once named (docstring)
         for held_out, source in (("prefs_eval", "prefs"), ("prm_eval", "prm")):
             if held_out in self.files and source not in given:  # read by nothing: RM / PRM train without it
                 problems.append(f"files.{held_out}: given without files.{source}, which it is held out of; add "

@@ -213,8 +213,7 @@ def consolidate_on_sft(model, examples, params, accumulation: int = 1, trainer=N
         return None
     from rlhf.training.ewc import consolidate, trainer_loss_scale
 
-    loss_scale = trainer_loss_scale(trainer) if trainer is not None else None
-    return consolidate(model, examples, params.ewc.strength, 1.0 / accumulation, loss_scale)
+    return consolidate(model, examples, params.ewc.strength, 1.0 / accumulation, trainer_loss_scale(trainer))
 
 
 def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:

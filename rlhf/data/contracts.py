@@ -217,22 +217,19 @@ def _read_saved_dataset(path: Path, split: str | None) -> pd.DataFrame:
 
     try:
         dataset = load_from_disk(str(path))
-    except (OSError, ValueError) as error:  # a data file missing or cut short (pyarrow's errors are ValueErrors)
-        raise DataValidationError(
-            path, [f"cannot be read as a save_to_disk folder ({error}); save it again with `save_to_disk`"]
-        ) from error
-    if isinstance(dataset, DatasetDict):
-        split = split or "train"
-        if split not in dataset:
-            raise DataValidationError(path, [f"no split {split!r} in this DatasetDict; found {sorted(dataset)}"])
-        dataset = dataset[split]
-    elif split is not None:
-        raise DataValidationError(
-            path, [f"split {split!r}: this saved Dataset has no splits (a saved DatasetDict has); remove it"]
-        )
-    try:
+        if isinstance(dataset, DatasetDict):
+            split = split or "train"
+            if split not in dataset:
+                raise DataValidationError(path, [f"no split {split!r} in this DatasetDict; found {sorted(dataset)}"])
+            dataset = dataset[split]
+        elif split is not None:
+            raise DataValidationError(
+                path, [f"split {split!r}: this saved Dataset has no splits (a saved DatasetDict has); remove it"]
+            )
         table = dataset.with_format("arrow")[:]
-    except (OSError, ValueError) as error:
+    except DataValidationError:
+        raise
+    except (OSError, ValueError) as error:  # a data file missing or cut short (pyarrow's errors are ValueErrors)
         raise DataValidationError(
             path, [f"cannot be read as a save_to_disk folder ({error}); save it again with `save_to_disk`"]
         ) from error

@@ -175,7 +175,7 @@ def ewc_examples(tokenizer, table, params, max_length: int, seed: int, key: str,
 
 def trainer_loss_scale(trainer) -> Callable[[], float] | None:
     """The current loss scale of a transformers Trainer that trains in fp16 (accelerate's
-    gradient scaler), or None (no scaler: fp32 and bf16 gradients are not scaled)."""
+    gradient scaler), or None (no scaler: fp32 and bf16 gradients are not scaled; no trainer)."""
     scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
     return None if scaler is None else scaler.get_scale
 
