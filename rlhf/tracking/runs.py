@@ -28,6 +28,7 @@ import logging
 import os
 import subprocess
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,7 +80,11 @@ def log_table(path: str | Path, context: str, frame=None):
     path = Path(path)
     try:
         table = frame if frame is not None else pd.read_parquet(path)
-        dataset = from_pandas(table, source=path.as_posix(), name=path.stem, digest=file_md5(path))
+        with warnings.catch_warnings():
+            # MLflow registers two sources of one name for local paths (schemes "" and
+            # "file") and warns on every local file that it picked one: they are the same.
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple")
+            dataset = from_pandas(table, source=path.as_posix(), name=path.stem, digest=file_md5(path))
         mlflow.log_input(dataset, context=context)
         return dataset
     except Exception as error:  # tracking must not fail a stage whose result is made
