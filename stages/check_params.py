@@ -6,7 +6,7 @@ Out: reports/params.ok — a stamp whose content never changes.
 
 Every other stage depends on the stamp, so `dvc repro` runs this check first whenever
 params.yaml or a Config changed, and a typo, a wrong type or an out-of-range value stops the
-run in about a second with one message naming every bad key — before DVC removes any
+run in under a second with one message naming every bad key — before DVC removes any
 stage's outputs to rerun it. Because the stamp's content is constant, passing the check
 never invalidates the stages after it: only their own params do. It imports no torch
 (unless compute.device names a device or compute.processes is above 1: torch then says
