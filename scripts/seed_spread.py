@@ -16,7 +16,7 @@ number of operands. The table gives mean and sample standard deviation over seed
 `--workers 2` runs two (setting, seed) jobs at once with one thread each: on a 2-core
 machine the tiny model trains about as fast per job on one thread, so two jobs finish in
 about half the time of one-by-one. Results go to --out/results.json and, as a markdown
-table, to stdout.
+table, to --out/table.md and stdout (the repository keeps both, not the jobs' folders).
 """
 
 from __future__ import annotations
@@ -119,10 +119,16 @@ def score(folder: Path) -> dict:
     return results
 
 
+def stdev(values: list[float]) -> float:
+    """Sample standard deviation over seeds (0 for one seed)."""
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def table(results: list[dict]) -> str:
     lines = [
-        "| setting | model | test accuracy, mean ± sd over seeds | per seed [95% CI] | 3 / 4 / 5 numbers (mean) |",
-        "|---|---|---|---|---|",
+        "| setting | model | test accuracy, mean ± sd over seeds | Δ vs SFT, mean ± sd | per seed [95% CI] "
+        "| 3 / 4 / 5 numbers (mean) |",
+        "|---|---|---|---|---|---|",
     ]
     for setting in SETTINGS:
         runs = sorted((r for r in results if r["setting"] == setting), key=lambda r: r["seed"])
@@ -130,7 +136,9 @@ def table(results: list[dict]) -> str:
             continue
         for model in MODELS:
             values = [r["models"][model]["accuracy"] for r in runs]
-            spread = statistics.stdev(values) if len(values) > 1 else 0.0
+            spread = stdev(values)
+            deltas = [v - r["models"]["sft"]["accuracy"] for v, r in zip(values, runs)]  # paired by seed
+            delta = "—" if model == "sft" else f"{statistics.mean(deltas):+.3f} ± {stdev(deltas):.3f}"
             scores = [r["models"][model] for r in runs]
             per_seed = "; ".join(f"{m['accuracy']:.3f} [{m['low']:.3f}, {m['high']:.3f}]" for m in scores)
             levels = runs[0]["models"][model]["by_operands"]
@@ -138,7 +146,8 @@ def table(results: list[dict]) -> str:
                 f"{statistics.mean(r['models'][model]['by_operands'][k] for r in runs):.3f}" for k in levels
             )
             lines.append(
-                f"| {setting} | {model} | {statistics.mean(values):.3f} ± {spread:.3f} | {per_seed} | {by_level} |"
+                f"| {setting} | {model} | {statistics.mean(values):.3f} ± {spread:.3f} | {delta} | {per_seed} "
+                f"| {by_level} |"
             )
     return "\n".join(lines)
 
@@ -161,7 +170,9 @@ def main() -> None:
     with ThreadPoolExecutor(args.workers) as pool:
         results = list(pool.map(lambda job: run_job(args.out, job[0], job[1], threads), jobs))
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"\n{len(jobs)} runs in {(time.perf_counter() - start) / 60:.1f} min\n")
+    minutes = (time.perf_counter() - start) / 60
+    (args.out / "table.md").write_text(f"{len(jobs)} runs in {minutes:.1f} min\n\n{table(results)}\n")
+    print(f"\n{len(jobs)} runs in {minutes:.1f} min\n")
     print(table(results))
 
 
