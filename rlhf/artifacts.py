@@ -8,6 +8,7 @@ publishes: the other ranks' temporary paths are discarded, never renamed into pl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -73,6 +74,15 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     else:
         tmp.unlink(missing_ok=True)
+
+
+def file_md5(path: str | Path) -> str:
+    """The md5 of a file's bytes: what DVC records for a file dep or out."""
+    digest = hashlib.md5()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_json(path: str | Path, data) -> None:

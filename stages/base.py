@@ -8,14 +8,18 @@ In:  params `base.model` — `builtin:<size>` (a small Llama-style model and a c
      `base.revision`); params `compute`.
 Out: models/base — the built model, or for a user directory or Hub id a `pointer.json`
      naming the local folder (a multi-GB model is not copied into DVC's cache; a Hub model
-     is the snapshot in the Hugging Face cache, and the pointer records its commit).
+     is the snapshot in the Hugging Face cache, and the pointer records its commit; a user
+     directory's pointer records the md5 of each of its files).
      Downstream stages resolve both through `rlhf.models.folders.resolve_model_dir`.
 
 A user directory is checked for config, safetensors weights and tokenizer files before
 anything is loaded; a model that needs custom code loads only with `trust_remote_code`.
 A Hub id is fetched with safetensors weights only (never pickles), into the Hugging Face
 cache; offline (`HF_HUB_OFFLINE=1`) it must already be there, and the error says so.
-After editing a user model in place, `dvc repro -f base` picks up the change.
+The user directory is not a DVC dependency (its path is a param), so an edit in place
+reruns nothing by itself: `dvc repro -f -s base` records the files' new md5s, the pointer
+changes, and the next `dvc repro` reruns every stage after it (an unchanged folder writes
+the same pointer, and nothing after it reruns).
 
     python -m stages.base
 """
@@ -26,7 +30,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf.artifacts import atomic_dir, write_json
+from rlhf.artifacts import atomic_dir, file_md5, write_json
 from rlhf.models.folders import (
     BUILTIN_PREFIX,
     BUILTIN_SIZES,
@@ -116,10 +120,20 @@ def run(config: Config, out_dir: Path) -> dict:
         pointer = {"hub_id": config.model, "revision": config.revision, "commit": path.name}
     else:
         path = Path(config.model).resolve()
+        pointer = {"files": folder_md5s(path)}
     # Load once so that a broken model fails here, in the stage that names it.
     model = load_causal_lm(path, config.trust_remote_code, what="base.model")
     write_json(out_dir / POINTER_FILE, {"path": str(path), **pointer})
     return {"parameters": count_parameters(model), "source": config.model}
+
+
+def folder_md5s(path: Path) -> dict[str, str]:
+    """The md5 of every file under a model folder, by relative path (hidden folders such as
+    `.cache` left out): what makes the pointer of an edited folder differ."""
+    files = sorted(
+        p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+    )
+    return {p.relative_to(path).as_posix(): file_md5(p) for p in files}
 
 
 def main() -> None:

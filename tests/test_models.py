@@ -122,6 +122,25 @@ def test_stage_base_takes_a_cached_hub_model_offline_and_points_at_its_snapshot(
     assert load_causal_lm(tmp_path / "out").config.model_type == "llama"
 
 
+def test_base_pointer_to_a_user_folder_changes_when_the_folder_is_edited_in_place(tmp_path, model_dir):
+    import stages.base as stage
+
+    config = stage.Config(model=str(model_dir))
+    stage.run(config, tmp_path / "first")
+    stage.run(config, tmp_path / "again")
+    first = (tmp_path / "first/pointer.json").read_text()
+    assert first == (tmp_path / "again/pointer.json").read_text()  # unchanged folder: nothing downstream reruns
+    assert set(json.loads(first)["files"]) >= {"config.json", "model.safetensors", "tokenizer_config.json"}
+    weights = model_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight, same size
+    weights.write_bytes(bytes(data))
+    stage.run(config, tmp_path / "edited")
+    edited = json.loads((tmp_path / "edited/pointer.json").read_text())
+    changed = {k for k, v in edited["files"].items() if json.loads(first)["files"][k] != v}
+    assert changed == {"model.safetensors"} and resolve_model_dir(tmp_path / "edited") == model_dir.resolve()
+
+
 def test_base_params_refuse_a_local_path_that_is_not_a_model(tmp_path):
     import stages.base as stage
 

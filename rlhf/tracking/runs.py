@@ -38,6 +38,7 @@ import mlflow
 import yaml
 from mlflow.tracking import MlflowClient
 
+from rlhf.artifacts import file_md5
 from rlhf.params import InputError
 
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
@@ -58,15 +59,6 @@ def record_wait(what: str, seconds: float) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as file:
             file.write(json.dumps({"what": what, "seconds": round(seconds, 4), "pid": os.getpid()}) + "\n")
-
-
-def file_md5(path: str | Path) -> str:
-    """The md5 of a file's bytes: what DVC records for a file dep or out."""
-    digest = hashlib.md5()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def log_table(path: str | Path, context: str, frame=None):
