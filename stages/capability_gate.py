@@ -42,15 +42,16 @@ EXPERIMENT_ENV = "DVC_EXP_NAME"  # set by `dvc exp run` for the stages it runs
 
 
 def default_tests(checks_answers: bool, has_format: bool, kl: bool = True) -> list[CapabilityTest]:
-    """The tests `tests: null` means, for a task: accuracy shown at least SFT's (the paired
-    interval's lower end at or above 0, which on a small suite takes a gain) and a
+    """The tests `tests: null` means, for a task: accuracy shown above SFT's (the paired
+    interval's lower end above 0: a candidate that scores as SFT does on every problem, one
+    whose training changed nothing, is not promoted) and a
     gain of a point over the champion (tasks with checkable answers; otherwise the same on
     the RM's reward, with a win-rate of at least a half against SFT), a format rate of 0.9
     (tasks that define a format), and a bounded KL to SFT (where evaluate measures it:
     `kl`, evaluate.kl_prompts above 0)."""
     quality = "accuracy" if checks_answers else "reward"
     tests = [
-        CapabilityTest(metric=quality, relative_to="sft", op=">=", threshold=0.0),
+        CapabilityTest(metric=quality, relative_to="sft", op=">", threshold=0.0),
         CapabilityTest(metric=quality, relative_to="champion", op=">", threshold=0.01),
     ]
     if not checks_answers:

@@ -172,7 +172,7 @@ def test_reference_without_the_metric_fails():
 
 
 def test_default_tests_reject_the_candidate_worse_than_sft():
-    """Default tests: accuracy >= sft + 0, accuracy > champion + 0.01 (none yet),
+    """Default tests: accuracy > sft + 0, accuracy > champion + 0.01 (none yet),
     format_rate >= 0.9, kl_to_ref <= 10, all on dev. good (0.55, 0.97, 3.2) passes all
     four; bad (0.30, 0.99, 1.5) fails only the first, 0.30 < 0.40."""
     assert [t.suite for t in default_config().tests] == ["dev"] * 4
@@ -183,7 +183,7 @@ def test_default_tests_reject_the_candidate_worse_than_sft():
     assert verdict["candidates"]["good"]["failures"] == []
     bad = verdict["candidates"]["bad"]
     assert not bad["passed"]
-    assert bad["failures"] == ["accuracy[dev] >= sft+0: 0.3000 >= 0.4000 fails" + POINT]
+    assert bad["failures"] == ["accuracy[dev] > sft+0: 0.3000 > 0.4000 fails" + POINT]
     assert [t["passed"] for t in bad["tests"]] == [False, True, True, True]
     assert bad["tests"][0]["value"] == 0.30 and bad["tests"][0]["baseline"] == 0.40
 
@@ -286,7 +286,7 @@ def test_nothing_promoted_when_no_candidate_passes():
     assert verdict["metrics"] is None
     assert not any(v["passed"] for v in verdict["candidates"].values())
     assert verdict["candidates"]["worse"]["failures"] == [
-        "accuracy[dev] >= sft+0: 0.3500 >= 0.4000 fails" + POINT,
+        "accuracy[dev] > sft+0: 0.3500 > 0.4000 fails" + POINT,
         "kl_to_ref[dev] <= absolute+10: 12.0000 <= 10.0000 fails",
     ]
 
@@ -533,7 +533,7 @@ def test_a_champion_on_another_suite_version_is_compared_on_point_estimates():
 def test_decide_with_outcomes_promotes_the_best_passing_candidate():
     """No champion yet; lucky (51: +0.01 over SFT, interval about +-0.14), better (60) and
     best (70). better and best pass every default test; best has the higher accuracy and
-    is promoted. lucky's point estimate (0.51 >= 0.50) would pass accuracy >= sft + 0, but
+    is promoted. lucky's point estimate (0.51 > 0.50) would pass accuracy > sft + 0, but
     its paired lower bound is below 0, so it is rejected with that one reason."""
     candidates = {"lucky": LUCKY_RIGHT, "better": BETTER_RIGHT, "best": BEST_RIGHT}
     report, outcomes = paired_report(**candidates), outcomes_file(**candidates)
@@ -545,12 +545,31 @@ def test_decide_with_outcomes_promotes_the_best_passing_candidate():
     assert not lucky["passed"]
     interval = lucky["tests"][0]["interval"]
     assert interval[0] < 0.0
-    assert lucky["failures"] == ["accuracy[dev] >= sft+0: " + paired_reason(0.01, interval, "sft", ">=", 0.0, False)]
+    assert lucky["failures"] == ["accuracy[dev] > sft+0: " + paired_reason(0.01, interval, "sft", ">", 0.0, False)]
+
+
+def test_default_tests_do_not_promote_a_candidate_that_changed_nothing():
+    """No champion yet, and a candidate right on exactly SFT's problems (training that
+    changed nothing): difference 0, interval [0, 0]. The default test against SFT asks for
+    a gain shown (lower bound above 0), so it is not promoted, with that one reason; the
+    champion test passes (no champion yet)."""
+    verdict = decide(
+        default_config().tests,
+        paired_report(same=list(SFT_RIGHT)),
+        None,
+        "accuracy",
+        "dev",
+        outcomes_file(same=list(SFT_RIGHT)),
+    )
+    assert verdict["promote"] is None
+    same = verdict["candidates"]["same"]
+    assert same["failures"] == ["accuracy[dev] > sft+0: " + paired_reason(0.0, (0.0, 0.0), "sft", ">", 0.0, False)]
+    assert [t["passed"] for t in same["tests"]] == [False, True, True, True]
 
 
 def test_a_failed_paired_gate_keeps_the_champion_and_lists_every_reason():
     """Champion: better (60 right). `same` is right on exactly its problems: difference 0,
-    interval [0, 0], and 0 > 0.01 fails. lucky (51) fails accuracy >= sft + 0 (lower bound
+    interval [0, 0], and 0 > 0.01 fails. lucky (51) fails accuracy > sft + 0 (lower bound
     below 0) and accuracy > champion + 0.01 (difference 0.51 - 0.60 = -0.09). Nothing is
     promoted."""
     candidates = {"same": list(BETTER_RIGHT), "lucky": LUCKY_RIGHT}
