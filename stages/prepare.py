@@ -432,9 +432,22 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
         answered = int(tables["prompts"]["answer"].notna().sum())
         origins["prompts"] = f"derived: sft prompts, {answered} with an answer read by task {task.name!r}"
         if task.checks_answers and not answered and len(tables["sft"]):
-            # Not an error: evaluation reads the eval files' answers. But a model trained on
-            # these demonstrations writes no answer this task reads, and the answer rewards,
-            # rounds and the PRM's derived labels have none (they fail at their stage).
+            if task.name == "builtin" and "sft" in config.files:
+                # The default kind left as it was with files of another task: the run would
+                # train, then fail the gate on the built-in format, pointing the wrong way.
+                raise DataValidationError(
+                    origins["sft"],
+                    [
+                        f"none of the {len(tables['sft'])} sft demonstrations ends with `answer N`, the answer "
+                        "task.kind 'builtin' reads (the default: the built-in arithmetic task, whose format "
+                        "`a+b=c; ...; answer N` the gate also tests): set task.kind to the kind that reads your "
+                        "files' answers (gsm8k, math, last_number, regex, choice), or none"
+                    ],
+                )
+            # Not an error for a kind chosen: evaluation reads the eval files' answers (SFT on
+            # general data, scored on a task). But a model trained on these demonstrations
+            # writes no answer this task reads, and the answer rewards, rounds and the PRM's
+            # derived labels have none (they fail at their stage).
             print(
                 f"prepare: warning: task.kind {task.name!r} reads no answer in any of the {len(tables['sft'])} sft "
                 "demonstrations: a model trained on them writes no answer it can check; set the task.kind that "

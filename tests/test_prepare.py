@@ -280,10 +280,17 @@ def test_a_gate_metric_no_suite_reports_fails_naming_the_key(tmp_path, params):
     assert len(found) == 2, found
 
 
-def test_a_task_that_reads_no_answer_in_the_demonstrations_is_warned_of(user_files, capsys):
-    """GSM8K-style files under the default task.kind (builtin, `answer N`): nothing to check."""
-    run(Config(source="files", files=user_files), get_task())
-    assert "prepare: warning: task.kind 'builtin' reads no answer in any of the 12 sft demonstrations" in (
+def test_a_task_that_reads_no_answer_in_the_demonstrations_is_refused_or_warned_of(user_files, capsys):
+    """GSM8K-style files under the default task.kind (builtin, `answer N`) read no answer:
+    an error naming the sft file and the kinds to set (the kind was most likely left as it
+    was). Under a kind chosen that reads none of them (a regex for `ANSWER=N`) only a
+    warning: SFT on general data scored on a task is a use. Under gsm8k, neither."""
+    with pytest.raises(DataValidationError) as error:
+        run(Config(source="files", files=user_files), get_task())
+    assert str(error.value).startswith(f"{user_files['sft']['path']}: 1 problem(s) found:\n  none of the 12 sft")
+    assert "set task.kind to the kind that reads your files' answers (gsm8k, math" in str(error.value)
+    run(Config(source="files", files=user_files), get_task(TaskConfig(kind="regex", pattern=r"ANSWER=(\d+)")))
+    assert "prepare: warning: task.kind 'regex' reads no answer in any of the 12 sft demonstrations" in (
         capsys.readouterr().out
     )
     run(Config(source="files", files=user_files), GSM8K)
