@@ -466,7 +466,8 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
 
 def prompts_from_sft(sft, task):
     """One row per distinct sft prompt, with the reference answer the task reads from its
-    demonstration (`Task.demonstration_answer`; None where it reads none, or for a task
+    first demonstration (a prompt whose demonstrations state different answers is warned
+    of) (`Task.demonstration_answer`; None where it reads none, or for a task
     with no checkable answers)."""
     import pandas as pd
 
@@ -478,14 +479,27 @@ def prompts_from_sft(sft, task):
                 pairs.append((list(messages[:-1]), messages[-1]["content"]))
     else:
         pairs = list(zip(sft["prompt"], sft["completion"]))
+    first: dict[str, object] = {}
+    conflicts: dict[str, set] = {}
     for prompt, completion in pairs:
         key = repr(prompt)
+        text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+        answer = task.demonstration_answer(text) if task.checks_answers else None
         if key in seen:
+            if answer is not None and first[key] is not None and answer != first[key]:
+                conflicts.setdefault(key, {first[key]}).add(answer)
             continue
         seen.add(key)
-        text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+        first[key] = answer
         prompts.append(prompt)
-        answers.append(task.demonstration_answer(text) if task.checks_answers else None)
+        answers.append(answer)
+    if conflicts:
+        key, values = next(iter(conflicts.items()))
+        print(
+            f"prepare: warning: {len(conflicts)} sft prompt(s) have demonstrations with different answers (e.g. "
+            f"{key[:80]}: {', '.join(sorted(map(str, values)))}); prompts keeps the first, and the answer rewards and "
+            "rounds count the others wrong: give prepare.files.prompts with the answer to check"
+        )
     return pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "answer": pd.Series(answers, dtype=object)})
 
 

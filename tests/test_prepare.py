@@ -280,6 +280,20 @@ def test_a_gate_metric_no_suite_reports_fails_naming_the_key(tmp_path, params):
     assert len(found) == 2, found
 
 
+def test_a_prompt_with_demonstrations_of_different_answers_is_warned_of(user_files, capsys):
+    """Two demonstrations of one prompt with different answers: prompts keeps the first
+    (the answer rewards count the other wrong), and prepare says so with an example. The
+    repeated prompt of the fixture, with the same answer both times, is no conflict."""
+    path = user_files["sft"]["path"]
+    with open(path, "a") as file:
+        file.write(json.dumps({"q": "What is 3 plus 1?", "a": "3 + 1 = 5\n#### 5"}) + "\n")
+    tables, _ = run(Config(source="files", files=user_files), GSM8K)
+    assert dict(zip(tables["prompts"]["prompt"], tables["prompts"]["answer"]))["What is 3 plus 1?"] == "4"
+    out = capsys.readouterr().out
+    assert "prepare: warning: 1 sft prompt(s) have demonstrations with different answers (e.g. 'What is 3 plus " in out
+    assert "1?': 4, 5); prompts keeps the first" in out
+
+
 def test_a_task_that_reads_no_answer_in_the_demonstrations_is_refused_or_warned_of(user_files, capsys):
     """GSM8K-style files under the default task.kind (builtin, `answer N`) read no answer:
     an error naming the sft file and the kinds to set (the kind was most likely left as it
