@@ -257,9 +257,16 @@ def main() -> None:
         write_csv(PLOT, curve)
         mlflow.log_metrics(numeric_metrics(metrics))
         mlflow.log_artifact(str(PLOT))
+        shown = {k: "n/a" if metrics[k] is None else f"{metrics[k]:.3f}" for k in ("f1_bad", "first_error_accuracy")}
         print(
-            f"prm: held-out step accuracy {metrics['step_accuracy']:.3f}, bad-step F1 {metrics['f1_bad']:.3f}, "
-            f"first-error accuracy {metrics['first_error_accuracy'] or 0:.3f}"
+            f"prm: held-out step accuracy {metrics['step_accuracy']:.3f}, bad-step F1 {shown['f1_bad']}, "
+            f"first-error accuracy {shown['first_error_accuracy']}"
+            + (
+                ""
+                if metrics["bad_step_fraction"]
+                else " (warning: no held-out step is bad; the PRM's finding of bad "
+                "steps is untested: give prepare.files.prm_eval with flawed solutions)"
+            )
         )
 
 

@@ -169,6 +169,17 @@ def test_metrics_on_hand_made_predictions():
     assert (metrics["eval_solutions"], metrics["eval_steps"]) == (3, 9)
 
 
+def test_metrics_without_a_bad_step_held_out_are_undefined_not_zero():
+    """Every held-out step good and every one predicted good: the bad-step F1 and the
+    first-error accuracy measure nothing (None, not 0.0, which reads as a PRM that finds no
+    bad step); the good-step F1 is 1. One step predicted bad with none held out: F1 0."""
+    labels = [[True, True], [True]]
+    metrics = prm_metrics([[0.9, 0.8], [0.7]], labels)
+    assert metrics["f1_bad"] is None and metrics["first_error_accuracy"] is None
+    assert metrics["f1_good"] == 1.0 and metrics["bad_step_fraction"] == 0.0
+    assert prm_metrics([[0.9, 0.2], [0.7]], labels)["f1_bad"] == 0.0
+
+
 # ----------------------------------------------------------------------------- with a model
 
 

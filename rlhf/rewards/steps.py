@@ -101,12 +101,13 @@ class StepScorer:
 # ----------------------------------------------------------------------------- metrics
 
 
-def f1(predicted: Sequence[bool], actual: Sequence[bool]) -> float:
-    """F1 of the positive (True) class; 0.0 when it is neither predicted nor present."""
+def f1(predicted: Sequence[bool], actual: Sequence[bool]) -> float | None:
+    """F1 of the positive (True) class; None (undefined, not 0) when it is neither predicted
+    nor present: held-out steps with no bad one say nothing of finding bad steps."""
     tp = sum(p and a for p, a in zip(predicted, actual))
     fp = sum(p and not a for p, a in zip(predicted, actual))
     fn = sum(a and not p for p, a in zip(predicted, actual))
-    return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else None
 
 
 def prm_metrics(
@@ -116,9 +117,9 @@ def prm_metrics(
 
     * step_accuracy: predicted == label over every step;
     * f1_bad (the headline F1: finding wrong steps is what a verifier is for, and bad steps
-      are the minority) and f1_good;
+      are the minority) and f1_good; None when the class is neither held out nor predicted;
     * first_error_accuracy: over flawed solutions, the first step predicted bad is exactly
-      the first bad step;
+      the first bad step (None without a flawed solution);
     * outcome_accuracy_<how>: aggregated score > threshold agrees with "every step good".
     """
     predicted = [[s > threshold for s in row] for row in step_scores]
