@@ -127,8 +127,17 @@ def format_validation_error(section: str, error: ValidationError) -> list[str]:
         elif item["type"] == "missing":
             problems.append(f"{key}: required key is missing")
         else:
-            problems.append(f"{key}: {item['msg'].removeprefix('Value error, ')} (got {item.get('input')!r:.80})")
+            problems.append(f"{key}: {item['msg'].removeprefix('Value error, ')}{shown_input(item.get('input'))}")
     return problems
+
+
+def shown_input(value) -> str:
+    """` (got <value>)` for a value a check refused, up to 80 characters (cut with "…"); a
+    mapping (a check of a whole block, whose message names what is wrong) not at all."""
+    if isinstance(value, dict):
+        return ""
+    text = repr(value)
+    return f" (got {text if len(text) <= 80 else text[:79] + '…'})"
 
 
 def _kinds(annotation) -> set:

@@ -241,6 +241,14 @@ def prm_available(params: dict, task) -> bool:
     return "prm" in params["prepare"].available() or task.checks_answers
 
 
+def format_reward_problem(key: str, task) -> str:
+    """A format reward without a pattern, for a task that defines no format."""
+    return (
+        f"{key}: the format reward needs a pattern: task {task.name!r} defines no format; give the reward a "
+        "`pattern` (a regular expression a well-formed reply matches), set task.format_pattern, or remove the entry"
+    )
+
+
 def input_problems(params: dict) -> list[str]:
     """What the params ask for that the data they provide cannot feed, each naming the key
     to change or the file to add (prepare.files.<name>)."""
@@ -309,7 +317,7 @@ def input_problems(params: dict) -> list[str]:
                 need_model(f"reward {reward.name}", reward.name, key)
             check_scorer(reward, key)
             if reward.name == "format" and reward.pattern is None and not task.has_format:
-                problems.append(f"{key}: the format reward needs a pattern: task {task.name!r} defines no format")
+                problems.append(format_reward_problem(key, task))
         if method == "ppo" and settings.value_init == "rm":
             need_model("value_init rm", "reward_model", "policy.ppo.value_init")
         processes = params["compute"].processes
@@ -338,10 +346,7 @@ def input_problems(params: dict) -> list[str]:
                 )
                 continue
             if reward.name == "format" and reward.pattern is None and not task.has_format:
-                problems.append(
-                    f"infer.best_of_n.rewards[{index}]: the format reward needs a pattern: task {task.name!r} "
-                    "defines no format"
-                )
+                problems.append(format_reward_problem(f"infer.best_of_n.rewards[{index}]", task))
             if getattr(reward, "path", None) is None and not (reward.name == "prm" and infer.prm is not None):
                 need_model(f"best_of_n reward {reward.name}", reward.name, f"infer.best_of_n.rewards[{index}]")
             check_scorer(reward, f"infer.best_of_n.rewards[{index}]")

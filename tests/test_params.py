@@ -204,6 +204,7 @@ def test_a_key_the_kind_ignores_is_an_error(tmp_path, repo_params):
     error = params_error(write_params(tmp_path, params))
     assert len(error.problems) == 1
     assert error.problems[0].startswith("prm: max_steps: not read by kind likelihood")
+    assert "(got" not in error.problems[0], "a check of the whole block: its keys are not dumped after the message"
     params["prm"]["kind"] = "classifier"
     assert stages.load_all(write_params(tmp_path, params))["prm"].max_steps == 400
 

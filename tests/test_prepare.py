@@ -383,7 +383,9 @@ def test_inference_strategies_that_cannot_work_for_the_task_fail_in_check_params
     assert found == [
         "infer.best_of_n.rewards[0]: answer_match reads the reference answer, which best-of-N must not see (it "
         "would pick the right sample); use one that reads no answer: prm, reward_model, format, length or repetition",
-        "infer.best_of_n.rewards[1]: the format reward needs a pattern: task 'gsm8k' defines no format",
+        "infer.best_of_n.rewards[1]: the format reward needs a pattern: task 'gsm8k' defines no format; give the "
+        "reward a `pattern` (a regular expression a well-formed reply matches), set task.format_pattern, or remove "
+        "the entry",
     ]
     data["infer"]["best_of_n"]["rewards"] = [{"name": "length"}]
     data["task"] = {"kind": "none"}
