@@ -28,8 +28,9 @@ def report_input_errors(kind, error, trace) -> None:
     alone, after the stage's name, since the message says what to fix and a traceback would
     bury it; any other error keeps its traceback. The process still exits with status 1."""
     if isinstance(error, InputError):
-        script = Path(sys.argv[0]) if sys.argv else Path()
-        print(f"{script.stem}: {error}" if script.suffix == ".py" else str(error), file=sys.stderr)
+        script, text = Path(sys.argv[0]) if sys.argv else Path(), str(error)
+        prefix = f"{script.stem}: " if script.suffix == ".py" else ""
+        print(text if text.startswith(prefix) else prefix + text, file=sys.stderr)  # not "sft: sft: ..."
     else:
         sys.__excepthook__(kind, error, trace)
 

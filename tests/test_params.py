@@ -304,6 +304,22 @@ def test_a_stage_prints_an_input_error_without_a_traceback_and_other_errors_with
     assert result.stderr.startswith("Traceback") and "KeyError: 'not an input error'" in result.stderr
 
 
+def test_an_input_error_that_names_its_stage_is_not_prefixed_twice(monkeypatch, capsys):
+    """stages/sft.py's error `sft: the SFT data ...` is printed as it is, not `sft: sft:`;
+    a message that does not start with the stage's name gets it."""
+    from rlhf.params import InputError
+
+    class DataError(InputError, ValueError):
+        pass
+
+    monkeypatch.setattr(sys, "argv", [str(REPO / "stages/sft.py")])
+    for message in ("sft: the SFT data holds conversations", "data/raw/x.jsonl: 1 problem(s) found"):
+        stages.report_input_errors(DataError, DataError(message), None)
+    assert capsys.readouterr().err == (
+        "sft: the SFT data holds conversations\nsft: data/raw/x.jsonl: 1 problem(s) found\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("section", "key", "value", "expected"),
     [
