@@ -166,11 +166,13 @@ def run_test(
     confidence: float = 0.95,
     samples: int = 2000,
     rescored: Sequence[str] = (),
+    unpaired: str = "no per-problem outcomes to pair",
 ) -> TestResult:
     """`candidate`, `reference`, `champion`: {suite: {metric: value}} of one model each;
     `paired`: the outcomes behind a relative test, when both sides have them; `rescored`:
     the scorers of the metric that changed since the champion was promoted
-    (`changed_scorers`)."""
+    (`changed_scorers`); `unpaired`: why a relative test without `paired` compares point
+    estimates (`unpaired_reason`)."""
     name = test.label
 
     def read(metrics: dict):
@@ -229,8 +231,25 @@ def run_test(
     passed = OPS[test.op](round(value, 9), round(bound, 9))
     reason = f"{value:.4f} {test.op} {bound:.4f}" + ("" if passed else " fails")
     if test.relative_to != "absolute":
-        reason += " (point estimates: no per-problem outcomes to pair)"
+        reason += f" (point estimates: {unpaired})"
     return result(passed, reason, baseline, bound)
+
+
+def unpaired_reason(test, outcomes: dict | None, champion_outcomes: dict | None, champion_metrics) -> str:
+    """Why a relative test has no paired outcomes: the champion's were recorded on another
+    version of the suite (its problems changed since the promotion: its score is from
+    those), or there are none."""
+    if test.relative_to == "champion" and outcomes is not None:
+        suite = outcomes.get("suites", {}).get(test.suite) or {}
+        recorded = (champion_outcomes or {}).get(test.suite)
+        if recorded is not None and suite.get("digest") and recorded.get("digest") != suite.get("digest"):
+            value = (champion_metrics or {}).get(test.suite, {}).get(test.metric)
+            shown = f" {value:.4f}" if isinstance(value, int | float) else ""
+            return (
+                f"the champion's{shown} was measured on another version of suite {test.suite!r}, which has changed "
+                "since its promotion: its problems cannot be paired"
+            )
+    return "no per-problem outcomes to pair"
 
 
 def paired_outcomes(test, name: str, reference: str, outcomes: dict | None, champion_outcomes: dict | None):
@@ -334,6 +353,7 @@ def decide(
                 changed_scorers(t.metric, report.get("scorers"), champion.get("scorers"))
                 if champion and t.relative_to == "champion"
                 else (),
+                unpaired_reason(t, outcomes, champion_outcomes, champion_metrics),
             )
             for t in tests
         ]
