@@ -500,7 +500,7 @@ def ppo_iteration(
                 "value_clipfrac": value_clipfrac, "approx_kl": approx_kl, "entropy": entropy,
             }  # fmt: skip
             for key, value in batch_stats.items():
-                stats.setdefault(key, []).append(float(ranks.sum(value)))
+                stats.setdefault(key, []).append(float(ranks.sum(value.detach())))
 
     def batch_mean(per_row: torch.Tensor) -> float:
         return float(ranks.sum(per_row.float().sum()) / batch_rows)
