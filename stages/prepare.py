@@ -427,6 +427,10 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
         ]
         tables["unpaired"] = pd.DataFrame({c: pd.Series([r[c] for r in rows], dtype=object) for c in rows[0]})
         origins["unpaired"] = "derived: prefs pairs as desirable / undesirable rows"
+    if "prompts" in tables and "answer" not in tables["prompts"]:
+        # The answer is optional in a prompts file; the stages that read the table find the
+        # column, empty (the PRM's derived labels, the rounds' answer check then have none).
+        tables["prompts"]["answer"] = pd.Series([None] * len(tables["prompts"]), dtype=object)
     if "prompts" not in tables:
         tables["prompts"] = prompts_from_sft(tables["sft"], task)
         answered = int(tables["prompts"]["answer"].notna().sum())

@@ -280,6 +280,16 @@ def test_a_gate_metric_no_suite_reports_fails_naming_the_key(tmp_path, params):
     assert len(found) == 2, found
 
 
+def test_a_prompts_file_without_answers_is_prepared_with_an_empty_answer_column(user_files, tmp_path):
+    """`answer` is optional in a prompts file: the prepared table has the column, empty, so
+    that the stages reading it (the PRM's derived labels, the rounds) find no answer rather
+    than fail on a missing column (stage prm raised KeyError: 'answer')."""
+    user_files["prompts"] = {"path": write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hi"}, {"prompt": "yo"}])}
+    tables, _ = run(Config(source="files", files=user_files), GSM8K)
+    assert list(tables["prompts"].columns) == ["prompt", "answer"]
+    assert tables["prompts"]["answer"].isna().all()
+
+
 def test_a_prompt_with_demonstrations_of_different_answers_is_warned_of(user_files, capsys):
     """Two demonstrations of one prompt with different answers: prompts keeps the first
     (the answer rewards count the other wrong), and prepare says so with an example. The
