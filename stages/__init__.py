@@ -461,6 +461,12 @@ def input_problems(params: dict) -> list[str]:
 
     metrics = [(f"gate.tests[{i}].metric", t.metric, t.suite) for i, t in enumerate(gate.tests or [])]
     metrics.append(("gate.select_metric", gate.select_metric, gate.select_suite))
+    round_tests_given = [  # a round's own tests (its defaults ask for accuracy only)
+        (f"{round_key(improve, name, 'tests')}[{i}]", t)
+        for name in improve.rounds
+        for i, t in enumerate(improve.settings(name).tests or [])
+    ]
+    metrics += [(f"{key}.metric", t.metric, t.suite) for key, t in round_tests_given]
     for key, metric, suite in metrics:
         if metric is not None and metric not in SUITE_METRICS and not (suite or "").startswith("harness/"):
             close = difflib.get_close_matches(metric, SUITE_METRICS, n=2)
@@ -470,13 +476,19 @@ def input_problems(params: dict) -> list[str]:
                 + f"; one of {', '.join(SUITE_METRICS)} (a harness task's own metrics: name its suite harness/<task>)"
             )
 
-    def metric_needs(metric: str, key: str, remedy: str) -> None:
-        """What the run must have for `metric` to be in the eval report a gate reads."""
+    def metric_needs(metric: str, key: str, remedy: str, in_round: bool = False) -> None:
+        """What the run must have for `metric` to be in the eval report a gate reads (a
+        round's evaluation scores no reward model)."""
         if metric == "accuracy":
             need_answers("metric accuracy", key)
         if metric == "format_rate" and not task.has_format:
             problems.append(f"{key}: task {task.name!r} defines no format (set task.format_pattern)")
-        if metric in ("reward", "win_rate"):
+        if metric in ("reward", "win_rate") and in_round:
+            problems.append(
+                f"{key}: a round's evaluation scores no reward model, so it has no {metric}; test accuracy, "
+                f"format_rate or kl_to_ref, or {remedy}"
+            )
+        elif metric in ("reward", "win_rate"):
             need_model(f"metric {metric}", "reward_model", key)
         if metric == "kl_to_ref" and params["evaluate"].kl_prompts == 0:
             problems.append(
@@ -487,6 +499,9 @@ def input_problems(params: dict) -> list[str]:
         metric_needs(test.metric, f"gate.tests[{index}]", "remove the test")
     if gate.select_metric is not None:  # the candidates that pass are ranked on it
         metric_needs(gate.select_metric, "gate.select_metric", "choose another metric")
+    for key, test in round_tests_given:
+        if not (test.suite or "").startswith("harness/"):
+            metric_needs(test.metric, key, "remove the test", in_round=True)
     return list(dict.fromkeys(problems))  # a default every round inherits, named once
 
 

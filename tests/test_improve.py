@@ -501,6 +501,30 @@ def test_rounds_a_user_task_cannot_feed_fail_in_check_params(tmp_path):
     assert_each_once(params_problems(tmp_path, data), expected)
 
 
+def test_a_rounds_test_metrics_are_checked_before_compute(tmp_path):
+    """A round's own tests name metrics its evaluation reports: a misspelt one, the reward
+    (a round scores no reward model) and a format rate for a task without a format fail in
+    check_params naming the key, not after the round sampled and trained (it stopped, with
+    "metric missing"). Defaults' tests are named once."""
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["task"] = {"kind": "gsm8k"}
+    test = {"relative_to": "sft", "op": ">=", "threshold": 0.0}
+    data["improve"]["defaults"]["tests"] = [{"metric": "format_rate", **test}]
+    data["improve"]["rounds"] = {
+        "r1": {"after": "sft", "tests": [{"metric": "acuracy", **test}, {"metric": "reward", **test}]},
+        "r2": {"after": "rounds/r1"},
+        "r3": {"after": "rounds/r2"},
+    }
+    expected = [
+        "improve.rounds.r1.tests[0].metric: no metric 'acuracy' in an eval suite's report (did you mean accuracy",
+        "improve.rounds.r1.tests[1]: a round's evaluation scores no reward model, so it has no reward; test accuracy",
+        "improve.defaults.tests[0]: task 'gsm8k' defines no format (set task.format_pattern)",
+    ]
+    found = params_problems(tmp_path, data)
+    assert_each_once(found, expected)
+    assert sum(p.startswith("improve.defaults.tests[0]:") for p in found) == 1
+
+
 def test_a_rounds_suites_and_start_are_checked_before_compute(tmp_path, monkeypatch):
     """A round's suite names, a suite its tests read but it does not evaluate, and a start
     from a policy method the params do not train fail in check_params naming the key; a
