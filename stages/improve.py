@@ -224,6 +224,20 @@ def merged(base: dict, own: dict) -> dict:
     return out
 
 
+def nothing_kept_reason(data: dict, settings: Settings) -> str:
+    """Why a round stops with no kept sample, with the likely cause when every sample was
+    cut at max_new_tokens (never kept): too few tokens, or a model that does not end its
+    reply with the EOS token generation stops at."""
+    reason = "no sample passed the checks: nothing to train on"
+    if data["samples"] and data["unfinished_samples"] == data["samples"]:
+        reason += (
+            f" (every one of the {data['samples']} samples was cut at max_new_tokens {settings.max_new_tokens} before "
+            "it ended: raise max_new_tokens, or check that the model ends its reply with its tokenizer's EOS token, "
+            "e.g. a chat model's end-of-turn token)"
+        )
+    return reason
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 
@@ -442,7 +456,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
         "repair": repair,
     }
     if kept.empty:
-        return stop(report, name, start_dir, out_dir, previous, "no sample passed the checks: nothing to train on")
+        return stop(report, name, start_dir, out_dir, previous, nothing_kept_reason(report["data"], settings))
     if train.empty:
         reason = "no problem has both a kept and a rejected sample: no pair to train on (method rpo)"
         return stop(report, name, start_dir, out_dir, previous, reason)

@@ -294,6 +294,20 @@ def _suite(values: list[float]) -> dict:
     }
 
 
+def test_a_round_with_every_sample_cut_says_so_when_it_stops():
+    """Nothing kept because every sample hit max_new_tokens (a chat model whose end of turn
+    is not its EOS): the stop reason names that cause; with some samples finished it does not."""
+    from stages.improve import nothing_kept_reason
+
+    settings = Settings(max_new_tokens=32)
+    reason = nothing_kept_reason({"samples": 256, "unfinished_samples": 256}, settings)
+    assert reason.startswith("no sample passed the checks: nothing to train on (every one of the 256 samples was cut")
+    assert "max_new_tokens 32" in reason and "EOS token" in reason
+    assert nothing_kept_reason({"samples": 256, "unfinished_samples": 10}, settings) == (
+        "no sample passed the checks: nothing to train on"
+    )
+
+
 def test_the_round_gate_asks_for_progress_and_retention():
     settings = Settings(retention_margin=0.02, bootstrap_samples=500)
     tests = default_tests(settings, ["dev", "dev_long", "test"], "dev")
