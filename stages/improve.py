@@ -398,7 +398,9 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     if "prm" in settings.checks or settings.refine:  # before sampling: a missing PRM fails in a second
         from rlhf.rewards.prm import load_prm
 
-        prm = load_prm(PRM_DIR, trust, task.step_separator)
+        uses = [f for f, on in (("checks: [prm]", "prm" in settings.checks), ("refine", settings.refine)) if on]
+        key = f"improve.rounds.{name} ({' and '.join(uses)}): the process reward model"
+        prm = load_prm(PRM_DIR, trust, task.step_separator, key=key)
     tokenizer = load_tokenizer(start_dir, trust)
     model = load_causal_lm(start_dir, trust, what=str(start_dir))
     drawn = sample(
