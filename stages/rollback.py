@@ -109,12 +109,13 @@ def sync(registered_model: str) -> dict:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from rlhf.tracking.champion import CHAMPION_RECORD, registry_champion, restore_version
+    from rlhf.tracking.champion import CHAMPION_RECORD, read_champion, registry_champion, restore_version
     from rlhf.tracking.runs import setup_experiment, tracking_uri
 
     setup_experiment()
     client = MlflowClient(tracking_uri())
     version, pin, _ = registry_champion(client, registered_model)
+    current = read_champion(CHAMPION_DIR) or {}
     if version is None:
         raise SystemExit(
             f"rollback: {registered_model!r} has no champion in the registry at {tracking_uri()} (nothing promoted "
@@ -126,6 +127,10 @@ def sync(registered_model: str) -> dict:
         with atomic_dir(CHAMPION_DIR) as staging:
             record = restore_version(client, registered_model, version, staging)
             record = {k: v for k, v in record.items() if k != "pinned"} | ({"pinned": pin} if pin else {})
+            if current.get("model_version") == version and "restored" in current:
+                # This clone rolled back to it: keep that provenance (the registry has none),
+                # so that syncing to the same version writes the same folder (nothing reruns).
+                record["restored"] = current["restored"]
             (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         mlflow.log_dict(record, CHAMPION_RECORD)
     return record

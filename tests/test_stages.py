@@ -402,6 +402,11 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
         [client.get_experiment_by_name("stages-test").experiment_id], "tags.`rlhf.stage` = 'rollback'"
     )
     assert runs and runs[0].data.tags["rollback.to_version"] == target
+    # --sync where the rollback ran has nothing to catch up: the same record, byte for byte
+    # (its provenance kept), so nothing that starts from the champion reruns.
+    rolled_back = (second / "models/champion/champion.json").read_bytes()
+    stages.rollback.main(["--sync"])
+    assert (second / "models/champion/champion.json").read_bytes() == rolled_back
     # Pinned: the next gate (a scheduled run, say) holds back even a better candidate,
     # until --unpin.
     assert record["pinned"].startswith(f"rolled back from version {current} to version {target}")
