@@ -331,7 +331,9 @@ def gate(settings: Settings, tests, name: str, sft: dict, start: dict, candidate
     }
     select = tests[0].suite
     confidence, resamples = settings.confidence, settings.bootstrap_samples
-    return decide(tests, report, champion, "accuracy", select, outcomes, confidence, resamples)
+    return decide(
+        tests, report, champion, "accuracy", select, outcomes, confidence, resamples, champion_name="the round's start"
+    )
 
 
 # ----------------------------------------------------------------------------- the round

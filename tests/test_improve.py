@@ -327,6 +327,7 @@ def test_the_round_gate_asks_for_progress_and_retention():
     assert [f.split(":")[0] for f in verdict["candidates"]["r1"]["failures"]] == ["retention"]
     same = gate(settings, tests, "r1", sft, start, sft)
     assert [f.split(":")[0] for f in same["candidates"]["r1"]["failures"]] == ["progress"]
+    assert " vs the round's start over 200 problems: lower bound" in same["candidates"]["r1"]["failures"][0]
 
 
 def test_a_round_gate_at_its_frontier_is_not_diluted():

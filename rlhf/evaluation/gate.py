@@ -167,12 +167,14 @@ def run_test(
     samples: int = 2000,
     rescored: Sequence[str] = (),
     unpaired: str = "no per-problem outcomes to pair",
+    champion_name: str = "champion",
 ) -> TestResult:
     """`candidate`, `reference`, `champion`: {suite: {metric: value}} of one model each;
     `paired`: the outcomes behind a relative test, when both sides have them; `rescored`:
     the scorers of the metric that changed since the champion was promoted
     (`changed_scorers`); `unpaired`: why a relative test without `paired` compares point
-    estimates (`unpaired_reason`)."""
+    estimates (`unpaired_reason`); `champion_name`: what the champion is called in reasons
+    (a round's gate: its start)."""
     name = test.label
 
     def read(metrics: dict):
@@ -219,7 +221,8 @@ def run_test(
         which = "lower" if test.op in (">=", ">") else "upper"
         passed = OPS[test.op](round(end, 9), round(test.threshold, 9))
         reason = (
-            f"{diff['difference']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}] vs {test.relative_to} "
+            f"{diff['difference']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}] vs "
+            f"{champion_name if test.relative_to == 'champion' else test.relative_to} "
             f"over {diff['problems']} problems: {which} bound {end:+.4f} {test.op} {test.threshold:+.4f}"
             + ("" if passed else " fails")
         )
@@ -326,6 +329,7 @@ def decide(
     confidence: float = 0.95,
     samples: int = 2000,
     validation: dict | None = None,
+    champion_name: str = "champion",
 ) -> dict:
     """The gate's verdict over every candidate in an eval `report` (see stages.evaluate).
     `champion` is the champion's record (its `metrics` and, when recorded, its per-problem
@@ -354,6 +358,7 @@ def decide(
                 if champion and t.relative_to == "champion"
                 else (),
                 unpaired_reason(t, outcomes, champion_outcomes, champion_metrics),
+                champion_name,
             )
             for t in tests
         ]
