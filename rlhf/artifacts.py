@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -25,6 +26,15 @@ def _publishes() -> bool:
 
 def _tmp_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+_STAGING_PART = re.compile(r"^\.(.+)\.tmp-\d+-[0-9a-f]{8}$")
+
+
+def published_path(path: str | Path) -> Path:
+    """Where a file written inside a staging folder (`atomic_dir`, `atomic_file`) will be
+    once published: what a message names (the staging folder is gone when it is read)."""
+    return Path(*[m.group(1) if (m := _STAGING_PART.match(part)) else part for part in Path(path).parts])
 
 
 @contextmanager

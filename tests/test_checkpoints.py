@@ -99,6 +99,20 @@ def test_a_checkpoint_resumes_only_under_the_same_task_and_trust(tmp_path):
     trl_config(ORPOConfig, params, tmp_path / "out", trust_remote_code=True)  # no such field: not passed
 
 
+def test_a_length_error_names_the_published_file_not_the_staging_folder():
+    """A round trains on a table in its staging folder (atomic_dir's `.r1.tmp-<pid>-<hex>`),
+    gone once the error is read: the message names where the file is published."""
+    from rlhf.artifacts import published_path
+    from rlhf.training.trainer_setup import TrainingDataError, length_report
+
+    staged = Path("data/rounds/.r1.tmp-25576-b2280401/train.parquet")
+    assert published_path(staged) == Path("data/rounds/r1/train.parquet")
+    assert published_path("models/.sft.tmp-7-0123abcd") == Path("models/sft")
+    assert published_path("data/.hidden/x.tmp") == Path("data/.hidden/x.tmp")
+    with pytest.raises(TrainingDataError, match=r" every prompt of data/rounds/r1/train.parquet fills it"):
+        length_report([(20, 25)], [False], 16, "improve.rounds.r1.train.max_length", staged)
+
+
 def test_offline_rows_cut_at_max_length_are_counted_and_pairs_cut_alike_are_named(tmp_path, capsys):
     """TRL cuts prompt + response at max_length without a word: the cut rows were counted 0
     (the prompt's length was passed as the whole row's), and pairs whose chosen and

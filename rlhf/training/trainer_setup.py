@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from rlhf.artifacts import published_path
 from rlhf.models.compute import current
 from rlhf.params import InputError
 from rlhf.training.checkpoints import usable_checkpoint
@@ -221,6 +222,7 @@ def length_report(
     (prompt tokens, prompt + completion tokens) and whether it is kept (`fits`: its prompt
     leaves `room` completion tokens), printed when not 0; no row left is an error naming
     `key`. SFT, the offline policy methods and PPO report their rows with it."""
+    path = published_path(path)  # a round's training table is read from its staging folder
     dropped = len(fits) - sum(fits)
     truncated = sum(1 for (_, full), keep in zip(lengths, fits) if keep and full > max_length)
     if not any(fits):
