@@ -58,8 +58,25 @@ def fail(message: str) -> SystemExit:
     return SystemExit(f"label: {message}")
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail before the model loads when the address is taken (uvicorn would fail after the
+    page's address was printed)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise fail(
+                f"--port {port}: cannot listen on {host}:{port} ({error.strerror}); another page or server "
+                "may hold it: pass another --port"
+            ) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_port(args.host, args.port)
     root = Path.cwd().resolve()
     from rlhf.feedback.app import OutsideProjectError, check_out_path
 

@@ -192,6 +192,14 @@ def test_the_preference_file_must_lie_inside_the_project(tmp_path, monkeypatch):
         stages.label.main(["--prompts", "data/prepared/eval/test.parquet"])
     args = stages.label.parse_args([])
     assert args.host == "127.0.0.1" and args.out == Path("data/raw/feedback_prefs.jsonl")
+    import socket
+
+    with socket.socket() as taken:  # a port in use fails before the model loads, naming it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"^label: --port {port}: cannot listen on 127.0.0.1:{port} \("):
+            stages.label.main(["--port", str(port)])
 
 
 # ----------------------------------------------------------------------------- prepare
