@@ -625,6 +625,10 @@ def main(argv: list[str] | None = None) -> None:
         with atomic_dir(ROUNDS_DIR / name) as out, atomic_dir(ROUND_DATA / name) as data:
             report = run(name, config, params, task, out, data)
             write_json(out / ROUND_FILE, report)
+            if not any(data.iterdir()):  # a round the loop passed through drew nothing (DVC warns of an empty out)
+                write_json(
+                    data / "absent.json", {"reason": f"round {name} drew no samples: {report.get('stop_reason')}"}
+                )
         summary = round_summary(report)
         write_json(ROUND_REPORTS / f"{name}.json", summary)
         mlflow.log_metrics(numeric_metrics(summary))

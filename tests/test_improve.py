@@ -457,6 +457,8 @@ def test_rounds_as_dvc_stages(tmp_path):
     assert "kl_to_ref" in reports["r2"]["stop_reason"]
     assert set(reports["r2"]["sft"]) == set(reports["r2"]["winner_eval"]) == {"dev", "test"}
     assert reports["r3"]["stopped_at"] == "r2" and reports["r3"]["trained"] is False
+    absent = json.loads((root / "data/rounds/r3/absent.json").read_text())  # not an empty out DVC warns of
+    assert absent["reason"].startswith("round r3 drew no samples: ")
     sft, r1, r2, r3 = (_weights(root / f"models/{m}") for m in ("sft", "rounds/r1", "rounds/r2", "rounds/r3"))
     assert any(not torch.equal(sft[k], r1[k]) for k in sft), "round 1 trained"
     assert all(torch.equal(r1[k], r2[k]) and torch.equal(r1[k], r3[k]) for k in r1), "the winner stays r1"
