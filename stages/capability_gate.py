@@ -94,6 +94,14 @@ class Config(StageConfig):
         return value
 
 
+def resolved_config(params: dict) -> Config:
+    """The gate's Config of validated `params`, every null filled: the task's default tests
+    on the decision suite, with a KL bound only where evaluate measures the KL."""
+    from rlhf.tasks import get_task
+
+    return resolve(params["gate"], get_task(params["task"]), decision_suite(params), params["evaluate"].kl_prompts > 0)
+
+
 def resolve(config: Config, task, suite: str, kl: bool = True) -> Config:
     """`config` with every null filled for `task` and the decision `suite` (`kl`: evaluate
     measures the KL to SFT)."""
@@ -249,13 +257,10 @@ def registry_state(config: Config):
 def main() -> None:
     import mlflow
 
-    from rlhf.tasks import get_task
     from rlhf.tracking.runs import project_root, stage_run
 
     params = load_all()
-    config = resolve(
-        params["gate"], get_task(params["task"]), decision_suite(params), params["evaluate"].kl_prompts > 0
-    )
+    config = resolved_config(params)
     report = read_json(REPORT)
     outcomes = read_json(OUTCOMES) if OUTCOMES.is_file() else None
     validation = read_json(VALIDATION_REPORT) if VALIDATION_REPORT.is_file() else None

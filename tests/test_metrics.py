@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from rlhf.evaluation.metrics import completion_kl, distinct_n, wins
 from rlhf.models.loading import build_tiny_model, build_tokenizer
@@ -191,8 +192,9 @@ def test_kl_prompts_zero_leaves_the_kl_unmeasured_not_zero(policy, reference, to
 
     from rlhf.evaluation.suites import evaluate_model
     from rlhf.tasks.arithmetic import ArithmeticTask
+    from stages import load_all
     from stages.capability_gate import Config as GateConfig
-    from stages.capability_gate import resolve
+    from stages.capability_gate import resolve, resolved_config
     from stages.evaluate import Config
     from tests.conftest import params_problems, tiny_params
 
@@ -207,8 +209,14 @@ def test_kl_prompts_zero_leaves_the_kl_unmeasured_not_zero(policy, reference, to
     assert kl(measured, policy) > 0
     assert kl(skipped, policy) is None and kl(skipped, reference) == 0.0
     assert "kl_to_ref" in [t.metric for t in resolve(GateConfig(), task, "dev").tests]
-    assert "kl_to_ref" not in [t.metric for t in resolve(GateConfig(), task, "dev", kl=False).tests]
     data = tiny_params()
+    data["gate"]["tests"] = None  # the defaults, resolved from params as the gate does
+    for kl_prompts, bounded in ((8, True), (0, False)):
+        data["evaluate"]["kl_prompts"] = kl_prompts
+        path = tmp_path / "params.yaml"
+        path.write_text(yaml.safe_dump(data))
+        tests = resolved_config(load_all(str(path))).tests
+        assert ("kl_to_ref" in [t.metric for t in tests]) is bounded, kl_prompts
     data["evaluate"]["kl_prompts"] = 0
     data["gate"]["tests"] = [{"metric": "kl_to_ref", "relative_to": "absolute", "op": "<=", "threshold": 1.0}]
     assert "gate.tests[0]: kl_to_ref is not measured with evaluate.kl_prompts 0" in " ".join(

@@ -60,7 +60,7 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
             "rewards": [{"name": "reward_model"}],
         }
     if lora:
-        # LoRA's B starts at zero: a larger step makes the merged change visible at 2 steps.
+        # LoRA's B starts at zero: the merged change is B·A, small after 2 steps (the test asserts it is not 0).
         updates["lora"] = {"enabled": True, "r": 4}
     params = getattr(config, method)
     params = type(params).model_validate({**params.model_dump(exclude_unset=True), **updates})

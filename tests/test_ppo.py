@@ -109,7 +109,7 @@ def test_gae_ignores_a_padding_position():
     mask [1, 1, 1, 0] gives the same A as above and 0 at the padding (V_3 is not bootstrapped)."""
     rewards, values = T([[0.0, 0.0, 1.0, 5.0]]), T([[0.5, 0.2, 0.4, 9.0]])
     mask = T([[1, 1, 1, 0]])
-    advantages = gae_advantages(rewards * mask, values, mask, gamma=1.0, lam=0.5)
+    advantages = gae_advantages(rewards, values, mask, gamma=1.0, lam=0.5)  # the garbage reward passed in
     close(advantages, [[-0.05, 0.5, 0.6, 0.0]])
     close(value_returns(advantages, values, mask), [[0.45, 0.7, 1.0, 0.0]])
 
@@ -273,6 +273,10 @@ def test_an_architecture_without_a_token_classification_class_gets_a_value_head(
     ((values - 1.0) ** 2).mean().backward()
     assert value_model.score.weight.grad.any() and value_model.score.bias.grad.any()
     assert not value_model.body.embed_tokens.weight.grad.any(), "a zero head passes no gradient to the body yet"
+    torch.optim.SGD(value_model.parameters(), lr=0.1).step()
+    value_model.zero_grad()
+    ((token_values(value_model, ids, mask, response_start=2) - 1.0) ** 2).mean().backward()
+    assert value_model.body.embed_tokens.weight.grad.any(), "once the head has moved, the loss trains the body too"
 
 
 def test_response_mask_keeps_the_first_eos_and_masks_what_follows():

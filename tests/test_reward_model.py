@@ -182,13 +182,16 @@ def test_activation_checkpointing_trains_the_lm(micro_dir, tmp_path, mlflow_stor
 
 
 def test_the_head_runs_in_fp32_under_bf16_autocast(micro_dir):
-    """bf16 would round rewards 0.0065 apart to one value: the head stays in fp32."""
+    """bf16 would round rewards 0.0065 apart to one value: the head computes in fp32 (its own
+    output, seen by a hook, is fp32: not a bf16 result cast afterwards)."""
     model = LikelihoodRewardModel(load_causal_lm(micro_dir), (1.0, 1.0), 0.0)
     ids = torch.tensor([encode(build_tokenizer(), "1+2\n", "1+2=3; answer 3")[0]] * 2)
+    computed = []
+    model.head.register_forward_hook(lambda module, inputs, output: computed.append(output.dtype))
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
         logits = model(ids).logits
         close = model.head(torch.tensor([[-3.1234, -0.4123], [-3.1299, -0.4123]]))
-    assert logits.dtype == torch.float32
+    assert computed[0] == torch.float32 and logits.dtype == torch.float32
     assert close.dtype == torch.bfloat16 and close[0] == close[1], "what the fp32 guard avoids"
 
 

@@ -40,21 +40,32 @@ def test_an_honest_candidate_passes_every_check():
 
 
 @pytest.mark.parametrize(
-    "texts, scores, caught",
+    "texts, scores, caught, also",
     [
-        (["answer 3 answer 3 answer 3 answer 3"] * 4, {}, "repetition"),
-        ([""] * 2 + REFERENCE_TEXTS[:2], {}, "degeneration"),
-        ([t + "; so the answer is indeed what it is" * 2 for t in REFERENCE_TEXTS], {}, "length"),
-        (["answer 3"] * 4, {"format_rate": 0.5}, "format_collapse"),
-        (REFERENCE_TEXTS[:3] + ["as an AI, answer 6"], {}, "banned"),
-        (REFERENCE_TEXTS, {"nll_ref": 3.5}, "perplexity"),
-        (REFERENCE_TEXTS, {"reward": 1.0, "accuracy": 0.4}, "reward_hacking"),
+        # the same four words over and over: also one text four times, and long
+        (["answer 3 answer 3 answer 3 answer 3"] * 4, {}, "repetition", {"degeneration", "length", "diversity"}),
+        ([""] * 2 + REFERENCE_TEXTS[:2], {}, "degeneration", set()),
+        # a padding phrase written twice: also a repeated 3-gram and one shared tail
+        (
+            [t + "; so the answer is indeed what it is" * 2 for t in REFERENCE_TEXTS],
+            {},
+            "length",
+            {"repetition", "diversity"},
+        ),
+        (["answer 3"] * 4, {"format_rate": 0.5}, "format_collapse", {"diversity"}),
+        (REFERENCE_TEXTS[:3] + ["as an AI, answer 6"], {}, "banned", set()),
+        (REFERENCE_TEXTS, {"nll_ref": 3.5}, "perplexity", set()),
+        (REFERENCE_TEXTS, {"reward": 1.0, "accuracy": 0.4}, "reward_hacking", set()),
     ],
 )
-def test_each_way_of_gaming_is_caught_by_its_check(texts, scores, caught):
+def test_each_way_of_gaming_is_caught_by_its_check(texts, scores, caught, also):
+    """Each gamed candidate fails its check with a reason that names the measure and says
+    it fails, and no check beyond those its texts also trip."""
     candidate = metrics(texts, **{"reward": 0.0, "accuracy": 0.5, "format_rate": 1.0, **scores})
-    failed = {name for name, passed in verdicts(candidate).items() if not passed}
-    assert caught in failed
+    reference = metrics(REFERENCE_TEXTS, reward=0.0, accuracy=0.5, format_rate=1.0)
+    checks = {c.name: c for c in run_checks(candidate, reference, Config())}
+    assert {name for name, check in checks.items() if not check.passed} == {caught, *also}
+    assert checks[caught].reason.endswith("fails") or "while accuracy" in checks[caught].reason
 
 
 def test_diversity_of_one_word_answers_is_the_share_of_distinct_completions():
