@@ -468,7 +468,9 @@ def test_generate_command_prints_one_record_per_prompt(micro_dir, models, tokeni
     assert all(r["samples"] == 1 and r["answer"] == task.extract_answer(r["completion"]) for r in records)
 
 
-def test_what_a_strategy_reads_besides_the_candidate_is_checked_before_any_strategy(tmp_path, tokenizer, monkeypatch):
+def test_what_a_strategy_reads_besides_the_candidate_is_checked_before_any_strategy(
+    tmp_path, tokenizer, monkeypatch, capsys
+):
     """The target verifies the draft's token ids, the ensemble adds its members' logits id
     by id, MCTS's PRM splits steps as the task does: a draft or member whose tokenizer
     differs (one token more), a PRM with another separator, a candidate or draft folder that
@@ -499,6 +501,7 @@ def test_what_a_strategy_reads_besides_the_candidate_is_checked_before_any_strat
     def fails(error, match, **settings):
         with pytest.raises(error, match=match):
             run(Config(**{"strategies": ["greedy"], **settings}), task, "test")
+        assert "infer greedy:" not in capsys.readouterr().out, "no strategy ran before the failure"
 
     bad = "its tokenizer is not the candidate's"
     fails(UnusableModelError, rf"^infer.speculative.draft .*other: {bad}", strategies=["greedy", "speculative"],
@@ -513,6 +516,7 @@ def test_what_a_strategy_reads_besides_the_candidate_is_checked_before_any_strat
           candidate="policy/grpo")  # fmt: skip
     report, _ = run(Config(strategies=["greedy", "ensemble"], ensemble={"members": ["sft", "merged"]}), task, "test")
     assert set(report["strategies"]) == {"greedy", "ensemble"}
+    assert "infer greedy:" in capsys.readouterr().out  # what a strategy that ran prints
 
 
 def test_a_prompt_that_leaves_no_room_to_generate_fails_with_what_to_change(tokenizer):
@@ -671,11 +675,12 @@ def test_a_prm_of_another_separator_is_refused_wherever_it_would_score_steps(tmp
     is best-of-N's PRM too (it read models/prm whatever infer.prm said)."""
     import pandas as pd
 
-    from rlhf.models.folders import UnusableModelError, scorer_problem
+    from rlhf.models.folders import UnusableModelError
     from rlhf.models.loading import save_model
     from rlhf.rewards.functions import PRMReward
     from rlhf.rewards.prm_classifier import load_prm_model, save_prm
     from stages.infer import Config, run
+    from tests.conftest import params_problems, tiny_params
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data/prepared/eval").mkdir(parents=True)
@@ -690,7 +695,12 @@ def test_a_prm_of_another_separator_is_refused_wherever_it_would_score_steps(tmp
             run(Config(strategies=["greedy", strategy], prm="models/lines_prm"), task, "test")
     with pytest.raises(UnusableModelError, match=rf"^reward prm {wrong}"):
         PRMReward(name="prm", path="models/lines_prm").build(task, {})
-    assert scorer_problem("prm", "models/lines_prm", "; ").startswith("models/lines_prm: the PRM splits steps")
+    data = tiny_params()
+    data["infer"]["prm"] = "models/lines_prm"
+    assert any(
+        p.startswith("infer.prm") and "models/lines_prm: the PRM splits steps on" in p
+        for p in params_problems(tmp_path, data)
+    )
     # No models/prm here: best-of-N reranks with infer.prm's.
     report, _ = run(Config(strategies=["best_of_n"], prm="models/own_prm", best_of_n={"n": 2}), task, "test")
     assert report["strategies"]["best_of_n"]["samples_per_problem"] == 2
