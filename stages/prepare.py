@@ -475,7 +475,7 @@ def prompts_from_sft(sft, task):
     with no checkable answers)."""
     import pandas as pd
 
-    prompts, answers, seen = [], [], set()
+    prompts = []
     if "messages" in sft.columns:
         pairs = []
         for messages in sft["messages"]:
@@ -483,20 +483,18 @@ def prompts_from_sft(sft, task):
                 pairs.append((list(messages[:-1]), messages[-1]["content"]))
     else:
         pairs = list(zip(sft["prompt"], sft["completion"]))
-    first: dict[str, object] = {}
+    first: dict[str, object] = {}  # each prompt's first answer, by its repr
     conflicts: dict[str, set] = {}
     for prompt, completion in pairs:
         key = repr(prompt)
         text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
         answer = task.demonstration_answer(text) if task.checks_answers else None
-        if key in seen:
+        if key in first:
             if answer is not None and first[key] is not None and answer != first[key]:
                 conflicts.setdefault(key, {first[key]}).add(answer)
             continue
-        seen.add(key)
         first[key] = answer
         prompts.append(prompt)
-        answers.append(answer)
     if conflicts:
         key, values = next(iter(conflicts.items()))
         print(
@@ -504,7 +502,8 @@ def prompts_from_sft(sft, task):
             f"{key[:80]}: {', '.join(sorted(map(str, values)))}); prompts keeps the first, and the answer rewards and "
             "rounds count the others wrong: give prepare.files.prompts with the answer to check"
         )
-    return pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "answer": pd.Series(answers, dtype=object)})
+    answers = pd.Series(list(first.values()), dtype=object)
+    return pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "answer": answers})
 
 
 def table_path(root: Path, name: str) -> Path:

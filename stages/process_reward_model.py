@@ -258,15 +258,13 @@ def main() -> None:
         mlflow.log_metrics(numeric_metrics(metrics))
         mlflow.log_artifact(str(PLOT))
         shown = {k: "n/a" if metrics[k] is None else f"{metrics[k]:.3f}" for k in ("f1_bad", "first_error_accuracy")}
+        untested = (
+            " (warning: no held-out step is bad; the PRM's finding of bad steps is untested: give "
+            "prepare.files.prm_eval with flawed solutions)"
+        )
         print(
             f"prm: held-out step accuracy {metrics['step_accuracy']:.3f}, bad-step F1 {shown['f1_bad']}, "
-            f"first-error accuracy {shown['first_error_accuracy']}"
-            + (
-                ""
-                if metrics["bad_step_fraction"]
-                else " (warning: no held-out step is bad; the PRM's finding of bad "
-                "steps is untested: give prepare.files.prm_eval with flawed solutions)"
-            )
+            f"first-error accuracy {shown['first_error_accuracy']}" + ("" if metrics["bad_step_fraction"] else untested)
         )
 
 

@@ -426,3 +426,41 @@ def test_a_classifier_prm_on_an_architecture_without_a_token_head_fails_naming_t
     save_model(Gemma3ForCausalLM(config), tokenizer, tmp_path / "gemma")
     with pytest.raises(ValueError, match=r"model type 'gemma3_text'; set prm.kind: likelihood"):
         load_prm_model(tmp_path / "gemma")
+
+
+def test_a_prm_of_another_separator_is_refused_wherever_it_would_score_steps(tmp_path, monkeypatch):
+    """A PRM as stage prm writes it (prm.json's `step_separator`), trained on other steps
+    than the task's: refused by stage infer for MCTS and for best-of-N's prm reward, by the
+    prm reward itself (policy training), and by check_params for `infer.prm`. `infer.prm`
+    is best-of-N's PRM too (it read models/prm whatever infer.prm said)."""
+    from rlhf.models.folders import UnusableModelError
+    from rlhf.models.loading import build_tiny_model, save_model
+    from rlhf.rewards.functions import PRMReward
+    from rlhf.rewards.prm_classifier import load_prm_model, save_prm
+    from rlhf.tasks import get_task
+    from stages.infer import Config, run
+    from tests.conftest import params_problems, tiny_params
+
+    tokenizer = build_tokenizer()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/prepared/eval").mkdir(parents=True)
+    pd.DataFrame({"prompt": ["12+7-3\n"], "answer": ["16"]}).to_parquet(tmp_path / "data/prepared/eval/test.parquet")
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, tmp_path / "models/sft")
+    save_prm(load_prm_model(tmp_path / "models/sft"), tokenizer, tmp_path / "models/lines_prm", "\n")
+    save_prm(load_prm_model(tmp_path / "models/sft"), tokenizer, tmp_path / "models/own_prm", "; ")
+    task = get_task()
+    wrong = r"models/lines_prm: the PRM splits steps on '\\n' but the task on '; '"
+    for strategy in ("mcts", "best_of_n"):
+        with pytest.raises(UnusableModelError, match=rf"^infer.prm {wrong}" if strategy == "mcts" else wrong):
+            run(Config(strategies=["greedy", strategy], prm="models/lines_prm"), task, "test")
+    with pytest.raises(UnusableModelError, match=rf"^reward prm {wrong}"):
+        PRMReward(name="prm", path="models/lines_prm").build(task, {})
+    data = tiny_params()
+    data["infer"]["prm"] = "models/lines_prm"
+    assert any(
+        p.startswith("infer.prm") and "models/lines_prm: the PRM splits steps on" in p
+        for p in params_problems(tmp_path, data)
+    )
+    # No models/prm here: best-of-N reranks with infer.prm's.
+    report, _ = run(Config(strategies=["best_of_n"], prm="models/own_prm", best_of_n={"n": 2}), task, "test")
+    assert report["strategies"]["best_of_n"]["samples_per_problem"] == 2
