@@ -56,10 +56,6 @@ def main(
 
     params = load_model_stage()
     config = params[stage]  # the verifier stage runs this trainer with its own section
-    if stage == "sft":  # the verifier trains on these rows later: its loss_on checked now
-        from rlhf.training.sft import check_later_sections
-
-        check_later_sections({"verifier": params["verifier"]}, init_dir, DATA)
     with stage_run(stage, config) as active:
         with atomic_dir(out_dir) as tmp:
             metrics, curve = run(config, init_dir, DATA, tmp, stage=stage)

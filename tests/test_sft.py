@@ -98,27 +98,3 @@ def test_conversations_need_a_template_that_can_mask_the_assistant(base, tmp_pat
         train_sft(params(max_length=32), base, data, tmp_path / "unmarked", tmp_path / "checkpoints")
     metrics, _ = train_sft(params(max_length=32, loss_on="all"), base, data, tmp_path / "all", tmp_path / "checkpoints")
     assert metrics["steps"] == 2
-
-
-def test_stage_sft_checks_the_verifiers_loss_on_before_it_trains(base, tmp_path):
-    """The verifier trains the SFT model further on the same conversations: with
-    `sft.loss_on: all` (the template cannot be masked) and the verifier's default
-    `completion`, the check names verifier.loss_on before SFT spends any compute; with the
-    verifier on `all` too, or text rows, it passes."""
-    from transformers import AutoTokenizer
-
-    from rlhf.training.sft import SFTDataError, check_later_sections
-
-    conversation = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]
-    data = tmp_path / "chat.parquet"
-    pd.DataFrame({"messages": [conversation] * 4}).to_parquet(data)
-    check_later_sections({"verifier": params()}, base, data)  # the built-in template has the markers
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    tokenizer.chat_template = UNMARKED
-    tokenizer.save_pretrained(base)
-    with pytest.raises(SFTDataError, match=r"^verifier.loss_on: completion trains on the assistant's messages only"):
-        check_later_sections({"verifier": params()}, base, data)
-    check_later_sections({"verifier": params(loss_on="all")}, base, data)
-    text = tmp_path / "text.parquet"
-    pd.DataFrame({"prompt": ["1+1\n"] * 4, "completion": ["2"] * 4}).to_parquet(text)
-    check_later_sections({"verifier": params()}, base, text)

@@ -169,22 +169,6 @@ def check_assistant_masking(tokenizer, section: str, base_dir: Path) -> None:
         ) from None
 
 
-def check_later_sections(sections: dict[str, SFTParams], model_dir: Path, data: Path) -> None:
-    """`check_assistant_masking` for sections that will train later on `data` with
-    `model_dir`'s chat template: stage sft checks the verifier's section (which continues the
-    SFT model on the same rows) with its own, so that `verifier.loss_on` fails before SFT
-    trains, not after."""
-    import pyarrow.parquet as pq
-
-    from rlhf.models.loading import load_tokenizer
-
-    masking = {name: config for name, config in sections.items() if config.loss_on == "completion"}
-    if not masking or not data.is_file() or "messages" not in pq.read_schema(data).names:
-        return
-    for name, config in masking.items():
-        check_assistant_masking(load_tokenizer(model_dir, config.trust_remote_code), name, model_dir)
-
-
 def chat_lengths(tokenizer, table) -> list[tuple[int, int]]:
     """(prompt tokens, prompt + completion tokens) of each conversational row (`messages`,
     or prompt/completion messages) through the chat template."""
