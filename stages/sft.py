@@ -56,6 +56,8 @@ def main(
 
     params = load_model_stage()
     config = params[stage]  # the verifier stage runs this trainer with its own section
+    if config.loss_on is None:  # the verifier's default: where SFT's loss fell
+        config = config.model_copy(update={"loss_on": params["sft"].loss_on})
     with stage_run(stage, config) as active:
         with atomic_dir(out_dir) as tmp:
             metrics, curve = run(config, init_dir, DATA, tmp, stage=stage)

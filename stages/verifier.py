@@ -8,7 +8,9 @@ mistakes, and a PRM that reads the policy's own log-probs (stage prm, `kind: lik
 `init: sft`) cannot: the mistakes a model makes are the ones it is confident in. This stage
 continues supervised fine-tuning of the SFT model on the same demonstrations (the sft
 stage's trainer, its own params section) to give the PRM a stronger reader, as verifiers
-in the literature are trained apart from the policy. The policy stages never read it.
+in the literature are trained apart from the policy. The policy stages never read it. Its
+loss falls where SFT's did (`sft.loss_on`) unless `verifier.loss_on` says otherwise: a user
+who set `sft.loss_on: all` for a chat template TRL cannot mask need not set it twice.
 
     python -m stages.verifier
 """
@@ -32,6 +34,9 @@ PLOT = Path("plots/verifier/loss.csv")
 class Config(SFTConfig):
     max_steps: int = Field(400, gt=0, description="optimizer steps beyond the SFT model's")
     learning_rate: float = Field(1e-3, gt=0, lt=1, description="peak learning rate")
+    loss_on: str | None = Field(
+        None, pattern="^(completion|all)$", description="completion only, or every token; null: as sft.loss_on"
+    )
 
 
 def main() -> None:

@@ -98,3 +98,36 @@ def test_conversations_need_a_template_that_can_mask_the_assistant(base, tmp_pat
         train_sft(params(max_length=32), base, data, tmp_path / "unmarked", tmp_path / "checkpoints")
     metrics, _ = train_sft(params(max_length=32, loss_on="all"), base, data, tmp_path / "all", tmp_path / "checkpoints")
     assert metrics["steps"] == 2
+
+
+def test_the_verifier_puts_its_loss_where_sft_did_unless_told(in_project):
+    """Conversations and a template TRL cannot mask: the user sets `sft.loss_on: all` once.
+    The verifier (the SFT model trained further on the same rows) takes it (its
+    `loss_on` is null by default) and trains, logging the resolved value; its own
+    `loss_on: completion` still fails, naming verifier.loss_on, before its model loads."""
+    import mlflow
+    from transformers import AutoTokenizer
+
+    import stages.base
+    import stages.prepare
+    import stages.sft
+    import stages.verifier
+    from conftest import tiny_params, write_params
+    from rlhf.training.sft import SFTDataError
+
+    root = in_project
+    write_params(root, tiny_params(sft={"loss_on": "all"}))
+    stages.prepare.main()
+    stages.base.main()
+    conversation = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]
+    pd.DataFrame({"messages": [conversation] * 16}).to_parquet(root / "data/prepared/sft.parquet")
+    tokenizer = AutoTokenizer.from_pretrained(root / "models/base")
+    tokenizer.chat_template = UNMARKED
+    tokenizer.save_pretrained(root / "models/base")
+    stages.sft.main()
+    stages.verifier.main()
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`rlhf.stage` = 'verifier'")
+    assert runs["params.loss_on"].tolist() == ["all"]
+    write_params(root, tiny_params(sft={"loss_on": "all"}, verifier={"loss_on": "completion"}))
+    with pytest.raises(SFTDataError, match=r"^verifier.loss_on: completion trains on the assistant's messages only"):
+        stages.verifier.main()
