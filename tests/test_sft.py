@@ -106,13 +106,13 @@ def test_the_verifier_puts_its_loss_where_sft_did_unless_told(in_project):
     `loss_on` is null by default) and trains, logging the resolved value; its own
     `loss_on: completion` still fails, naming verifier.loss_on, before its model loads."""
     import mlflow
+    from conftest import tiny_params, write_params
     from transformers import AutoTokenizer
 
     import stages.base
     import stages.prepare
     import stages.sft
     import stages.verifier
-    from conftest import tiny_params, write_params
     from rlhf.training.sft import SFTDataError
 
     root = in_project
