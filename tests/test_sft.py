@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from rlhf.training.params import SFTParams
+from tests.conftest import tiny_params, write_params
 
 # The built-in template without its {% generation %} markers (a Zephyr-style template).
 UNMARKED = (
@@ -106,7 +107,6 @@ def test_the_verifier_puts_its_loss_where_sft_did_unless_told(in_project):
     `loss_on` is null by default) and trains, logging the resolved value; its own
     `loss_on: completion` still fails, naming verifier.loss_on, before its model loads."""
     import mlflow
-    from conftest import tiny_params, write_params
     from transformers import AutoTokenizer
 
     import stages.base
