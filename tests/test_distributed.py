@@ -5,6 +5,7 @@ trains on the same global batch."""
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import os
 import subprocess
@@ -155,10 +156,12 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
     ],  # fmt: skip
 )
 def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_project, name, launcher):
-    """`python -m stages.launch ...`: one process with 8 rows per step, then `torchrun` (or
-    `accelerate launch` with configs/accelerate/ddp.yaml) with 2 processes of 4 rows
-    each. The loss curves agree step by step within TOLERANCE and so do the weights; rank 0
-    alone wrote the outputs and the one MLflow run of each launch."""
+    """One process with 8 rows per step (this one: `stages.launch` with one process only
+    runs the module, and a new process would only add its imports), then `python -m
+    stages.launch ...` starting `torchrun` (or `accelerate launch` with
+    configs/accelerate/ddp.yaml) with 2 processes of 4 rows each. The loss curves agree
+    step by step within TOLERANCE and so do the weights; rank 0 alone wrote the outputs and
+    the one MLflow run of each launch."""
     import stages.base
     import stages.prepare
     import stages.sft
@@ -195,7 +198,9 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
     def read() -> tuple[list[list[float]], dict]:
         return [read_curve(root / file, column) for file, column in curves], weights(root / output)
 
-    launch()
+    module, *argv = args
+    main = importlib.import_module(module).main
+    main(argv) if argv else main()
     one, one_weights = read()
     assert json.loads((root / metrics).read_text())["processes"] == 1
     write_params(root, case_params(name, 4, 2, launcher))

@@ -92,7 +92,7 @@ def project(tmp_path_factory):
 
     root = make_project(tmp_path_factory.mktemp("faults") / "project", fault_params())
     for command in (["stages.prepare"], ["stages.base"], *(FAULTS[s][0] for s in ("sft", "verifier", "rm", "prm"))):
-        stage(root, command)
+        stage_here(root, command)
     return root
 
 
@@ -110,6 +110,23 @@ def stage(root: Path, command: list[str]) -> str:
     )
     assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout + done.stderr
+
+
+def stage_here(root: Path, command: list[str]) -> None:
+    """Run a stage in this process, as `stage` runs it in its own (the project's folder and
+    tracking store, no parent run): for the setup and the uninterrupted references, which
+    need not pay a new process's imports (about 10 s each). What is killed and what resumes
+    run in their own processes."""
+    import importlib
+
+    module, *argv = command
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setenv("MLFLOW_TRACKING_URI", environment(root)["MLFLOW_TRACKING_URI"])
+        for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT", "MLFLOW_EXPERIMENT_NAME"):
+            patch.delenv(name, raising=False)
+        main = importlib.import_module(module).main
+        main(argv) if argv else main()
 
 
 def kill_after_checkpoint(root: Path, command: list[str], pattern: str, timeout: float = 600) -> Path:
@@ -158,7 +175,7 @@ def assert_same_weights(resumed: dict, reference: dict, what: str) -> None:
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_killed_stage_resumes_and_ends_where_an_uninterrupted_run_ends(project, name):
     command, output, pattern = FAULTS[name]
-    stage(project, command)  # uninterrupted: the reference (and the artifact a kill must not touch)
+    stage_here(project, command)  # uninterrupted: the reference (and the artifact a kill must not touch)
     reference, digest = tensors(project / output), tree_digest(project / output)
     assert reference and not list(project.glob(pattern)), "a finished stage leaves no checkpoint"
     if name.startswith("policy@"):  # the weights to reproduce moved away from the start
@@ -182,7 +199,7 @@ def test_killed_stage_resumes_and_ends_where_an_uninterrupted_run_ends(project, 
 
 def test_a_damaged_checkpoint_is_discarded_and_the_run_still_ends_right(project):
     command, output, pattern = FAULTS["sft"]
-    stage(project, command)
+    stage_here(project, command)
     reference = tensors(project / output)
     checkpoint = kill_after_checkpoint(project, command, pattern)
     weights = checkpoint / "model.safetensors"
