@@ -56,7 +56,7 @@ def run_seed(work: Path, seed: int) -> dict:
     if not (work / "models/rounds/fix5/round.json").is_file():
         print(run_module(env, "stages.improve", "fix5").strip().splitlines()[-1][:300], flush=True)
     report = json.loads((work / "models/rounds/fix5/round.json").read_text())
-    return {"round": report["data"], "repair": report["data"]["repair"]}
+    return {"round": report["data"]}
 
 
 def cell(values: list) -> str:
@@ -68,7 +68,7 @@ def cell(values: list) -> str:
 
 def table(results: dict) -> str:
     seeds = list(results["seeds"])
-    repairs = [results["seeds"][s]["repair"] for s in seeds]
+    repairs = [results["seeds"][s]["round"]["repair"] for s in seeds]
     lines = [f"| seeds {' / '.join(seeds)} | " + " | ".join(name for name, _ in COLUMNS) + " |"]
     lines.append("|---|" + "---|" * len(COLUMNS))
     lines.append("| fix5 | " + " | ".join(cell([r[key] for r in repairs]) for _, key in COLUMNS) + " |")

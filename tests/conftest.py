@@ -149,6 +149,16 @@ def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None) 
     return result
 
 
+def call_main(command: list[str]) -> None:
+    """`python -m module args` in this process: the module's main, with the args (a stage
+    that takes none has a main without them)."""
+    import importlib
+
+    module, *argv = command
+    main = importlib.import_module(module).main
+    main(argv) if argv else main()
+
+
 def make_project(root: Path, params: dict | None = None) -> Path:
     """A fresh git + DVC repository holding the project's code and tiny params."""
     root.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,6 @@ trains on the same global batch."""
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from stages.launch import command
-from tests.conftest import tiny_params, write_params
+from tests.conftest import call_main, tiny_params, write_params
 
 TOLERANCE = 1e-4  # |loss difference| per step allowed between 1 and 2 processes (float32 sums in another order)
 
@@ -198,9 +197,7 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
     def read() -> tuple[list[list[float]], dict]:
         return [read_curve(root / file, column) for file, column in curves], weights(root / output)
 
-    module, *argv = args
-    main = importlib.import_module(module).main
-    main(argv) if argv else main()
+    call_main(args)
     one, one_weights = read()
     assert json.loads((root / metrics).read_text())["processes"] == 1
     write_params(root, case_params(name, 4, 2, launcher))

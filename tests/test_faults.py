@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_params
+from tests.conftest import call_main, tiny_params
 from tests.test_pipeline_e2e import tree_digest
 
 pytestmark = pytest.mark.slow
@@ -117,16 +117,12 @@ def stage_here(root: Path, command: list[str]) -> None:
     tracking store, no parent run): for the setup and the uninterrupted references, which
     need not pay a new process's imports (about 10 s each). What is killed and what resumes
     run in their own processes."""
-    import importlib
-
-    module, *argv = command
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
         patch.setenv("MLFLOW_TRACKING_URI", environment(root)["MLFLOW_TRACKING_URI"])
         for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT", "MLFLOW_EXPERIMENT_NAME"):
             patch.delenv(name, raising=False)
-        main = importlib.import_module(module).main
-        main(argv) if argv else main()
+        call_main(command)
 
 
 def kill_after_checkpoint(root: Path, command: list[str], pattern: str, timeout: float = 600) -> Path:
