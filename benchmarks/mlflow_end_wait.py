@@ -57,7 +57,7 @@ def train_once(method: str, path: str, base: Path, sft: Path, prefs: Path, out: 
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     from rlhf.models.loading import load_causal_lm, load_tokenizer
-    from rlhf.training.params import SFTParams
+    from rlhf.training.methods.sft import SFTParams
     from rlhf.training.trainer_setup import tracking_callbacks, trl_config
 
     params = SFTParams(max_steps=steps, per_device_train_batch_size=4, logging_steps=1, save_steps=1000, max_length=16)

@@ -16,7 +16,7 @@ In a scratch project (--work, default a temporary folder; this checkout is not t
    and gates (a gain on dev_long's problems of the round's own length and longer,
    `progress_difficulty`, and no loss on dev beyond `retention_margin`);
 3. the control: SFT continued on its own 3-5-number data for as many optimizer steps and
-   rows as the three rounds trained on (rlhf.training.sft, the rounds' training settings);
+   rows as the three rounds trained on (rlhf.training.methods.sft, the rounds' training settings);
 4. every model (SFT, each round's winner, the control) evaluated greedily on every suite,
    with bootstrap intervals per number of operands (stages.improve.evaluate_models).
 
@@ -121,7 +121,7 @@ def run_rounds(work: Path, env: dict, check: str, rounds: dict) -> dict:
 
 def train_control(work: Path, steps: int) -> dict:
     """SFT continued on its own data for `steps` steps of the rounds' training settings."""
-    from rlhf.training.sft import train_sft
+    from rlhf.training.methods.sft import train_sft
     from stages import load_model_stage
 
     settings = load_model_stage()["improve"].defaults.train.model_copy(update={"max_steps": steps})

@@ -7,7 +7,7 @@ stages, which must reject each for the right reason and leave the champion where
 PROJECT is a checkout whose pipeline has run up to models/sft, models/rm and
 data/prepared (e.g. after `dvc repro rm`). Its outputs are copied into a scratch project
 under --work (default: a temporary folder); the project itself is not touched. The
-candidates, all trained with rlhf.training.sft from models/sft for --steps steps:
+candidates, all trained with rlhf.training.methods.sft from models/sft for --steps steps:
 
 * length: the SFT demonstrations with a fixed sentence appended (longer answers);
 * repetition: the SFT demonstrations with the final answer repeated four times;
@@ -150,8 +150,8 @@ def main() -> None:
 
     from rlhf.artifacts import write_json
     from rlhf.tasks import get_task
-    from rlhf.training.params import SFTParams
-    from rlhf.training.sft import train_sft
+    from rlhf.training.methods.sft import SFTParams
+    from rlhf.training.methods.sft import train_sft
     from stages import decision_suite, load_model_stage
     from stages import evaluate as evaluate_stage
 

@@ -40,6 +40,7 @@ sys.excepthook = report_input_errors
 SECTIONS = {
     "task": "rlhf.tasks:TaskConfig",
     "compute": "rlhf.models.compute:ComputeConfig",
+    "model": "rlhf.models.settings:ModelSettings",
     "prepare": "stages.prepare:Config",
     "base": "stages.base:Config",
     "sft": "stages.sft:Config",
@@ -144,7 +145,6 @@ def unevaluated_suites(params: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------- inputs
 
-OFFLINE_DATA = {"dpo": "prefs", "simpo": "prefs", "orpo": "prefs", "kto": "unpaired"}
 ANSWER_REWARDS = ("answer_match", "numeric_tolerance")
 
 
@@ -250,10 +250,54 @@ def format_reward_problem(key: str, task) -> str:
     )
 
 
+def model_problems(params: dict) -> list[str]:
+    """What params `model` (and the stages' own `model:` blocks) ask that a stage cannot do:
+    a package that is not installed, and quantized weights where a stage trains in full
+    (quantized weights train only through LoRA adapters: QLoRA)."""
+    from rlhf.models.settings import package_problems
+
+    base = params["model"]
+    problems = package_problems(base)
+    blocks = [("sft", params["sft"]), ("verifier", params["verifier"]), ("rm", params["rm"]), ("prm", params["prm"])]
+    policy = params["policy"]
+    blocks += [(f"policy.{m}", getattr(policy, m)) for m in policy.methods]
+    improve = params["improve"]
+    for name in improve.rounds:
+        settings = improve.settings(name)
+        method_key = "rpo" if settings.method == "rpo" else "train"
+        blocks.append((round_key(improve, name, method_key), getattr(settings, method_key)))
+    blocks += [("evaluate", params["evaluate"]), ("infer", params["infer"])]
+    for key, block in blocks:
+        own = getattr(block, "model", None)
+        settings = base.merged(own)
+        if own is not None:
+            problems += [p for p in package_problems(settings, f"{key}.model") if p not in problems]
+        if key == "policy.ppo" and settings.gradient_checkpointing:
+            problems.append(
+                "policy.ppo.model.gradient_checkpointing: PPO (ours) runs its models in eval mode (no dropout), where "
+                "transformers does not checkpoint activations: set it to false"
+            )
+        if settings.quantization is None or key in ("evaluate", "infer"):
+            continue
+        if key == "policy.ppo" or (key == "prm" and block.kind == "classifier"):
+            what = "PPO trains its value model" if key == "policy.ppo" else "prm.kind classifier trains its new head"
+            problems.append(f"{key}.model.quantization: {what} in full, which quantized weights cannot: set it to false")
+        elif key == "prm":
+            continue  # the likelihood kind reads the LM: quantized is fine
+        elif not block.lora.enabled:
+            problems.append(
+                f"{key}.lora.enabled: the model loads {settings.quantization.bits}-bit (model.quantization) and "
+                f"quantized weights train only through adapters (QLoRA): set {key}.lora.enabled: true, or "
+                f"{key}.model.quantization: false"
+            )
+    return problems
+
+
 def input_problems(params: dict) -> list[str]:
     """What the params ask for that the data they provide cannot feed, each naming the key
     to change or the file to add (prepare.files.<name>)."""
     from rlhf.tasks import get_task
+    from rlhf.training.methods import METHODS
 
     task = get_task(params["task"])
     available = params["prepare"].available()
@@ -302,7 +346,7 @@ def input_problems(params: dict) -> list[str]:
 
     policy = params["policy"]
     for method in policy.offline:
-        data = OFFLINE_DATA[method]
+        data = METHODS[method].DATA
         if data not in available:
             problems.append(
                 f"policy.offline: {method} needs {data} data: add prepare.files.prefs (prompt, chosen, rejected), "
@@ -413,6 +457,7 @@ def input_problems(params: dict) -> list[str]:
             "or name one of those (null: the default role)"
         )
     problems += unevaluated_suites(params)
+    problems += model_problems(params)
     gate = params["gate"]
     if not task.checks_answers and "prefs" not in available and (gate.tests is None or gate.select_metric is None):
         problems.append(
@@ -509,13 +554,17 @@ def load_config(section: str, path: str = PARAMS_FILE):
     return load_all(path)[section]
 
 
-def load_model_stage(path: str = PARAMS_FILE) -> dict:
+def load_model_stage(path: str = PARAMS_FILE, override=None) -> dict:
     """`load_all` for a stage that runs a model: also sets this process's device and dtype
-    from the `compute` section (rlhf.models.compute)."""
+    from the `compute` section (rlhf.models.compute), and how models load from the `model`
+    section with the stage's own `model:` block (`override(params)` gives it: None for a
+    stage without one), failing here when it needs a package that is not installed."""
+    from rlhf.models import settings as model_settings
     from rlhf.models.compute import configure
 
     params = load_all(path)
     configure(params["compute"])
+    model_settings.configure(params["model"], override(params) if override else None)
     return params
 
 

@@ -39,6 +39,7 @@ from pydantic import Field, field_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.evaluation.suites import evaluate_model, suite_identity
+from rlhf.models.settings import ModelOverride
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks import get_task
 from stages import (
@@ -98,6 +99,9 @@ class Config(StageConfig):
     confidence: float = Field(0.95, gt=0, lt=1, description="level of the bootstrap intervals")
     bootstrap_samples: int = Field(2000, ge=100, description="bootstrap resamples per interval")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
+    model: ModelOverride | None = Field(
+        None, description="this stage's own keys of params `model` (e.g. quantization for large candidates)"
+    )
     harness: Harness | None = Field(None, description="lm-evaluation-harness tasks (null: none)")
 
 
@@ -266,7 +270,7 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_model_stage()
+    params = load_model_stage(override=lambda p: p["evaluate"].model)
     config, methods, task = params["evaluate"], params["policy"].methods, get_task(params["task"])
     candidates = [n for n in candidate_dirs(methods) if n != REFERENCE]
     with stage_run("evaluate", config, tags={"candidates": ",".join(candidates)}):

@@ -70,14 +70,16 @@ from pydantic import Field, ValidationError, model_validator
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest, DifficultyLabels
 from rlhf.params import PARAMS_FILE, ParamsError, SafeName, StageConfig, format_validation_error
-from rlhf.training.params import DPOParams, EwcParams
-from rlhf.training.params import SFTParams as TrainingConfig
+from rlhf.training.methods.dpo import Params as DPOParams
+from rlhf.training.methods.sft import SFTParams as TrainingConfig
+from rlhf.training.params import EwcParams
 from stages import (
     CHECKPOINTS_DIR,
     DATA_DIR,
     EVAL_DIR,
     MODELS_DIR,
     PRM_DIR,
+    REF_LOGPS_CACHE,
     REPORTS_DIR,
     SFT_DIR,
     difficulty_problems,
@@ -535,13 +537,21 @@ def train_candidate(
     information of `previous_data`), or rpo on pairs with `start` as the reference."""
     name = stage.removeprefix("round-")  # the caller's f"round-{name}"
     if settings.method == "rpo":
-        from stages.trl_training import dpo_trainer, train_trl
+        from rlhf.training.methods import dpo
+        from rlhf.training.trl_training import TrainingJob
 
-        classes, trl_args = dpo_trainer(settings.rpo)
-        trust = settings.trust_remote_code or params["evaluate"].trust_remote_code
-        key = f"{round_key(params['improve'], name, 'rpo')}.max_length"
-        return train_trl(trust, settings.rpo, table, classes, trl_args, out_dir, stage, start=start, length_key=key)
-    from rlhf.training.sft import train_sft
+        job = TrainingJob(
+            stage=stage,
+            key=round_key(params["improve"], name, "rpo"),
+            start=start,
+            data=table,
+            checkpoints=CHECKPOINTS_DIR,
+            trust_remote_code=settings.trust_remote_code or params["evaluate"].trust_remote_code,
+            sft_data=SFT_DATA,
+            ref_cache=REF_LOGPS_CACHE,
+        )
+        return dpo.train(job, settings.rpo, out_dir)
+    from rlhf.training.methods.sft import train_sft
 
     ewc = (settings.ewc, previous_data) if settings.ewc.strength else None
     train = settings.train

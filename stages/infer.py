@@ -30,6 +30,7 @@ from pydantic import Field, model_validator
 
 from rlhf.artifacts import write_json
 from rlhf.inference.settings import STRATEGIES, Strategies
+from rlhf.models.settings import ModelOverride
 from rlhf.params import reject_changed
 from rlhf.tasks import Task, get_task
 from stages import MODELS_DIR, PRM_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_model_stage, report_suite
@@ -44,6 +45,9 @@ class Config(Strategies):
         None, description="eval suite (data/prepared/eval/<suite>.parquet); null: the reported one (test)"
     )
     limit: int = Field(200, ge=1, description="problems evaluated (the first ones of the suite)")
+    model: ModelOverride | None = Field(
+        None, description="this stage's own keys of params `model` (e.g. quantization for a large candidate)"
+    )
     strategies: list[Literal[STRATEGIES]] = Field(
         ["greedy", "best_of_n", "self_consistency", "mcts"], min_length=1, description="strategies to run"
     )
@@ -135,7 +139,7 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_model_stage()
+    params = load_model_stage(override=lambda p: p["infer"].model)
     config, task = params["infer"], get_task(params["task"])
     with stage_run("infer", config):
         report, samples = run(config, task, config.suite or report_suite(params))

@@ -92,7 +92,7 @@ class Config(TrainingParams):
     @model_validator(mode="after")
     def _training_keys_need_training(self):
         if self.kind == "likelihood":
-            training = set(TrainingParams.model_fields) | {"lora"}
+            training = (set(TrainingParams.model_fields) | {"lora"}) - {"model"}  # `model` says how it loads
             reject_unused(self, training, "by kind likelihood, which fits a calibration and trains no weights")
         return self
 
@@ -241,7 +241,7 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_model_stage()
+    params = load_model_stage(override=lambda p: p["prm"].model)
     config, task = params["prm"], get_task(params["task"])
     with stage_run("prm", config) as active:
         with atomic_dir(OUT_DIR) as tmp:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -48,6 +48,8 @@ PLOTS = Path("plots/rm")  # member_<i>.csv: step, loss, accuracy (train batches)
 
 
 class Config(TrainingParams):
+    TRL_CONFIG: ClassVar[str | None] = "RewardConfig"
+
     kind: Literal["likelihood", "classifier"] = Field(
         "likelihood", description="likelihood (LM log-probs + head) | classifier (sequence-classification head)"
     )
@@ -62,6 +64,13 @@ class Config(TrainingParams):
     )
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+    def trl_args(self) -> dict[str, Any]:
+        return {
+            **super().trl_args(),
+            "max_length": self.max_length,
+            "center_rewards_coefficient": self.center_rewards_coefficient,
+        }
 
     @model_validator(mode="before")
     @classmethod
@@ -92,6 +101,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
         merged_model,
         tracking_callbacks,
         train_resumable,
+        trainer_loading,
         trl_config,
     )
 
@@ -101,16 +111,18 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
         print(f"rm: member {index} already trained in {final}, reusing it")
         return []
     seed = config.seed + index
+    # The classifier kind: TRL loads it from its path, as params `model` says.
+    loading, loader_kwargs = trainer_loading(config, config.trust_remote_code, RewardTrainer)
     args = trl_config(
         RewardConfig,
         config.model_copy(update={"seed": seed}),
         member_root,
-        max_length=config.max_length,
-        center_rewards_coefficient=config.center_rewards_coefficient,
+        key="rm",
         run_name=f"rm-member-{index}",
         # The likelihood kind's rows carry where each response starts, for its collator.
         remove_unused_columns=config.kind == "classifier",
-        trust_remote_code=config.trust_remote_code,  # TRL loads the classifier from its path
+        trust_remote_code=config.trust_remote_code,
+        **({"model_init_kwargs": loading} if config.kind == "classifier" else {}),
     )
     if config.kind == "classifier":
         trainer = RewardTrainer(
@@ -120,6 +132,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
             processing_class=tokenizer,
             peft_config=config.lora.peft_config("SEQ_CLS"),
             callbacks=tracking_callbacks(),
+            **loader_kwargs,
         )
     else:
         head, dataset = train
@@ -151,7 +164,8 @@ def load_lm(config: Config, init: Path):
     """The likelihood kind's LM, with a LoRA adapter when configured."""
     from rlhf.models.loading import load_causal_lm
 
-    lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})", training=True)
+    lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})", training=True,
+                        adapters=config.lora.enabled)  # fmt: skip
     if config.lora.enabled:
         from peft import get_peft_model
 
@@ -264,7 +278,7 @@ def main() -> None:
 
     from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
 
-    params = load_model_stage()
+    params = load_model_stage(override=lambda p: p["rm"].model)
     config, task = params["rm"], get_task(params["task"])
     with stage_run("rm", config) as active:
         with atomic_dir(OUT_DIR) as tmp:

@@ -4,7 +4,7 @@ In:  models/base, data/prepared/sft.parquet (prompt/completion or messages).
 Out: models/sft (a plain model: a LoRA adapter is merged on save), metrics/sft.json,
      plots/sft/loss.csv.
 
-The training is rlhf.training.sft (TRL's `SFTTrainer`, loss on the completion or the
+The training is rlhf.training.methods.sft (TRL's `SFTTrainer`, loss on the completion or the
 assistant turns, length-sorted sub-batches). Checkpoints go to checkpoints/sft/<fingerprint>/
 every `save_steps`; a killed run restarted with the same params and inputs (`dvc repro`
 again) resumes from the last one.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.training.params import SFTParams
+from rlhf.training.methods.sft import SFTParams
 from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, SFT_DIR, load_model_stage
 
 BASE_DIR = MODELS_DIR / "base"
@@ -28,15 +28,15 @@ PLOT = Path("plots/sft/loss.csv")
 
 
 class Config(SFTParams):
-    """params `sft` (every key: rlhf.training.params.SFTParams)."""
+    """params `sft` (every key: rlhf.training.methods.sft.Params)."""
 
 
 def run(
     config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = "sft", ewc=None
 ) -> tuple[dict, list[dict]]:
-    """Fine-tune `base_dir` on `data` into `out_dir` (rlhf.training.sft.train_sft), with
-    checkpoints under checkpoints/<stage>/; metrics and the loss curve."""
-    from rlhf.training.sft import train_sft
+    """Fine-tune `base_dir` on `data` into `out_dir` (rlhf.training.methods.sft.train_sft),
+    with checkpoints under checkpoints/<stage>/; metrics and the loss curve."""
+    from rlhf.training.methods.sft import train_sft
 
     return train_sft(config, base_dir, data, out_dir, CHECKPOINTS_DIR, stage, ewc)
 
@@ -54,7 +54,7 @@ def main(
 
     from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
 
-    params = load_model_stage()
+    params = load_model_stage(override=lambda p: p[stage].model)
     config = params[stage]  # the verifier stage runs this trainer with its own section
     if config.loss_on is None:  # the verifier's default: where SFT's loss fell
         config = config.model_copy(update={"loss_on": params["sft"].loss_on})

@@ -120,7 +120,7 @@ def test_offline_rows_cut_at_max_length_are_counted_and_pairs_cut_alike_are_name
     import pandas as pd
 
     from rlhf.models.loading import build_tokenizer
-    from stages.trl_training import fitting_rows
+    from rlhf.training.trl_training import fitting_rows
 
     tokenizer = build_tokenizer()  # one token a character
     table = pd.DataFrame(
@@ -166,7 +166,7 @@ def test_kto_rows_derived_from_pairs_are_not_read_side_by_side():
     drawn from the seed."""
     import pandas as pd
 
-    from stages.trl_training import seeded_order
+    from rlhf.training.trl_training import seeded_order
 
     rows = [(f"p{i}", side, side == "chosen") for i in range(200) for side in ("chosen", "rejected")]
     table = pd.DataFrame(rows, columns=["prompt", "completion", "label"])

@@ -175,7 +175,8 @@ def test_rows_with_no_room_for_a_completion_are_counted_and_none_fitting_names_t
 
 
 def test_policy_params_take_ewc_and_ppo_refuses_it_with_lora():
-    from stages.policy import DPOParams, PPOMethodParams
+    from rlhf.training.methods.dpo import Params as DPOParams
+    from rlhf.training.methods.ppo import Params as PPOMethodParams
 
     assert DPOParams(ewc={"strength": 10.0}).ewc.strength == 10.0
     with pytest.raises(ValueError, match="ewc.strength with lora.enabled"):

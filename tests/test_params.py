@@ -141,8 +141,8 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
         "policy.dpo.loss_type: unknown DPO loss type(s) ['sigmoidd']",
         "gate.tests.1.op: Input should be '>=', '<=', '>' or '<' (got '==')",
         "prepare.builtin: min_operands (6) is larger than max_operands (5)",
-        "rewards: unknown section (known: task, compute, prepare, base, sft, verifier, rm, prm, policy, merge, "
-        "evaluate, validate, gate, infer, improve)",
+        "rewards: unknown section (known: task, compute, model, prepare, base, sft, verifier, rm, prm, policy, "
+        "merge, evaluate, validate, gate, infer, improve)",
     ]:
         assert sum(problem.startswith(expected) for problem in error.problems) == 1, expected
     assert "(got 'many')" in message  # says what was given
@@ -372,7 +372,7 @@ def test_a_key_written_twice_and_a_flag_for_a_number_are_named(tmp_path, repo_pa
     params["sft"]["max_steps"] = True
     params["sft"]["learning_rate"] = False
     params["infer"]["mcts"]["simulations"] = True
-    params["sft"]["gradient_checkpointing"] = True  # a flag where a flag belongs
+    params["model"]["gradient_checkpointing"] = True  # a flag where a flag belongs
     problems = params_error(write_params(tmp_path, params)).problems
     assert problems == [
         "sft.max_steps: a number, not true",

@@ -80,9 +80,26 @@ def test_method_trains_and_saves_a_plain_model(sft_project, monkeypatch, method,
         assert len(plotted["reward"]) == 2 and all(math.isfinite(row[name]) for row in plotted["reward"])
     if method in ("grpo", "rloo"):
         assert set(plotted["accuracy"][0]) == {"step", "rewards/1_answer_match/mean"}, "TRL's name for the reward"
-    assert not any(p.name.startswith("adapter") for p in out.iterdir()), "adapters are merged on save"
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert changed(weights(sft_project / "models/sft"), weights(out))
+    if method != "ppo":  # PPO, our own loop, merges its adapter and keeps none
+        assert (out / "adapter").is_dir() == lora, "a LoRA run keeps its adapter beside the merged model"
+    if lora and method != "ppo":
+        assert_adapter_loads_back(out, sft_project / "models/sft")
+
+
+def assert_adapter_loads_back(out, base_dir):
+    """The adapter in out/adapter loads onto the base with peft, and merged, it gives the
+    saved (merged) weights; the merged folder loads with plain transformers."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(out / "adapter")).merge_and_unload().state_dict()
+    plain = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    assert merged.keys() == plain.keys()
+    assert all(torch.allclose(merged[k], plain[k], atol=1e-6) for k in plain)
 
 
 def test_reference_logps_are_computed_once_per_reference_and_data(sft_project, monkeypatch, tmp_path):
@@ -243,7 +260,7 @@ def test_simpo_and_orpo_train_on_the_prompt_tokens_generation_reads(method, bos_
 
     from rlhf.models.generation import format_prompt
     from rlhf.models.loading import build_tiny_model, build_tokenizer
-    from stages.trl_training import without_forced_bos
+    from rlhf.training.trl_training import without_forced_bos
 
     tokenizer = build_tokenizer()
     if bos_default:

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from rlhf.models.generation import format_prompt
 from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, save_model
 from rlhf.tasks.arithmetic import TaskSpec, sample_problem
-from rlhf.training.params import PPOParams, TrainingParams
+from rlhf.training.methods.ppo import Params as PPOParams
+from rlhf.training.params import TrainingParams
 from rlhf.training.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -187,13 +188,11 @@ def test_params_name_the_keys_of_an_impossible_batch_split():
     assert (params.max_steps, params.temperature) == (60, 0.7)
 
 
-@pytest.mark.parametrize(
-    "key", ["per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing"]
-)
+@pytest.mark.parametrize("key", ["per_device_train_batch_size", "gradient_accumulation_steps"])
 def test_params_reject_an_inherited_key_ppo_ignores(key):
     """PPOParams inherits TrainingParams' keys, but its batches are rollout_batch_size and
-    mini_batch_size and it runs in float32: setting a key it would ignore is an error naming
-    the key, even at its default value; keys it reads are accepted."""
+    mini_batch_size: setting a key it would ignore is an error naming the key, even at its
+    default value; keys it reads are accepted."""
     value = TrainingParams.model_fields[key].default
     with pytest.raises(ValidationError, match=rf"{key}: not read by PPO") as error:
         PPOParams(**{key: value})
@@ -201,9 +200,11 @@ def test_params_reject_an_inherited_key_ppo_ignores(key):
 
 
 def test_params_name_every_ignored_key_and_accept_the_keys_ppo_reads():
-    ignored = "gradient_checkpointing, per_device_train_batch_size: not read by PPO.*remove them"
+    ignored = "gradient_accumulation_steps, per_device_train_batch_size: not read by PPO.*remove them"
     with pytest.raises(ValidationError, match=ignored):
-        PPOParams(per_device_train_batch_size=8, gradient_checkpointing=True)
+        PPOParams(per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    with pytest.raises(ValidationError, match="optim: this trainer is the pipeline's own, with no TRL config"):
+        PPOParams(trl={"optim": "adamw_torch"})
     params = PPOParams(max_steps=5, learning_rate=1e-4, max_length=96, seed=3, save_steps=1)
     assert (params.max_steps, params.learning_rate, params.max_length, params.seed) == (5, 1e-4, 96, 3)
 

@@ -111,10 +111,10 @@ def rlhf_closure(path: Path) -> set[str]:
 
 # Helpers of the `stages` package and the sections they read.
 HELPER_SECTIONS = {
-    "load_model_stage": "compute",
-    "eval_suites": "prepare",
-    "decision_suite": "prepare",
-    "report_suite": "prepare",
+    "load_model_stage": ("compute", "model"),
+    "eval_suites": ("prepare",),
+    "decision_suite": ("prepare",),
+    "report_suite": ("prepare",),
 }
 
 
@@ -125,7 +125,7 @@ def sections_read(path: Path, own_section: str) -> set[str]:
     sections = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in HELPER_SECTIONS:
-            sections.add(HELPER_SECTIONS[node.func.id])
+            sections.update(HELPER_SECTIONS[node.func.id])
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_config" and node.args:
             arg = node.args[0]
             if isinstance(arg, ast.Constant):
@@ -154,6 +154,7 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
         if name == "check_params":
             files = {"data/raw", "rlhf/data/contracts.py", "rlhf/evaluation/suites.py"}  # difficulties of file suites
             files |= {"rlhf/models/compute.py"}  # the device check
+            files |= {"rlhf/models/settings.py", "rlhf/training/trl_fields.json"}  # packages; TRL's options
             assert set(body["deps"]) == {"stages", "rlhf/tasks", "params.yaml", *files} and "params" not in body
             continue
         assert "reports/params.ok" in body["deps"], f"stage {name} must run after check_params"
@@ -218,7 +219,7 @@ def test_policy_templates_read_their_own_method_list():
     assert stages["policy"]["foreach"] == "${policy.offline}"
     assert stages["rl"]["foreach"] == "${policy.online}"
     for name in ("policy", "rl"):
-        expected = {"policy.trust_remote_code", "policy.${item}", "task", "compute"}
+        expected = {"policy.trust_remote_code", "policy.${item}", "task", "compute", "model"}
         assert set(stages[name]["do"]["params"]) == expected
     offline_deps = set(stages["policy"]["do"]["deps"])
     assert not offline_deps & {"models/rm", "models/prm", "models/verifier", "data/prepared/prompts.parquet"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from rlhf.training.params import SFTParams
+from rlhf.training.methods.sft import SFTParams
 from tests.conftest import tiny_params, write_params
 
 # The built-in template without its {% generation %} markers (a Zephyr-style template).
@@ -33,7 +33,7 @@ def test_rows_beyond_max_length_are_counted_and_prompts_that_fill_it_left_out(ba
     EOS (6 tokens) fits; a 9-character prompt with a 6-character completion (16 tokens) is
     cut at its end; a 12-character prompt leaves no completion token and is left out.
     Every prompt of 12 characters or more: an error naming sft.max_length."""
-    from rlhf.training.sft import SFTDataError, train_sft
+    from rlhf.training.methods.sft import SFTDataError, train_sft
 
     rows = {
         "prompt": ["1+1\n", "2+2\n", "123+456\n\n", "1234+5678+9\n", "3+3\n", "4+4\n"],
@@ -58,7 +58,7 @@ def test_sft_with_ewc_pulls_towards_its_start_and_a_max_length_no_earlier_row_fi
     weights left their start). Earlier data none of whose prompts fits max_length fails
     before the model loads, naming the key (a round's train.max_length) and the file."""
     from rlhf.training.params import EwcParams
-    from rlhf.training.sft import SFTDataError, train_sft
+    from rlhf.training.methods.sft import SFTDataError, train_sft
 
     data, earlier = tmp_path / "sft.parquet", tmp_path / "earlier.parquet"
     pd.DataFrame({"prompt": ["1+1\n", "2+2\n", "3+3\n", "4+4\n"], "completion": ["2", "4", "6", "8"]}).to_parquet(data)
@@ -85,7 +85,7 @@ def test_conversations_need_a_template_that_can_mask_the_assistant(base, tmp_pat
     built-in template (with markers) trains on the assistant's turns."""
     from transformers import AutoTokenizer
 
-    from rlhf.training.sft import SFTDataError, train_sft
+    from rlhf.training.methods.sft import SFTDataError, train_sft
 
     conversation = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]
     data = tmp_path / "chat.parquet"
@@ -113,7 +113,7 @@ def test_the_verifier_puts_its_loss_where_sft_did_unless_told(in_project):
     import stages.prepare
     import stages.sft
     import stages.verifier
-    from rlhf.training.sft import SFTDataError
+    from rlhf.training.methods.sft import SFTDataError
 
     root = in_project
     write_params(root, tiny_params(sft={"loss_on": "all"}))

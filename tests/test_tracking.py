@@ -19,7 +19,7 @@ import time
 import pandas as pd
 import pytest
 
-from rlhf.training.params import SFTParams
+from rlhf.training.methods.sft import SFTParams
 
 END_BOUND_S = 5.0
 
@@ -61,7 +61,7 @@ def test_trainers_back_to_back_end_their_runs_quickly_and_log_every_point(
     import mlflow
 
     from rlhf.tracking.runs import setup_experiment, stage_run
-    from rlhf.training.sft import train_sft
+    from rlhf.training.methods.sft import train_sft
 
     waits = tmp_path / "waits.jsonl"
     monkeypatch.setenv("RLHF_TRACKING_WAITS", str(waits))
@@ -121,7 +121,7 @@ def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, t
     import mlflow
 
     from rlhf.tracking.runs import setup_experiment, stage_run
-    from rlhf.training.sft import train_sft
+    from rlhf.training.methods.sft import train_sft
 
     port = _free_port()
     server = subprocess.Popen(

@@ -193,6 +193,17 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def sharded_launch() -> bool:
+    """Whether `accelerate launch` started this process under a strategy that shards the
+    weights (FSDP, DeepSpeed ZeRO-3): a model it trains is loaded on the CPU and left
+    there, for accelerate to shard (its launcher says so in the environment)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return True
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and os.environ.get(
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE"
+    ) == "3"
+
+
 def is_main() -> bool:
     """The process that publishes: writes outputs, metrics and the MLflow run."""
     return rank() == 0

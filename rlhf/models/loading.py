@@ -142,27 +142,115 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
 
 def load_causal_lm(
-    path: str | Path, trust_remote_code: bool = False, what: str = "model", placement=None, training: bool = False
+    path: str | Path,
+    trust_remote_code: bool = False,
+    what: str = "model",
+    placement=None,
+    training: bool = False,
+    adapters: bool = False,
+    settings=None,
+    dtype: str | None = None,
 ) -> PreTrainedModel:
-    """A local causal LM, on the process's device (`rlhf.models.compute`). For inference its
-    weights are in the placement's dtype; for `training`, float32 master weights (the
-    trainer's mixed precision does the rest)."""
+    """A local causal LM, loaded as params `model` says (rlhf.models.settings; `settings`
+    replaces this process's): for inference, and as the frozen base of LoRA `adapters`, in
+    the compute dtype; for `training` in full, float32 master weights (the trainer's mixed
+    precision does the rest); quantized when asked. `dtype` forces one (merging averages
+    weights in float32). On the process's device, except a quantized model (bitsandbytes
+    places it as it loads) and a model a sharded launch (FSDP, ZeRO-3) will shard."""
+    from rlhf.models.compute import sharded_launch
+
     path = check_model_dir(resolve_model_dir(path), what)
     placement = placement or current()
-    dtype = torch.float32 if training else placement.torch_dtype
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), trust_remote_code=trust_remote_code, dtype=dtype, use_safetensors=True
-    )
+    kwargs = init_kwargs(settings, training=training, adapters=adapters, trust_remote_code=trust_remote_code,
+                         placement=placement, dtype=dtype)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    if "device_map" in kwargs or (training and sharded_launch()):
+        return model
     return model.to(placement.device)
+
+
+def init_kwargs(
+    settings=None,
+    *,
+    training: bool = False,
+    adapters: bool = False,
+    trust_remote_code: bool = False,
+    placement=None,
+    dtype: str | None = None,
+) -> dict:
+    """`from_pretrained` keyword arguments for params `model` (`settings`, else this process's):
+    the weights' dtype (`rlhf.models.settings.weights_dtype`), the attention implementation,
+    and with quantization the `BitsAndBytesConfig` and a device map that puts the whole
+    model on this process's device (TRL's `get_kbit_device_map`). The same arguments go to
+    TRL's trainers as `model_init_kwargs`, so a trainer's reference model loads like the
+    policy. Only safetensors are read."""
+    from rlhf.models import settings as model_settings
+
+    settings = settings or model_settings.current()
+    placement = placement or current()
+    name = dtype or model_settings.weights_dtype(settings, placement.dtype, training, adapters)
+    kwargs = {
+        "dtype": getattr(torch, name),
+        "attn_implementation": settings.attn_implementation,
+        "trust_remote_code": trust_remote_code,
+        "use_safetensors": True,
+    }
+    if settings.quantization is not None:
+        kwargs["quantization_config"] = quantization_config(settings.quantization, placement)
+        kwargs["device_map"] = {"": placement.device if placement.device != "cuda" else torch.cuda.current_device()}
+    return kwargs
+
+
+def quantization_config(quantization, placement):
+    """transformers' `BitsAndBytesConfig` for params `model.quantization`, as TRL's
+    `get_quantization_config` builds it: 4-bit with its data type, double quantization,
+    the compute dtype of the matmuls and the storage dtype; or 8-bit."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = placement.dtype if quantization.compute_dtype == "auto" else quantization.compute_dtype
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quantization.quant_type,
+        bnb_4bit_use_double_quant=quantization.double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, compute),
+        bnb_4bit_quant_storage=getattr(torch, quantization.quant_storage or "uint8"),
+    )
+
+
+def empty_causal_lm(path: str | Path, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The model in `path` with no weights (on the meta device): its modules and shapes, for
+    checks before the real load, in milliseconds whatever its size."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(resolve_model_dir(path)), trust_remote_code=trust_remote_code)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The LoRA adapter in `adapter_dir` merged into the base in `base_dir`, the base loaded
+    on the CPU in the compute dtype, unquantized (a QLoRA adapter's base trained in 4 bits:
+    the merged weights are the unquantized base's plus B·A, as QLoRA's users merge)."""
+    from peft import PeftModel
+
+    dtype = current().torch_dtype
+    base = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model_dir(base_dir)), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+    )
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
 
 
 def load_reward_model(path: str | Path, trust_remote_code: bool = False, what: str = "reward model", placement=None):
+    """A sequence-classification reward model for inference, loaded as `load_causal_lm` loads
+    one (params `model`)."""
     path = check_model_dir(resolve_model_dir(path), what)
     placement = placement or current()
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(path), trust_remote_code=trust_remote_code, dtype=placement.torch_dtype, use_safetensors=True, num_labels=1
-    )
-    return model.to(placement.device)
+    kwargs = init_kwargs(trust_remote_code=trust_remote_code, placement=placement)
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, **kwargs)
+    return model if "device_map" in kwargs else model.to(placement.device)
 
 
 def missing_classifier_type(path, trust_remote_code: bool = False, head: str = "Token") -> str | None:

@@ -37,7 +37,7 @@ from transformers import AutoModelForTokenClassification, DataCollatorForTokenCl
 
 from rlhf.models.folders import PRM_FILE, UnusableModelError, check_model_dir, resolve_model_dir
 from rlhf.models.generation import format_prompt
-from rlhf.models.loading import load_tokenizer, missing_classifier_type, save_model
+from rlhf.models.loading import init_kwargs, load_tokenizer, missing_classifier_type, save_model
 from rlhf.rewards.steps import DEFAULT_SEPARATOR, StepScorer, locate_steps
 from rlhf.training.params import LoraParams, TrainingParams
 from rlhf.training.trainer_setup import tracking_callbacks, trl_config
@@ -134,15 +134,14 @@ def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str 
             f"{what} {path}: prm.kind classifier puts a token-classification head on the model, and transformers "
             f"has none for model type {unsupported!r}; set prm.kind: likelihood (it scores steps with the LM itself)"
         )
-    # float32: it is trained (transformers' mixed precision) and scores steps in one pass.
+    # Loaded as a model trained in full (float32 master weights unless params `model` asks
+    # for half precision): it is trained (transformers' mixed precision) and scores steps in
+    # one pass. Never quantized: its new head trains in full (the params check says so).
+    kwargs = init_kwargs(training=True, trust_remote_code=trust_remote_code)
+    kwargs.pop("quantization_config", None)
+    kwargs.pop("device_map", None)
     model = AutoModelForTokenClassification.from_pretrained(
-        str(path),
-        trust_remote_code=trust_remote_code,
-        dtype=torch.float32,
-        use_safetensors=True,
-        num_labels=2,
-        id2label={BAD: "bad", GOOD: "good"},
-        label2id={"bad": BAD, "good": GOOD},
+        str(path), num_labels=2, id2label={BAD: "bad", GOOD: "good"}, label2id={"bad": BAD, "good": GOOD}, **kwargs
     )
     return model.to(current().device)
 
@@ -158,7 +157,7 @@ def prm_trainer(
 ) -> Trainer:
     """transformers' Trainer over tokenized PRM rows: token-level cross-entropy on the
     labelled positions (the model's own loss), checkpoints in `output_dir`."""
-    args = trl_config(TrainingArguments, params, Path(output_dir), run_name=run_name)
+    args = trl_config(TrainingArguments, params, Path(output_dir), key="prm", run_name=run_name)
     peft_config = lora.peft_config("TOKEN_CLS") if lora is not None else None
     if peft_config is not None:
         from peft import get_peft_model

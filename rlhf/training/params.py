@@ -1,17 +1,22 @@
-"""The params blocks of the training stages: optimisation settings, LoRA, DPO, PPO.
+"""The params blocks every training method shares: optimisation settings and the `trl:`
+mapping (`TrainingParams`), LoRA, EWC, and what the offline policy methods share (the
+online ones: rlhf/training/online.py). Each method's own block is in
+rlhf/training/methods/<name>.py.
 
 Plain pydantic models with no torch, transformers or TRL import, so that params.yaml
-validates in a second; the code that turns them into trainers is in
-`rlhf.training.trainer_setup` and `rlhf.training.ppo`.
+validates in a second. Each block maps its keys onto its TRL config (`trl_args`); the keys
+of its `trl:` mapping go to that config unchanged, after a check against the config's
+fields (rlhf.training.trl_options) that imports no TRL.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf.params import StageConfig, reject_unused
+from rlhf.models.settings import ModelOverride
+from rlhf.params import InputError, StageConfig
 
 KEYED_SAMPLING = (
     "draw each completion from a generator keyed by (seed, step, row): the same completions with 1 or N "
@@ -20,16 +25,39 @@ KEYED_SAMPLING = (
 
 
 # transformers' schedulers that need no further arguments (cosine_with_min_lr, warmup_stable_decay
-# and greedy need lr_scheduler_kwargs; reduce_lr_on_plateau needs an eval metric).
+# and greedy need lr_scheduler_kwargs, which `trl:` passes; reduce_lr_on_plateau needs an eval metric).
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
 ]
 
+TRL_FIELD = Field(
+    default_factory=dict,
+    description="any other option of the method's TRL config, passed unchanged (checked against its fields): "
+    "e.g. {num_train_epochs: 2, optim: adamw_8bit, save_total_limit: 3}",
+)
+MODEL_FIELD = Field(None, description="this block's own keys of params `model` (dtype, quantization, ...)")
+
+
+class TrainingDataError(InputError, ValueError):
+    """The training data cannot be trained as params ask (no row fits max_length, a chat
+    template TRL cannot mask)."""
+
 
 class TrainingParams(StageConfig):
-    """Optimisation settings shared by the training stages (a TRL config subset)."""
+    """Optimisation settings shared by the training stages, mapped onto a TRL (or
+    transformers) config by `trl_args`; `trl` passes any other option of that config."""
 
-    max_steps: int = Field(300, gt=0, description="optimizer steps")
+    # The config class a block's `trl:` keys are checked against (rlhf.training.trl_options);
+    # None: a trainer of our own, which takes no `trl:` keys.
+    TRL_CONFIG: ClassVar[str | None] = "TrainingArguments"
+    # Options the pipeline sets by default that `trl:` may change.
+    TRL_DEFAULTS: ClassVar[dict[str, Any]] = {"save_total_limit": 1, "save_strategy": "steps"}
+    # TRL's name -> our key, where they differ (named in the message that refuses a `trl:` key).
+    TRL_NAMES: ClassVar[dict[str, str]] = {"warmup_steps": "warmup_ratio", "data_seed": "seed"}
+
+    max_steps: int | None = Field(
+        300, gt=0, description="optimizer steps (null: train for trl.num_train_epochs, TRL's default 3)"
+    )
     per_device_train_batch_size: int = Field(32, gt=0, description="examples per step per device")
     gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimizer step")
     learning_rate: float = Field(1e-4, gt=0, lt=1, description="peak learning rate")
@@ -41,11 +69,49 @@ class TrainingParams(StageConfig):
     logging_steps: int = Field(10, gt=0, description="log loss every N steps")
     save_steps: int = Field(100, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
     seed: int = Field(0, description="data order and initialisation seed")
-    gradient_checkpointing: bool = Field(False, description="trade compute for memory (large models)")
+    model: ModelOverride | None = MODEL_FIELD
+    trl: dict[str, Any] = TRL_FIELD
+
+    def trl_args(self) -> dict[str, Any]:
+        """This block's keys as its TRL config's arguments (every key, whatever the values,
+        so that the `trl:` check knows which options the block owns)."""
+        return {
+            "max_steps": self.max_steps if self.max_steps is not None else -1,
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "learning_rate": self.learning_rate,
+            "lr_scheduler_type": self.lr_scheduler_type,
+            "warmup_steps": self.warmup_ratio,  # transformers 5 reads a value below 1 as a ratio
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+            "logging_steps": self.logging_steps,
+            "save_steps": self.save_steps,
+            "seed": self.seed,
+            "data_seed": self.seed,
+        }
+
+    @field_validator("trl")
+    @classmethod
+    def _check_trl(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from rlhf.training.trl_options import trl_problems
+
+        if problems := trl_problems(cls, value):
+            raise ValueError("; ".join(problems))
+        return value
+
+    @model_validator(mode="after")
+    def _epochs_or_steps(self):
+        if "num_train_epochs" in self.trl and self.max_steps is not None:
+            raise ValueError(
+                f"trl.num_train_epochs: max_steps ({self.max_steps}) overrides it in TRL; set max_steps: null to "
+                "train by epochs"
+            )
+        return self
 
 
 class LoraParams(StageConfig):
-    """A peft LoRA adapter; merged into the base weights when the model is saved."""
+    """A peft LoRA adapter; merged into the base weights when the model is saved (the
+    adapter is saved too, in the model folder's `adapter/`)."""
 
     enabled: bool = Field(False, description="train a LoRA adapter instead of all weights")
     r: int = Field(8, gt=0, description="adapter rank")
@@ -57,7 +123,8 @@ class LoraParams(StageConfig):
         """Fail naming `key` (the params key of target_modules) when a listed module name is
         no module of `model` (peft's matching: the name, or a dotted name ending in it), or,
         with `output_layer` False, names the output layer (TRL's DPO and KTO refuse an
-        adapter there): raised before training, not from inside peft or TRL."""
+        adapter there): raised before training, not from inside peft or TRL. `model` may be
+        an empty (meta-device) model: only its module names are read."""
         if not self.enabled or isinstance(self.target_modules, str):
             return
         from rlhf.params import ParamsError
@@ -90,22 +157,6 @@ class LoraParams(StageConfig):
         )
 
 
-class SFTParams(TrainingParams):
-    """Supervised fine-tuning (rlhf.training.sft): stage sft, the verifier and the
-    self-improvement rounds."""
-
-    max_steps: int = Field(1000, gt=0, description="optimizer steps")
-    per_device_train_batch_size: int = Field(64, gt=0, description="examples per step per device")
-    learning_rate: float = Field(3e-3, gt=0, lt=1, description="peak learning rate")
-    max_length: int = Field(96, gt=0, description="tokens per example (longer ones are truncated)")
-    loss_on: str = Field("completion", pattern="^(completion|all)$", description="completion only, or every token")
-    length_buckets: int = Field(
-        4, ge=1, description="run each batch as this many length-sorted sub-batches: same loss, less padding (1 = off)"
-    )
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
-    trust_remote_code: bool = Field(False, description="allow custom modelling code")
-
-
 class EwcParams(StageConfig):
     """Elastic weight consolidation (rlhf.training.ewc): a pull towards the weights the
     training starts from, weighted by their Fisher information on the previous data."""
@@ -114,71 +165,10 @@ class EwcParams(StageConfig):
     samples: int = Field(256, gt=0, description="rows of the previous data the Fisher information is measured on")
 
 
-class PPOParams(TrainingParams):
-    """PPO with a KL penalty to the reference (Ouyang et al. 2022). `max_steps` counts PPO
-    iterations and `max_length` bounds prompt + response (the stage leaves out a prompt longer
-    than max_length - max_new_tokens, and counts it).
-    Inherited keys not used: per_device_train_batch_size and gradient_accumulation_steps
-    (rollout_batch_size and mini_batch_size set the batches) and gradient_checkpointing.
-    PPO runs in float32 on `compute.device`."""
-
-    max_steps: int = Field(60, gt=0, description="PPO iterations (one rollout batch and its updates each)")
-    learning_rate: float = Field(1e-5, gt=0, lt=1, description="policy learning rate")
-    lr_scheduler_type: Scheduler = Field("constant", description="transformers scheduler name, over all updates")
-    rollout_batch_size: int = Field(64, gt=0, description="prompts sampled per PPO iteration")
-    mini_batch_size: int = Field(16, gt=0, description="responses per optimizer step")
-    ppo_epochs: int = Field(2, gt=0, description="passes over each rollout batch")
-    max_new_tokens: int = Field(64, gt=0, description="longest sampled response")
-    temperature: float = Field(0.7, gt=0, description="sampling temperature (log-probs use the same)")
-    keyed_sampling: bool = Field(False, description=KEYED_SAMPLING)
-    kl_coef: float = Field(0.05, ge=0, description="beta: KL penalty per token (initial value if adaptive)")
-    adaptive_kl: bool = Field(False, description="adapt beta towards target_kl (Ziegler et al. 2019)")
-    target_kl: float = Field(6.0, gt=0, description="adaptive: target KL per response, in nats")
-    kl_horizon: int = Field(10000, gt=0, description="adaptive: responses over which beta adapts")
-    gamma: float = Field(1.0, ge=0, le=1, description="discount per token")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (1 = Monte Carlo returns)")
-    cliprange: float = Field(0.2, gt=0, lt=1, description="policy ratio clip epsilon")
-    cliprange_value: float = Field(0.2, gt=0, description="value clip around the rollout's values")
-    value_learning_rate: float | None = Field(None, gt=0, lt=1, description="value model lr; null = learning_rate")
-    whiten_advantages: bool = Field(True, description="normalise advantages to mean 0, variance 1 per batch")
-    value_init: Literal["sft", "rm"] = Field(
-        "sft", description="value model init (the caller loads it): SFT model or reward model"
-    )
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA on the policy, merged at the end")
-
-    @model_validator(mode="after")
-    def _check_batches(self):
-        reject_unused(
-            self,
-            ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing"),
-            "by PPO (rollout_batch_size and mini_batch_size set its batches; it runs in float32)",
-        )
-        problems = []
-        if self.rollout_batch_size % self.mini_batch_size:
-            problems.append(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of mini_batch_size "
-                f"({self.mini_batch_size})"
-            )
-        if self.max_new_tokens >= self.max_length:
-            problems.append(
-                f"max_new_tokens ({self.max_new_tokens}) must be less than max_length ({self.max_length}), "
-                "which bounds prompt + response"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-
-DPO_LOSS_TYPES = (
-    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
-)  # fmt: skip
-
-
 class OfflineParams(TrainingParams):
     """What every offline preference method shares: its optimisation budget and LoRA block."""
 
-    max_steps: int = Field(100, gt=0, description="optimizer steps")
+    max_steps: int | None = Field(100, gt=0, description="optimizer steps (null: trl.num_train_epochs)")
     per_device_train_batch_size: int = Field(32, gt=0, description="pairs per step")
     learning_rate: float = Field(1e-5, gt=0, lt=1, description="peak learning rate")
     max_length: int = Field(96, gt=0, description="tokens per prompt+response")
@@ -187,52 +177,5 @@ class OfflineParams(TrainingParams):
         default_factory=EwcParams, description="elastic weight consolidation towards SFT, Fisher on the SFT data"
     )
 
-
-# The DPO losses of TRL 1.16 that read label_smoothing (trl/trainer/dpo_trainer.py, dpo_loss).
-LABEL_SMOOTHING_LOSSES = ("robust", "exo_pair", "aot", "aot_unpaired")
-
-
-class DPOParams(OfflineParams):
-    """Direct preference optimisation: -log sigmoid(beta * (log-ratio chosen - log-ratio rejected))."""
-
-    loss_type: str | list[str] = Field("sigmoid", description="sigmoid | ipo | hinge | any TRL DPO loss type")
-    beta: float = Field(0.1, gt=0, description="KL strength (IPO: the regulariser tau)")
-    label_smoothing: float = Field(
-        0.0,
-        ge=0,
-        lt=0.5,
-        description="assumed label noise: read by loss types robust, exo_pair, aot, aot_unpaired only",
-    )
-    sft_weight: float = Field(
-        5.0,
-        ge=0,
-        description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off. Plain DPO loses accuracy here",
-    )
-    save_steps: int = Field(50, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
-    precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")
-
-    @field_validator("loss_type")
-    @classmethod
-    def _check_loss(cls, value):
-        names = [value] if isinstance(value, str) else value
-        unknown = [n for n in names if n not in DPO_LOSS_TYPES]
-        if unknown:
-            raise ValueError(f"unknown DPO loss type(s) {unknown}; use one of {list(DPO_LOSS_TYPES)}")
-        return value
-
-    @model_validator(mode="after")
-    def _losses_trl_accepts_once(self):
-        names = [self.loss_type] if isinstance(self.loss_type, str) else self.loss_type
-        if self.label_smoothing and not set(names) & set(LABEL_SMOOTHING_LOSSES):
-            raise ValueError(
-                f"label_smoothing {self.label_smoothing}: not read by loss_type {self.loss_type} (TRL reads it for "
-                f"{', '.join(LABEL_SMOOTHING_LOSSES)} only); use one of those (robust: conservative DPO), or remove it"
-            )
-        if "exo_pair" in names and self.label_smoothing == 0:
-            raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper's value: 1e-3)")
-        if "sft" in names and self.sft_weight:
-            raise ValueError(
-                f"loss_type lists sft and sft_weight is {self.sft_weight}: the NLL term would count twice; "
-                "weight it with sft_weight alone (drop sft from loss_type), or set sft_weight: 0"
-            )
-        return self
+    def trl_args(self) -> dict[str, Any]:
+        return {**super().trl_args(), "max_length": self.max_length}

@@ -54,7 +54,6 @@ from rlhf.models.compute import current, is_main, rank, world_size
 from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.models.generation import NEUTRAL_DECODING, NEUTRAL_SAMPLING, KeyedSampling, format_prompt, stop_token_ids
 from rlhf.training.checkpoints import usable_checkpoint
-from rlhf.training.params import PPOParams
 from rlhf.training.trainer_setup import merged_model
 
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -388,24 +387,21 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False):
     head (`ValueHeadModel`)."""
     from transformers import AutoModel
 
-    from rlhf.models.loading import missing_classifier_type
+    from rlhf.models.loading import init_kwargs, missing_classifier_type
 
     path = check_model_dir(resolve_model_dir(path), "value model init")
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code, num_labels=1)
     config.classifier_dropout = 0.0
+    # Trained in full: float32 master weights unless params `model` asks for pure half precision.
+    kwargs = init_kwargs(training=True, trust_remote_code=trust_remote_code)
+    kwargs.pop("quantization_config", None)  # refused for PPO by the params check: never a quantized value model
+    kwargs.pop("device_map", None)
     if missing_classifier_type(path, trust_remote_code):
-        body = AutoModel.from_pretrained(
-            str(path), trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True
-        )
+        body = AutoModel.from_pretrained(str(path), **kwargs)
         text = getattr(config, "text_config", None) or config
         return ValueHeadModel(body, text.hidden_size)
     model, info = AutoModelForTokenClassification.from_pretrained(
-        str(path),
-        config=config,
-        trust_remote_code=trust_remote_code,
-        dtype=torch.float32,
-        use_safetensors=True,
-        output_loading_info=True,
+        str(path), config=config, output_loading_info=True, **kwargs
     )
     parameters = dict(model.named_parameters())
     with torch.no_grad():
@@ -571,11 +567,12 @@ def train_ppo(
     prompts: list,
     row_fields: dict[str, list],
     reward_fn: Callable,
-    params: PPOParams,
+    params,
     checkpoint_dir: Path,
     log_fn: Callable[[dict, int], None] | None = None,
 ) -> list[dict]:
-    """Train `policy` in place with PPO; return one history row per iteration.
+    """Train `policy` in place with PPO (`params`: rlhf.training.methods.ppo.Params); return
+    one history row per iteration.
 
     `ref_policy` is frozen (pass a separate copy of the initial policy); `value_model` is a
     `load_value_model` model, trained in full (LoRA applies to the policy only). With LoRA the

@@ -20,7 +20,7 @@ from rlhf.artifacts import published_path
 from rlhf.models.compute import current
 from rlhf.params import InputError
 from rlhf.training.checkpoints import usable_checkpoint
-from rlhf.training.params import TrainingParams
+from rlhf.training.params import TrainingDataError, TrainingParams  # noqa: F401 (TrainingDataError: re-exported)
 
 
 def use_cpu() -> bool:
@@ -33,39 +33,95 @@ def precision() -> dict[str, bool]:
     return {"bf16": False, "fp16": False} if use_cpu() else current().training_precision()
 
 
-def trl_config(config_cls, params: TrainingParams, output_dir: Path, trust_remote_code: bool = False, **extra: Any):
-    """A TRL `*Config` from our params, with CPU-safe precision and checkpointing.
-    `trust_remote_code` goes to the configs that have it: the trainers that load a frozen
-    reference (or a reward model) from the policy's path load custom code only with it."""
+class TrainingConfigError(InputError, ValueError):
+    """TRL's config refused the options a params block gives it (its `trl:` values)."""
+
+
+def checkpointing_args(config_cls, enabled: bool) -> dict[str, bool]:
+    """Activation (gradient) checkpointing on or off, under the name the installed
+    transformers reads: `activation_checkpointing` from 5.18, `gradient_checkpointing`
+    before (TRL's configs turn it on by default, so it is always given)."""
     import dataclasses
+
+    names = {field.name for field in dataclasses.fields(config_cls)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}
+
+
+def trl_config(
+    config_cls,
+    params: TrainingParams,
+    output_dir: Path,
+    trust_remote_code: bool = False,
+    key: str | None = None,
+    defaults: dict[str, Any] | None = None,
+    **extra: Any,
+):
+    """A TRL `*Config` (or transformers' TrainingArguments) from a params block: the
+    pipeline's defaults (the block's `TRL_DEFAULTS`, then `defaults`), which the block's
+    `trl:` mapping may change, then the block's own keys (`params.trl_args()`), the
+    caller's `extra` and what the pipeline owns: the checkpoint folder, precision from
+    params `compute`, checkpointing from params `model`, no reporting (curves go through
+    MLflowMetrics). `trust_remote_code` goes to the configs that have it: the trainers that
+    load a frozen reference (or a reward model) from the policy's path load custom code only
+    with it. A value TRL refuses fails naming `key` (the block's params key)."""
+    import dataclasses
+
+    from rlhf.models import settings as model_settings
 
     if trust_remote_code and "trust_remote_code" in {f.name for f in dataclasses.fields(config_cls)}:
         extra["trust_remote_code"] = True
-    return config_cls(
-        output_dir=str(output_dir),
-        max_steps=params.max_steps,
-        per_device_train_batch_size=params.per_device_train_batch_size,
-        gradient_accumulation_steps=params.gradient_accumulation_steps,
-        learning_rate=params.learning_rate,
-        lr_scheduler_type=params.lr_scheduler_type,
-        warmup_steps=params.warmup_ratio,
-        weight_decay=params.weight_decay,
-        max_grad_norm=params.max_grad_norm,
-        logging_steps=params.logging_steps,
-        save_strategy="steps",
-        save_steps=params.save_steps,
-        save_total_limit=1,
-        seed=params.seed,
-        data_seed=params.seed,
-        use_cpu=use_cpu(),
+    settings = model_settings.current().merged(params.model)
+    arguments = {
+        **params.TRL_DEFAULTS,
+        "dataloader_num_workers": 0,
+        **(defaults or {}),
+        **params.trl,
+        **params.trl_args(),
+        **extra,
+        "output_dir": str(output_dir),
+        "use_cpu": use_cpu(),
         **precision(),
-        activation_checkpointing=params.gradient_checkpointing,
+        **checkpointing_args(config_cls, settings.gradient_checkpointing),
         # The curves go to MLflow through MLflowMetrics (synchronous writes), not through
         # transformers' callback (asynchronous writes that a run's end waits on).
-        report_to="none",
-        dataloader_num_workers=0,
-        **extra,
-    )
+        "report_to": "none",
+    }
+    try:
+        return config_cls(**arguments)
+    except (TypeError, ValueError) as error:
+        if key is None or not params.trl:
+            raise
+        raise TrainingConfigError(
+            f"{key}.trl: TRL's {config_cls.__name__} refused these options ({error}); fix {key}.trl"
+        ) from error
+
+
+# TRL's trainers that take a `quantization_config` of their own (CPO and ORPO read it from
+# model_init_kwargs).
+QUANTIZATION_ARGUMENT = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer", "RewardTrainer")
+
+
+def trainer_loading(params: TrainingParams, trust_remote_code: bool, trainer_cls) -> tuple[dict, dict]:
+    """(the config's `model_init_kwargs`, the trainer's own keyword arguments) that make a
+    TRL trainer load the model it is given as a path the way params `model` (with the
+    block's own `model:` keys) says: the dtype (a name: the config is saved), attention,
+    quantization (the trainer's `quantization_config` argument where it has one), and no
+    device map unless quantized: the trainer places the model (TRL's "auto" would split it
+    over the GPUs of one process)."""
+    from rlhf.models import settings as model_settings
+    from rlhf.models.loading import init_kwargs
+
+    settings = model_settings.current().merged(params.model)
+    adapters = getattr(getattr(params, "lora", None), "enabled", False)
+    loading = init_kwargs(settings, training=True, adapters=adapters, trust_remote_code=trust_remote_code)
+    loading["dtype"] = str(loading["dtype"]).removeprefix("torch.")
+    loading.setdefault("device_map", None)
+    quantization = loading.pop("quantization_config", None)
+    if quantization is None:
+        return loading, {}
+    if any(cls.__name__ in QUANTIZATION_ARGUMENT for cls in trainer_cls.__mro__):
+        return loading, {"quantization_config": quantization}
+    return {**loading, "quantization_config": quantization}, {}
 
 
 class MLflowMetrics(TrainerCallback):
@@ -122,10 +178,14 @@ def tracking_callbacks() -> list[TrainerCallback]:
 
 
 def fingerprint(config: Any, inputs: list[str | Path], context: Any = None) -> str:
-    """A key for checkpoints: the resolved config, the identity (size, mtime) of every input
-    file, and `context` (other settings the run's steps depend on, e.g. the task a reward
+    """A key for checkpoints: the resolved config, how the model loads (params `model`), the
+    identity (size, mtime) of every input file, and `context` (other settings the run's steps depend on, e.g. the task a reward
     reads answers with). A restarted run with the same key resumes; any change starts afresh."""
+    from rlhf.models import settings as model_settings
+
     digest = hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode())
+    loading = model_settings.current().merged(getattr(config, "model", None))
+    digest.update(json.dumps(loading.model_dump(mode="json"), sort_keys=True).encode())
     if context is not None:
         digest.update(json.dumps(context, sort_keys=True, default=str).encode())
     for root in inputs:
@@ -151,6 +211,9 @@ def last_checkpoint(directory: Path, label: str = "resume") -> str | None:
 
 def discard_checkpoints(root: Path, stage: str) -> None:
     shutil.rmtree(Path(root) / stage.replace("@", "-"), ignore_errors=True)
+
+
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter, inside the (merged) model's folder
 
 
 def merged_model(model):
@@ -183,6 +246,36 @@ def final_weights(trainer) -> tuple[Any, dict | None]:
     return trainer.accelerator.unwrap_model(trainer.model), trainer.accelerator.get_state_dict(trainer.model)
 
 
+def quantized(model) -> bool:
+    """Whether `model` (or the base under its adapter) holds bitsandbytes-quantized weights."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)) or bool(
+        getattr(getattr(model, "base_model", None), "is_loaded_in_4bit", False)
+    )
+
+
+def save_trained(trainer, tokenizer, out_dir: Path, base_dir: Path) -> None:
+    """Save what `trainer` trained into `out_dir` as a plain model every stage and plain
+    transformers load: with LoRA, the adapter too (`out_dir/adapter`, peft's format, which
+    loads back onto `base_dir`) and the adapter merged into the base. A quantized base
+    (QLoRA) is not merged in its 4-bit form: the base is loaded again in the compute dtype
+    and the saved adapter merged into it, as QLoRA's users do. Every process of a launch
+    calls it (a sharded gather needs them all); rank 0 writes."""
+    from rlhf.models.compute import is_main
+    from rlhf.models.loading import merge_adapter, save_model
+
+    model = trainer.model
+    adapters = hasattr(model, "peft_config") and not sharded_weights(trainer)
+    if adapters and is_main():
+        model.save_pretrained(str(Path(out_dir) / ADAPTER_DIR), safe_serialization=True)
+    if adapters and quantized(model):
+        if is_main():
+            save_model(merge_adapter(base_dir, Path(out_dir) / ADAPTER_DIR), tokenizer, out_dir)
+        return
+    weights, state_dict = final_weights(trainer)
+    if is_main():  # the other processes of a multi-process launch trained the same weights
+        save_model(weights, tokenizer, out_dir, state_dict)
+
+
 def train_resumable(trainer, stage: str, key: str) -> str | None:
     """Train, resuming from the stage's last checkpoint for this fingerprint if one exists.
     Returns the checkpoint resumed from (None for a fresh start)."""
@@ -201,6 +294,36 @@ def train_resumable(trainer, stage: str, key: str) -> str | None:
     return resume
 
 
+def training_resources(trainer) -> dict:
+    """What a run took beyond its steps: on a GPU its peak memory (GiB), and wherever the
+    trainer counts them, the tokens it trained on per second."""
+    import torch
+
+    measured = {}
+    if torch.cuda.is_available():
+        measured["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    tokens = getattr(trainer.state, "num_input_tokens_seen", 0) or 0
+    seconds = next((h["train_runtime"] for h in reversed(trainer.state.log_history) if "train_runtime" in h), None)
+    if tokens and seconds:
+        measured["train_tokens_per_second"] = tokens / seconds
+    return measured
+
+
+def quantized_lora_problem(settings, params, key: str) -> None:
+    """A quantized base trains through adapters only (QLoRA): refused before the model loads."""
+    from rlhf.params import ParamsError
+
+    if settings.quantization is not None and not params.lora.enabled:
+        raise ParamsError(
+            "params.yaml",
+            [
+                f"{key}.lora.enabled: the model loads {settings.quantization.bits}-bit (model.quantization), and "
+                "quantized weights train only through adapters (QLoRA): set lora.enabled: true, or "
+                f"{key}.model.quantization: false"
+            ],
+        )
+
+
 def log_history_rows(history: list[dict], keys: tuple[str, ...]) -> list[dict]:
     return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history if any(k in h for k in keys)]
 
@@ -208,11 +331,6 @@ def log_history_rows(history: list[dict], keys: tuple[str, ...]) -> list[dict]:
 def last_logged(history: list[dict], key: str) -> float | None:
     values = [h[key] for h in history if key in h]
     return float(values[-1]) if values else None
-
-
-class TrainingDataError(InputError, ValueError):
-    """The training data cannot be trained as params ask (no row fits max_length, a chat
-    template TRL cannot mask)."""
 
 
 def length_report(

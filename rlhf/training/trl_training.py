@@ -1,95 +1,125 @@
-"""The TRL training that stage `policy@<method>` and the self-improvement rounds share
-(stages/policy.py, stages/improve.py): a model trained with one of TRL's trainers, resumable
-from checkpoints, tracked in MLflow, saved merged; EWC towards its start; the content-keyed
-cache of reference log-probs; DPO's TRL arguments. It reads no params: its callers pass
-their own blocks (`policy.<method>`, `improve.*.rpo`).
+"""The TRL training every TRL-backed method shares (rlhf/training/methods/): a model trained
+with one of TRL's trainers, resumable from checkpoints, tracked in MLflow, saved merged;
+EWC towards its start; the content-keyed cache of reference log-probs.
+
+The model goes to the trainer as its folder's path with `model_init_kwargs` (params
+`model`: dtype, attention, quantization), as TRL loads it: after the training arguments,
+so that DeepSpeed ZeRO-3 partitions the weights as they load and FSDP receives them on the
+CPU; a reference model is built the same way; a quantized base gets TRL's (peft's) k-bit
+preparation. Nothing here loads the whole model before the trainer does: the LoRA target
+check reads an empty (meta-device) model.
+
+It reads no params file and knows no pipeline folder: its callers (stages policy@<method>,
+rl@<method>, round@<name>) describe the job (`TrainingJob`) and pass their own blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf.training.params import DPOParams, TrainingParams
-from stages import CHECKPOINTS_DIR, DATA_DIR, REF_LOGPS_CACHE, SFT_DIR
+from rlhf.training.params import TrainingParams
 
-SFT_DATA = DATA_DIR / "sft.parquet"  # EWC's previous data (params `ewc`), what SFT learned
 OFFLINE_LOGGED = ("loss", "rewards/margins", "rewards/accuracies")
 
 
+@dataclass(frozen=True)
+class TrainingJob:
+    """What a stage tells a method about one training run."""
+
+    stage: str  # the DVC stage (policy@dpo, rl@grpo, round-r1): names the checkpoint folder
+    key: str  # the params key of the method's block (policy.dpo, improve.rounds.r1.rpo): named in messages
+    start: Path  # the model trained (and, for a method with one, the frozen reference)
+    data: Path  # the prepared table the method reads (its data contract)
+    checkpoints: Path  # checkpoints go under <checkpoints>/<stage>/<fingerprint>/
+    trust_remote_code: bool = False
+    sft_data: Path | None = None  # EWC's previous data: what SFT learned
+    ref_cache: Path | None = None  # the content-keyed reference log-probs (DPO, KTO)
+    reward_dirs: dict = field(default_factory=dict)  # folders of model-based rewards with no `path`
+    task: object = None  # the task rewards read answers with (rlhf.tasks.Task)
+
+
 def train_trl(
-    trust_remote_code: bool,
+    job: TrainingJob,
     params: TrainingParams,
-    data: Path,
     trl_classes: tuple,
-    trl_args: dict,
-    out_dir: Path,
-    stage: str,
+    trl_args: dict | None = None,
+    out_dir: Path | None = None,
     logged: tuple[str, ...] = OFFLINE_LOGGED,
     inputs: tuple[Path, ...] = (),
     on_trainer: Callable | None = None,
-    start: Path = SFT_DIR,
-    length_key: str | None = None,
+    fit_rows: bool = True,
     forced_bos: bool = False,
     context: dict | None = None,
     shuffle_rows: bool = False,
     **trainer_kwargs,
 ) -> tuple[dict, list[dict]]:
-    """Train the model in `start` (the SFT model unless given; a method with a reference
-    model takes a frozen copy of it) with one of TRL's trainers, `trl_classes` = (its config
-    class, its trainer class), on `data`; save the (merged) result into `out_dir`. Returns
-    metrics (the last logged value of each of `logged`) and the curve of those values.
-    `inputs` are further files the result depends on (reward models), for the checkpoint
-    fingerprint; `on_trainer(trainer)` runs once the trainer is built. `length_key` (the
-    params key of `params.max_length`, for the offline methods) drops the rows whose prompt
-    alone fills max_length (`fitting_rows`) and reports how many. `forced_bos`: the trainer
-    puts a BOS before every prompt that lacks one (TRL's CPO and ORPO); it is kept to where
-    the tokenizer puts one (`without_forced_bos`). `context`: what else the run's steps
-    depend on (the task its rewards read answers with), for the fingerprint. `shuffle_rows`:
-    the table in an order drawn from `params.seed`, for a trainer that reads it in file
-    order (KTO: its KL term pairs each row with its neighbour in the batch, and a table
-    derived from pairs holds each prompt's chosen and rejected side by side)."""
+    """Train the model in `job.start` with one of TRL's trainers, `trl_classes` = (its config
+    class, its trainer class), on `job.data`; save the (merged) result into `out_dir`.
+    Returns metrics (the last logged value of each of `logged`) and the curve of those
+    values. `trl_args`: the caller's further config arguments. `inputs` are further files the
+    result depends on (reward models), for the checkpoint fingerprint; `on_trainer(trainer)`
+    runs once the trainer is built. `fit_rows` (the offline methods) drops the rows whose
+    prompt alone fills max_length (`fitting_rows`) and reports how many. `forced_bos`: the
+    trainer puts a BOS before every prompt that lacks one (TRL's CPO and ORPO); it is kept
+    to where the tokenizer puts one (`without_forced_bos`). `context`: what else the run's
+    steps depend on (the task its rewards read answers with), for the fingerprint.
+    `shuffle_rows`: the table in an order drawn from `params.seed`, for a trainer that
+    reads it in file order (KTO: its KL term pairs each row with its neighbour in the batch,
+    and a table derived from pairs holds each prompt's chosen and rejected side by side)."""
     from datasets import Dataset
 
     from rlhf.data.contracts import read_prepared
-    from rlhf.models.compute import is_main
-    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+    from rlhf.models import settings as model_settings
+    from rlhf.models.folders import check_model_dir, resolve_model_dir
+    from rlhf.models.loading import empty_causal_lm, load_tokenizer
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
-        final_weights,
         fingerprint,
         last_logged,
         log_history_rows,
+        quantized_lora_problem,
+        save_trained,
         tracking_callbacks,
         train_resumable,
+        trainer_loading,
+        training_resources,
         trl_config,
     )
 
-    tokenizer = load_tokenizer(start, trust_remote_code)
-    table, counts = read_prepared(data, stage), {}
-    if length_key is not None:
-        table, counts = fitting_rows(table, tokenizer, params.max_length, length_key, data)
+    start = job.start
+    model_dir = check_model_dir(resolve_model_dir(start), start.as_posix())
+    tokenizer = load_tokenizer(start, job.trust_remote_code)
+    table, counts = read_prepared(job.data, job.stage), {}
+    if fit_rows:
+        table, counts = fitting_rows(table, tokenizer, params.max_length, f"{job.key}.max_length", job.data)
     if shuffle_rows:
         table = seeded_order(table, params.seed)
-    max_length_key = length_key or f"policy.{stage.split('@')[-1]}.max_length"  # names the section in messages
-    ewc_data = sft_ewc_examples(tokenizer, params, max_length_key)
+    ewc_data = sft_ewc_examples(tokenizer, params, f"{job.key}.max_length", job.sft_data)
     trainer_tokenizer = tokenizer
     if forced_bos:
         trainer_tokenizer, table = without_forced_bos(tokenizer, table)
-    model = load_causal_lm(start, trust_remote_code, what=start.as_posix(), training=True)
-    refuses_head = trl_classes[1].__name__ in ("DPOTrainer", "KTOTrainer")  # they raise on an adapted lm_head
-    lora_key = max_length_key.rsplit(".", 1)[0] + ".lora.target_modules"
-    params.lora.check_targets(model, lora_key, output_layer=not refuses_head)
+    config_cls, trainer_cls = trl_classes
+    refuses_head = trainer_cls.__name__ in ("DPOTrainer", "KTOTrainer")  # they raise on an adapted lm_head
+    params.lora.check_targets(empty_causal_lm(model_dir, job.trust_remote_code), f"{job.key}.lora.target_modules",
+                              output_layer=not refuses_head)  # fmt: skip
+    settings = model_settings.current().merged(params.model)
+    quantized_lora_problem(settings, params, job.key)
     dataset = Dataset.from_pandas(table, preserve_index=False)
     key = fingerprint(
         params,
-        [start, data, *inputs, *([SFT_DATA] if params.ewc.strength else [])],
-        {**(context or {}), "trust": trust_remote_code},
+        [start, job.data, *inputs, *([job.sft_data] if params.ewc.strength else [])],
+        {**(context or {}), "trust": job.trust_remote_code},
     )
-    config_cls, trainer_cls = trl_classes
-    args = trl_config(config_cls, params, checkpoint_dir(CHECKPOINTS_DIR, stage, key), trust_remote_code, **trl_args)
+    loading, loader_kwargs = trainer_loading(params, job.trust_remote_code, trainer_cls)
+    trainer_kwargs |= loader_kwargs
+    args = trl_config(
+        config_cls, params, checkpoint_dir(job.checkpoints, job.stage, key), job.trust_remote_code, job.key,
+        model_init_kwargs=loading, **(trl_args or {}),
+    )  # fmt: skip
     trainer = trainer_cls(
-        model=model,
+        model=str(model_dir),
         args=args,
         train_dataset=dataset,
         processing_class=trainer_tokenizer,
@@ -100,18 +130,17 @@ def train_trl(
     if on_trainer is not None:
         on_trainer(trainer)
     ewc = consolidate_on_sft(trainer.model, ewc_data, params, params.gradient_accumulation_steps, trainer)
-    resumed = train_resumable(trainer, stage, key)
+    resumed = train_resumable(trainer, job.stage, key)
     history = trainer.state.log_history
     penalty = ewc.penalty() if ewc is not None else None  # before LoRA is merged away
-    model, state_dict = final_weights(trainer)
-    if is_main():  # the other processes of a multi-process launch trained the same weights
-        save_model(model, tokenizer, out_dir, state_dict)
+    save_trained(trainer, tokenizer, out_dir, model_dir)
     metrics = {
         "train_loss": last_logged(history, "loss"),
         **{name.replace("/", "_"): last_logged(history, name) for name in logged if name != "loss"},
         "steps": trainer.state.global_step,
         "processes": trainer.args.world_size,
         "resumed": bool(resumed),
+        **training_resources(trainer),
     }
     if ewc is not None:
         metrics["ewc_penalty"] = penalty
@@ -119,6 +148,40 @@ def train_trl(
     if hasattr(trainer, "ref_cache_hit"):
         metrics["ref_logps_cache_hit"] = trainer.ref_cache_hit
     return metrics, log_history_rows(history, logged)
+
+
+def train_online(job: TrainingJob, params, trl_classes: tuple, trl_args: dict, out_dir: Path):
+    """GRPO and RLOO: TRL samples `num_generations` completions per prompt of the prompts
+    table and scores them with the configured rewards (the task reads answers); the prompt
+    table's other columns (e.g. `answer`) reach the reward functions."""
+    from rlhf.rewards.functions import build_rewards, model_paths
+
+    functions, weights = build_rewards(params.rewards, job.task, job.reward_dirs, job.trust_remote_code)
+    logged = ("loss", "reward", "reward_std", "kl", "completions/mean_length")
+
+    def keyed(trainer) -> None:
+        from rlhf.models.compute import rank
+        from rlhf.models.generation import keyed_generate
+
+        # TRL hands each process a contiguous slice of the step's rows, in rank order.
+        keyed_generate(
+            trainer.model, params.seed, lambda: trainer.state.global_step, lambda rows: rank() * rows,
+            params.temperature,
+        )  # fmt: skip
+
+    return train_trl(
+        job,
+        params,
+        trl_classes,
+        {**trl_args, "reward_weights": weights},
+        out_dir,
+        logged=logged + tuple(f"rewards/{f.__name__}/mean" for f in functions),
+        inputs=tuple(model_paths(params.rewards, job.reward_dirs)),
+        on_trainer=keyed if params.keyed_sampling else None,
+        fit_rows=False,
+        context={"task": job.task.identity()},
+        reward_funcs=functions,
+    )
 
 
 def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: int = 1):
@@ -191,7 +254,7 @@ def without_forced_bos(tokenizer, table):
     return trainer_tokenizer, table
 
 
-def sft_ewc_examples(tokenizer, params, key: str):
+def sft_ewc_examples(tokenizer, params, key: str, sft_data: Path | None):
     """The SFT data's examples for EWC (`rlhf.training.ewc.ewc_examples`, at
     `params.max_length`, named `key` in its messages), or None when `ewc.strength` is 0.
     Before the model loads: a max_length no row fits fails here."""
@@ -200,8 +263,8 @@ def sft_ewc_examples(tokenizer, params, key: str):
     from rlhf.data.contracts import read_prepared
     from rlhf.training.ewc import ewc_examples
 
-    table = read_prepared(SFT_DATA, "sft")
-    return ewc_examples(tokenizer, table, params.ewc, params.max_length, params.seed, key, SFT_DATA)
+    table = read_prepared(sft_data, "sft")
+    return ewc_examples(tokenizer, table, params.ewc, params.max_length, params.seed, key, sft_data)
 
 
 def consolidate_on_sft(model, examples, params, accumulation: int = 1, trainer=None):
@@ -216,29 +279,12 @@ def consolidate_on_sft(model, examples, params, accumulation: int = 1, trainer=N
     return consolidate(model, examples, params.ewc.strength, 1.0 / accumulation, trainer_loss_scale(trainer))
 
 
-def reference_trainer(config_cls, trainer_cls, params, trl_args: dict) -> tuple:
-    """(config class, trainer class) for a method with a reference model (DPO, KTO): with
+def reference_trainer(trainer_cls, params, job: TrainingJob):
+    """The trainer class of a method with a reference model (DPO, KTO): with
     `precompute_ref_log_probs` the trainer keeps its reference log-probs in the
-    content-keyed cache (rlhf.training.ref_logprobs). Sets the flag in `trl_args`."""
-    from rlhf.training.ref_logprobs import with_reference_cache
+    content-keyed cache `job.ref_cache` (rlhf.training.ref_logprobs)."""
+    if params.precompute_ref_log_probs and job.ref_cache is not None:
+        from rlhf.training.ref_logprobs import with_reference_cache
 
-    trl_args["precompute_ref_log_probs"] = params.precompute_ref_log_probs
-    if params.precompute_ref_log_probs:
-        return config_cls, with_reference_cache(trainer_cls, REF_LOGPS_CACHE)
-    return config_cls, trainer_cls
-
-
-def dpo_trainer(params: DPOParams) -> tuple[tuple, dict]:
-    """((config class, trainer class), TRL arguments) of DPO with `params`: its loss types,
-    and TRL's NLL loss on the chosen response weighted `sft_weight` (RPO) when that is > 0."""
-    from trl import DPOConfig, DPOTrainer
-
-    loss_types = [params.loss_type] if isinstance(params.loss_type, str) else list(params.loss_type)
-    trl_args = {
-        "loss_type": loss_types + (["sft"] if params.sft_weight else []),
-        "loss_weights": [1.0] * len(loss_types) + ([params.sft_weight] if params.sft_weight else []),
-        "beta": params.beta,
-        "label_smoothing": params.label_smoothing,
-        "max_length": params.max_length,
-    }
-    return reference_trainer(DPOConfig, DPOTrainer, params, trl_args), trl_args
+        return with_reference_cache(trainer_cls, job.ref_cache)
+    return trainer_cls

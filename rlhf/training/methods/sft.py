@@ -2,7 +2,9 @@
 on the completion only (prompt/completion data) or on the assistant turns only
 (conversational data, through the chat template's generation markers), each batch run as
 length-sorted sub-batches (rlhf.training.bucketed_sft: the same loss, less padding),
-optionally with elastic weight consolidation (rlhf.training.ewc).
+optionally with elastic weight consolidation (rlhf.training.ewc). With TRL's `packing`
+(`trl: {packing: true}`, for a GPU with FlashAttention or SDPA) TRL's own trainer runs
+instead: packing removes the padding the sub-batches save.
 
 Checkpoints go to <checkpoints>/<stage>/<fingerprint>/ every `save_steps`; a killed run
 restarted with the same params and inputs resumes from the last one. Stage sft, the
@@ -13,15 +15,46 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any, ClassVar
 
-from rlhf.training.params import SFTParams
-from rlhf.training.trainer_setup import TrainingDataError, length_report
+from pydantic import Field
+
+from rlhf.training.params import LoraParams, TrainingDataError, TrainingParams
+
+NAME = "sft"
+KIND = "supervised"  # its own stages: sft, verifier, and the rounds' method sft
+DATA = "sft"
+
+
+class Params(TrainingParams):
+    """Supervised fine-tuning (TRL's SFTTrainer): stage sft, the verifier and the
+    self-improvement rounds."""
+
+    TRL_CONFIG: ClassVar[str | None] = "SFTConfig"
+    TRL_DEFAULTS: ClassVar[dict[str, Any]] = {**TrainingParams.TRL_DEFAULTS, "packing": False}
+
+    max_steps: int | None = Field(1000, gt=0, description="optimizer steps (null: trl.num_train_epochs)")
+    per_device_train_batch_size: int = Field(64, gt=0, description="examples per step per device")
+    learning_rate: float = Field(3e-3, gt=0, lt=1, description="peak learning rate")
+    max_length: int = Field(96, gt=0, description="tokens per example (longer ones are truncated)")
+    loss_on: str = Field("completion", pattern="^(completion|all)$", description="completion only, or every token")
+    length_buckets: int = Field(
+        4, ge=1, description="run each batch as this many length-sorted sub-batches: same loss, less padding (1 = off)"
+    )
+    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+    def trl_args(self) -> dict[str, Any]:
+        return {**super().trl_args(), "max_length": self.max_length}
+
+
+SFTParams = Params  # the name the verifier's and the rounds' blocks extend
 
 CURVE_KEYS = ("loss", "mean_token_accuracy", "learning_rate")
 
 
 def train_sft(
-    config: SFTParams,
+    config: Params,
     base_dir: Path,
     data: Path,
     out_dir: Path,
@@ -41,21 +74,27 @@ def train_sft(
     (`dropped_rows`), and conversational rows with `loss_on: completion` need a chat
     template whose assistant turns TRL can mask (`check_assistant_masking`)."""
     from datasets import Dataset
-    from trl import SFTConfig
+    from trl import SFTConfig, SFTTrainer
 
     from rlhf.data.contracts import read_prepared
+    from rlhf.models import settings as model_settings
     from rlhf.models.compute import is_main
-    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+    from rlhf.models.folders import check_model_dir, resolve_model_dir
+    from rlhf.models.loading import empty_causal_lm, load_tokenizer
     from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenize_prompt_completion
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
         discard_checkpoints,
-        final_weights,
         fingerprint,
         last_logged,
+        length_report,
         log_history_rows,
+        quantized_lora_problem,
+        save_trained,
         tracking_callbacks,
         train_resumable,
+        trainer_loading,
+        training_resources,
         trl_config,
     )
 
@@ -84,27 +123,36 @@ def train_sft(
         examples = ewc_examples(
             tokenizer, previous, ewc[0], config.max_length, config.seed, f"{section}.max_length", ewc[1]
         )
-    model = load_causal_lm(base_dir, config.trust_remote_code, what=str(base_dir), training=True)
+    model_dir = check_model_dir(resolve_model_dir(base_dir), str(base_dir))
+    config.lora.check_targets(empty_causal_lm(model_dir, config.trust_remote_code), f"{section}.lora.target_modules")
+    settings = model_settings.current().merged(config.model)
+    quantized_lora_problem(settings, config, section)
     key = fingerprint(config, [base_dir, data, *([ewc[1]] if consolidating else [])])
     if consolidating:
         key += "-" + fingerprint(ewc[0], [])[:8]
+    # Packing removes the padding that length-sorted sub-batches would save: TRL's own trainer.
+    packed = config.trl.get("packing") or config.trl.get("padding_free")
+    trainer_cls, extra = (SFTTrainer, {}) if packed else (LengthBucketedSFTTrainer, {"buckets": config.length_buckets})
+    # The model loads inside the trainer, from its folder, after the arguments (ZeRO-3, FSDP).
+    loading, loader_kwargs = trainer_loading(config, config.trust_remote_code, trainer_cls)
     args = trl_config(
         SFTConfig,
         config,
         checkpoint_dir(checkpoints, stage, key),
-        max_length=config.max_length,
+        key=section,
+        model_init_kwargs=loading,
         completion_only_loss=only_target and not conversational,
         assistant_only_loss=only_target and conversational,
-        packing=False,
     )
-    trainer = LengthBucketedSFTTrainer(
-        model=model,
+    trainer = trainer_cls(
+        model=str(model_dir),
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=config.lora.peft_config(),
-        buckets=config.length_buckets,
         callbacks=tracking_callbacks(),
+        **loader_kwargs,
+        **extra,
     )
     consolidation = None
     if consolidating:
@@ -121,9 +169,8 @@ def train_sft(
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
     penalty = consolidation.penalty() if consolidation is not None else None  # before LoRA is merged away
-    model, state_dict = final_weights(trainer)
+    save_trained(trainer, tokenizer, out_dir, model_dir)
     if is_main():  # the other processes of a multi-process launch trained the same weights
-        save_model(model, tokenizer, out_dir, state_dict)
         discard_checkpoints(checkpoints, stage)
     metrics = {
         "train_loss": last_logged(history, "loss"),
@@ -133,6 +180,7 @@ def train_sft(
         "train_seconds": time.perf_counter() - start,
         "resumed": bool(resumed),
         **lost,
+        **training_resources(trainer),
     }
     if consolidation is not None:
         metrics["ewc_penalty"] = penalty

@@ -1,0 +1,185 @@
+"""How weights are loaded: params.yaml `model`, the same for every stage that loads a model,
+overridable per stage (a `model:` block in that stage's section, or in a policy method's).
+
+* `dtype`: the dtype the weights are loaded in. `auto` loads what each use needs: a model
+  that runs inference, and the frozen base under LoRA or QLoRA adapters, in the compute
+  dtype (`compute.dtype`: bfloat16 on a recent GPU, float32 on a CPU); a model trained in
+  full in float32, the master weights that the trainer's bf16/fp16 mixed precision
+  (`compute.dtype`) computes from. `bfloat16` (or `float16`) trains in full in that dtype
+  too: pure half-precision training, half the memory, less precise updates.
+* `attn_implementation`: `sdpa` (PyTorch's fused attention, everywhere), `eager`,
+  `flash_attention_2` / `flash_attention_3` (the flash-attn package, a CUDA GPU), or a Hub
+  kernel such as `kernels-community/flash-attn` (the `kernels` package). A package that is
+  not installed fails at the stage's start with what to install.
+* `quantization`: load the weights in 4 or 8 bits through bitsandbytes, as TRL builds its
+  `BitsAndBytesConfig` (`trl.trainer.utils.get_quantization_config`): a training stage then
+  trains LoRA adapters on the quantized base (QLoRA: 4 bits, NF4, double quantization, the
+  compute dtype for the matmuls), and an inference stage runs the quantized model.
+* `gradient_checkpointing`: recompute activations in the backward pass (transformers'
+  activation checkpointing): a large model's activations no longer hold memory, at about
+  a third more compute.
+
+Light on purpose: pydantic only, so that params validate in a second; the kwargs for
+`from_pretrained` are built in rlhf.models.loading.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlhf.params import InputError, StageConfig
+
+# transformers' own attention implementations (ALL_ATTENTION_FUNCTIONS and the eager path);
+# a Hub kernel is named `owner/repo` (optionally `:function`).
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+_HUB_KERNEL = re.compile(r"^[\w.-]+/[\w.-]+(:[\w.-]+)?$")
+# What each implementation needs installed: (import name, pip package).
+ATTENTION_PACKAGES = {
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (FlashAttention 3, Hopper GPUs)"),
+}
+HALF = ("bfloat16", "float16")
+
+
+class QuantizationSettings(StageConfig):
+    """bitsandbytes quantization of the loaded weights (`BitsAndBytesConfig`)."""
+
+    bits: Literal[4, 8] = Field(4, description="4 (QLoRA: NF4 or FP4) or 8 (LLM.int8)")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type (NF4: QLoRA's)")
+    double_quant: bool = Field(True, description="4-bit: quantize the quantization constants too (QLoRA)")
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="4-bit: dtype of the dequantized matmuls (auto: compute.dtype)"
+    )
+    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] | None = Field(
+        None, description="4-bit: storage dtype (bfloat16 lets FSDP shard a QLoRA base; null: uint8)"
+    )
+
+    @model_validator(mode="after")
+    def _four_bit_keys(self):
+        if self.bits == 8:
+            fields = type(self).model_fields
+            changed = [
+                key
+                for key in ("quant_type", "double_quant", "compute_dtype", "quant_storage")
+                if getattr(self, key) != fields[key].get_default()
+            ]
+            if changed:
+                raise ValueError(f"{', '.join(changed)}: read for 4-bit quantization only; remove for bits 8")
+        return self
+
+
+def _check_attention(value: str) -> str:
+    if value not in ATTENTION and not _HUB_KERNEL.match(value):
+        raise ValueError(
+            f"unknown attention implementation {value!r}; use one of {', '.join(ATTENTION)}, or a Hub kernel "
+            "such as kernels-community/flash-attn"
+        )
+    return value
+
+
+class ModelSettings(StageConfig):
+    """params `model`: how every stage loads weights (a stage's own `model:` block overrides keys)."""
+
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="weights' dtype at load (auto: compute.dtype for inference and LoRA/QLoRA bases, float32 "
+        "master weights for full fine-tuning; bfloat16: pure bf16 training too)",
+    )
+    attn_implementation: str = Field(
+        "sdpa", description="sdpa | eager | flash_attention_2 | flash_attention_3 | flex_attention | a Hub kernel"
+    )
+    quantization: QuantizationSettings | None = Field(
+        None, description="4- or 8-bit weights through bitsandbytes (QLoRA when training: needs lora.enabled)"
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory")
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention(cls, value: str) -> str:
+        return _check_attention(value)
+
+    def merged(self, override: ModelOverride | None) -> ModelSettings:
+        """These settings with the keys `override` sets replaced."""
+        if override is None:
+            return self
+        updates = {key: getattr(override, key) for key in override.model_fields_set}
+        if "quantization" in updates and isinstance(updates["quantization"], bool):
+            updates["quantization"] = None  # `quantization: false` switches a global setting off here
+        return self.model_copy(update=updates)
+
+
+class ModelOverride(StageConfig):
+    """A stage's `model:` block: the keys of params `model` it sets differently."""
+
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = Field(None, description="as model.dtype")
+    attn_implementation: str | None = Field(None, description="as model.attn_implementation")
+    quantization: QuantizationSettings | Literal[False] | None = Field(
+        None, description="as model.quantization; false: not quantized here"
+    )
+    gradient_checkpointing: bool | None = Field(None, description="as model.gradient_checkpointing")
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention(cls, value):
+        return value if value is None else _check_attention(value)
+
+
+class MissingPackageError(InputError, ImportError):
+    """params ask for what a package that is not installed provides."""
+
+
+def package_problems(settings: ModelSettings, key: str = "model") -> list[str]:
+    """What `settings` needs that is not installed, each naming `key` and what to install
+    (found by import spec, without importing: cheap enough for the params check)."""
+    problems = []
+    attention = settings.attn_implementation
+    if attention in ATTENTION_PACKAGES:
+        module, package = ATTENTION_PACKAGES[attention]
+        if importlib.util.find_spec(module) is None:
+            problems.append(
+                f"{key}.attn_implementation: {attention} needs {package} (pip install {package.split()[0]}, on a "
+                "CUDA GPU); or use sdpa"
+            )
+    elif attention not in ATTENTION and importlib.util.find_spec("kernels") is None:
+        problems.append(
+            f"{key}.attn_implementation: the Hub kernel {attention} needs `pip install kernels`; or use sdpa"
+        )
+    if settings.quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(
+            f"{key}.quantization: {settings.quantization.bits}-bit loading needs bitsandbytes "
+            "(pip install 'rlhf-pipeline[quant]', or pip install bitsandbytes); or set it to null"
+        )
+    return problems
+
+
+_current: ModelSettings | None = None
+
+
+def configure(settings: ModelSettings | None, override: ModelOverride | None = None) -> ModelSettings:
+    """Set this process's model settings (a stage calls it once, from params: the global
+    section with its own block's overrides). Missing packages fail here, before compute."""
+    global _current
+    _current = (settings or ModelSettings()).merged(override)
+    if problems := package_problems(_current):
+        raise MissingPackageError("; ".join(problems))
+    return _current
+
+
+def current() -> ModelSettings:
+    """This process's model settings: the configured ones, else the defaults."""
+    return _current if _current is not None else ModelSettings()
+
+
+def weights_dtype(settings: ModelSettings, compute_dtype: str, training: bool, adapters: bool) -> str:
+    """The dtype name to load weights in: `settings.dtype` when set; with `auto`, float32
+    master weights for full fine-tuning, else (inference, a LoRA/QLoRA base) the compute
+    dtype. See the module docstring."""
+    if settings.dtype != "auto":
+        return settings.dtype
+    if training and not adapters and settings.quantization is None:
+        return "float32"
+    return compute_dtype
