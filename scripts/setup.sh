@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install the project into it. Idempotent: a second run only checks the
-# stamp (the hash of pyproject.toml) and returns.
+# Create .venv and install the project into it, at the versions the suite passed with
+# (constraints.txt), with the optional extras (lm-eval, bitsandbytes) the tests use.
+# Idempotent: a second run only checks the stamp (the hash of pyproject.toml and
+# constraints.txt) and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=".venv/.rlhf-installed"
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -18,7 +20,7 @@ fi
 # machine's pip finds the CPU build of this version locally; elsewhere add
 # --index-url https://download.pytorch.org/whl/cpu for it: README, Requirements.)
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,harness,quant]"
 # A headless browser for the labelling page's browser test (tests/test_feedback.py): Debian's
 # chromium and its driver, when missing and we may install them. Never fails setup: without
 # them that one test skips and says why.

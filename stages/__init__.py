@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import sys
 from functools import partial
 from pathlib import Path
@@ -250,14 +251,9 @@ def format_reward_problem(key: str, task) -> str:
     )
 
 
-def model_problems(params: dict) -> list[str]:
-    """What params `model` (and the stages' own `model:` blocks) ask that a stage cannot do:
-    a package that is not installed, and quantized weights where a stage trains in full
-    (quantized weights train only through LoRA adapters: QLoRA)."""
-    from rlhf.models.settings import package_problems
-
-    base = params["model"]
-    problems = package_problems(base)
+def model_blocks(params: dict) -> list[tuple[str, object]]:
+    """(params key, block) of every section or block that loads a model and may carry its
+    own `model:` keys."""
     blocks = [("sft", params["sft"]), ("verifier", params["verifier"]), ("rm", params["rm"]), ("prm", params["prm"])]
     policy = params["policy"]
     blocks += [(f"policy.{m}", getattr(policy, m)) for m in policy.methods]
@@ -266,12 +262,17 @@ def model_problems(params: dict) -> list[str]:
         settings = improve.settings(name)
         method_key = "rpo" if settings.method == "rpo" else "train"
         blocks.append((round_key(improve, name, method_key), getattr(settings, method_key)))
-    blocks += [("evaluate", params["evaluate"]), ("infer", params["infer"])]
-    for key, block in blocks:
-        own = getattr(block, "model", None)
-        settings = base.merged(own)
-        if own is not None:
-            problems += [p for p in package_problems(settings, f"{key}.model") if p not in problems]
+    return blocks + [("evaluate", params["evaluate"]), ("infer", params["infer"])]
+
+
+def model_problems(params: dict) -> list[str]:
+    """What params `model` (and the stages' own `model:` blocks) ask that a stage cannot do:
+    quantized weights where a stage trains in full (quantized weights train only through
+    LoRA adapters: QLoRA), and settings PPO's own loop cannot follow."""
+    base = params["model"]
+    problems = []
+    for key, block in model_blocks(params):
+        settings = base.merged(getattr(block, "model", None))
         if key == "policy.ppo" and settings.gradient_checkpointing:
             problems.append(
                 "policy.ppo.model.gradient_checkpointing: PPO (ours) runs its models in eval mode (no dropout), where "
@@ -290,6 +291,32 @@ def model_problems(params: dict) -> list[str]:
                 f"quantized weights train only through adapters (QLoRA): set {key}.lora.enabled: true, or "
                 f"{key}.model.quantization: false"
             )
+    return problems
+
+
+def package_problems(params: dict) -> list[str]:
+    """What the params need installed on this machine that is not (found without importing
+    it): the attention implementation's and quantization's packages (params `model` and the
+    stages' own blocks), vLLM for an online method that generates with it, lm-eval for
+    evaluate.harness. Stage check_params asks (this machine's), not the params validation."""
+    from rlhf.models.settings import package_problems as loading_problems
+
+    base = params["model"]
+    problems = loading_problems(base)
+    for key, block in model_blocks(params):
+        own = getattr(block, "model", None)
+        if own is not None:
+            problems += [p for p in loading_problems(base.merged(own), f"{key}.model") if p not in problems]
+        if getattr(block, "trl", {}).get("use_vllm") and importlib.util.find_spec("vllm") is None:
+            problems.append(
+                f"{key}.trl.use_vllm: TRL generates with vLLM, which is not installed: pip install vllm (a CUDA "
+                "machine; TRL's supported versions), or remove use_vllm"
+            )
+    if params["evaluate"].harness and importlib.util.find_spec("lm_eval") is None:
+        problems.append(
+            "evaluate.harness: needs lm-evaluation-harness, which is not installed: pip install "
+            "'rlhf-pipeline[harness]' (or lm-eval), or set evaluate.harness: null"
+        )
     return problems
 
 

@@ -32,12 +32,13 @@ text prompts (read from its file, as above).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 from rlhf.artifacts import atomic_file
 from rlhf.params import PARAMS_FILE, ParamsError, read_params
-from stages import REPORTS_DIR, difficulty_problems, load_all, suite_difficulties, suite_file
+from stages import REPORTS_DIR, difficulty_problems, load_all, package_problems, suite_difficulties, suite_file
 
 STAMP = REPORTS_DIR / "params.ok"
 
@@ -49,6 +50,7 @@ def main() -> None:
     problems = difficulty_problems(params, lambda suite: suite_difficulties(params, suite))
     problems += harness_problems(params)
     problems += listed_params_problems(read_params(PARAMS_FILE), params)
+    problems += package_problems(params)  # this machine's packages (attention, bitsandbytes, vLLM, lm-eval)
     compute = params["compute"]
     if compute.device not in ("auto", "cpu") or compute.processes > 1:  # torch imported only then
         from rlhf.models.compute import placement_problem
@@ -129,7 +131,7 @@ def harness_problems(params: dict) -> list[str]:
     if harness is None:
         return []
     problems = []
-    if harness.tasks:
+    if harness.tasks and importlib.util.find_spec("lm_eval") is not None:  # else package_problems says so
         from rlhf.evaluation.harness import check_tasks
 
         try:

@@ -24,6 +24,7 @@ offline method never reads a reward model, so retraining the RM leaves it up to 
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -173,6 +174,13 @@ def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, l
     stage = stage_name(method)
     params = getattr(config, method)
     check_answer_rewards(params, method)
+    if params.trl.get("use_vllm") and importlib.util.find_spec("vllm") is None:
+        from rlhf.models.settings import MissingPackageError
+
+        raise MissingPackageError(
+            f"policy.{method}.trl.use_vllm: TRL generates with vLLM, which is not installed: pip install vllm (a CUDA "
+            "machine; TRL's supported versions), or remove use_vllm"
+        )
     job = TrainingJob(
         stage=stage,
         key=f"policy.{method}",

@@ -164,7 +164,17 @@ def configure(settings: ModelSettings | None, override: ModelOverride | None = N
     section with its own block's overrides). Missing packages fail here, before compute."""
     global _current
     _current = (settings or ModelSettings()).merged(override)
-    if problems := package_problems(_current):
+    problems = package_problems(_current)
+    if _current.quantization is not None and not problems:
+        try:  # installed is not usable: a build without this machine's backend fails on import
+            import bitsandbytes  # noqa: F401
+        except Exception as error:
+            problems.append(
+                f"model.quantization: bitsandbytes is installed but does not load here ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); reinstall it for this machine, or set "
+                "model.quantization: null"
+            )
+    if problems:
         raise MissingPackageError("; ".join(problems))
     return _current
 

@@ -101,6 +101,13 @@ def config_fields(name: str) -> frozenset[str]:
     return frozenset(imported_fields(name))
 
 
+@cache
+def owned_by_block(block: type) -> dict:
+    """The TRL options a params block sets from its own keys, with their default values (a
+    block's `trl_args` gives every key whatever the values)."""
+    return block().trl_args()
+
+
 def trl_problems(block: type, options: dict) -> list[str]:
     """What is wrong with the `trl:` mapping `options` of a params block of class `block`
     (a TrainingParams subclass), one message per key; empty when nothing is."""
@@ -109,7 +116,7 @@ def trl_problems(block: type, options: dict) -> list[str]:
     config = block.TRL_CONFIG
     if config is None:
         return [f"{', '.join(map(str, options))}: this trainer is the pipeline's own, with no TRL config; remove trl"]
-    own = block.model_construct().trl_args()
+    own = owned_by_block(block)
     fields = config_fields(config)
     problems = []
     for key in options:

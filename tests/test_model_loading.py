@@ -1,0 +1,231 @@
+"""Params `model`: the dtype weights load in (the compute dtype for inference and LoRA/QLoRA
+bases, float32 master weights for full fine-tuning unless pure half precision is asked),
+the attention implementation, 4/8-bit quantization through bitsandbytes (QLoRA), and the
+errors a machine without the packages gets before any compute. QLoRA runs for real on the
+CPU (bitsandbytes' CPU backend) on the micro model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlhf.models.compute import Placement
+from rlhf.models.settings import ModelOverride, ModelSettings, QuantizationSettings, weights_dtype
+from tests.conftest import REPO, assert_each_once, params_problems, tiny_params
+
+CPU_BF16 = Placement("cpu", "bfloat16")  # compute.dtype bfloat16 (a GPU's default), here on the CPU
+
+
+@pytest.mark.parametrize(
+    ("dtype", "training", "adapters", "quantized", "expected"),
+    [
+        ("auto", False, False, False, "bfloat16"),  # inference: the compute dtype
+        ("auto", True, True, False, "bfloat16"),  # a LoRA base: the compute dtype
+        ("auto", True, False, False, "float32"),  # full fine-tuning: float32 master weights
+        ("auto", True, True, True, "bfloat16"),  # a QLoRA base
+        ("bfloat16", True, False, False, "bfloat16"),  # pure bf16 training, asked for
+        ("float32", False, False, False, "float32"),  # inference in float32, asked for
+    ],
+)
+def test_weights_load_in_the_dtype_they_train_in(dtype, training, adapters, quantized, expected):
+    settings = ModelSettings(dtype=dtype, quantization={"bits": 4} if quantized else None)
+    assert weights_dtype(settings, "bfloat16", training, adapters) == expected
+
+
+def test_init_kwargs_are_trls_quantization_config_and_a_device_map():
+    """4-bit: NF4, double quantization, the compute dtype for the matmuls, as TRL's
+    get_quantization_config builds it, and the whole model on this process's device; 8-bit
+    plain LLM.int8; none: no device map (the trainer places the model)."""
+    import torch
+
+    from rlhf.models.loading import init_kwargs
+
+    plain = init_kwargs(ModelSettings(), training=True, placement=Placement("cpu", "float32"))
+    assert plain == {"dtype": torch.float32, "attn_implementation": "sdpa", "trust_remote_code": False,
+                     "use_safetensors": True}  # fmt: skip
+    four = init_kwargs(ModelSettings(quantization={"bits": 4}), training=True, adapters=True, placement=CPU_BF16)
+    config = four["quantization_config"]
+    assert (config.load_in_4bit, config.bnb_4bit_quant_type, config.bnb_4bit_use_double_quant) == (True, "nf4", True)
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16 and config.bnb_4bit_quant_storage == torch.uint8
+    assert four["dtype"] == torch.bfloat16 and four["device_map"] == {"": "cpu"}
+    storage = QuantizationSettings(quant_type="fp4", compute_dtype="float16", quant_storage="bfloat16")
+    config = init_kwargs(ModelSettings(quantization=storage), placement=CPU_BF16)["quantization_config"]
+    assert (config.bnb_4bit_quant_type, config.bnb_4bit_compute_dtype) == ("fp4", torch.float16)
+    assert config.bnb_4bit_quant_storage == torch.bfloat16  # FSDP can shard a QLoRA base stored in bf16
+    eight = init_kwargs(ModelSettings(quantization={"bits": 8}), placement=CPU_BF16)["quantization_config"]
+    assert eight.load_in_8bit and not eight.load_in_4bit
+
+
+def test_a_stage_block_overrides_keys_of_the_global_section():
+    base = ModelSettings(dtype="bfloat16", quantization={"bits": 4}, gradient_checkpointing=True)
+    merged = base.merged(ModelOverride(quantization=False, attn_implementation="eager"))
+    assert (merged.dtype, merged.quantization, merged.attn_implementation) == ("bfloat16", None, "eager")
+    assert merged.gradient_checkpointing is True
+    assert base.merged(None) is base
+
+
+def test_load_causal_lm_follows_the_settings(micro_dir):
+    """The micro model loaded for inference in bfloat16 with eager attention, for full
+    training in float32, and as a LoRA base in the compute dtype."""
+    import torch
+
+    from rlhf.models.loading import empty_causal_lm, load_causal_lm
+
+    bf16 = ModelSettings(dtype="bfloat16", attn_implementation="eager")
+    model = load_causal_lm(micro_dir, settings=bf16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == "eager"
+    full = load_causal_lm(micro_dir, settings=ModelSettings(), training=True, placement=CPU_BF16)
+    assert {p.dtype for p in full.parameters()} == {torch.float32}
+    base = load_causal_lm(micro_dir, settings=ModelSettings(), training=True, adapters=True, placement=CPU_BF16)
+    assert {p.dtype for p in base.parameters()} == {torch.bfloat16}
+    empty = empty_causal_lm(micro_dir)  # modules and shapes only, whatever the size
+    assert {p.device.type for p in empty.parameters()} == {"meta"}
+
+
+def test_unknown_attention_and_quantization_without_adapters_are_named(tmp_path):
+    """An attention implementation transformers does not have; quantized weights where a
+    stage trains in full (sft without LoRA, PPO's value model, the PRM classifier's head):
+    each named by its key before any stage runs."""
+    params = tiny_params()
+    params["model"] = {"attn_implementation": "flash_attn", "quantization": {"bits": 4}}
+    params["policy"]["online"] = ["ppo"]
+    params["policy"]["ppo"]["model"] = {"gradient_checkpointing": True}
+    params["prm"] = {"kind": "classifier", "init": "sft"}
+    params["rm"]["lora"] = {"enabled": True}
+    params["policy"]["dpo"]["lora"] = {"enabled": True}
+    params["verifier"]["model"] = {"quantization": False}
+    problems = params_problems(tmp_path, params)
+    assert_each_once(
+        problems,
+        [
+            "model.attn_implementation: unknown attention implementation 'flash_attn'",
+        ],
+    )
+    # Fixed the attention: the quantization rules, each once (the verifier opted out).
+    params["model"]["attn_implementation"] = "sdpa"
+    problems = params_problems(tmp_path, params)
+    assert_each_once(
+        problems,
+        [
+            "sft.lora.enabled: the model loads 4-bit (model.quantization) and quantized weights train only through",
+            "prm.model.quantization: prm.kind classifier trains its new head in full",
+            "policy.ppo.model.quantization: PPO trains its value model in full",
+            "policy.ppo.model.gradient_checkpointing: PPO (ours) runs its models in eval mode",
+        ],
+    )
+    assert len(problems) == 4, problems
+
+
+def test_check_params_names_the_packages_this_machine_lacks(tmp_path, monkeypatch):
+    """FlashAttention 2 (not installed here), vLLM for GRPO's generation (not installed
+    here), and bitsandbytes where it is not installed: stage check_params names each with
+    what to install, before any other stage runs; the params themselves validate anywhere."""
+    import importlib.util
+
+    import stages
+    from stages import package_problems
+
+    params = tiny_params()
+    params["model"] = {"attn_implementation": "flash_attention_2", "quantization": {"bits": 4}}
+    params["sft"]["lora"] = {"enabled": True}
+    params["verifier"]["lora"] = {"enabled": True}
+    params["rm"]["lora"] = {"enabled": True}
+    params["policy"]["dpo"]["lora"] = {"enabled": True}
+    params["policy"]["online"] = ["grpo"]
+    params["policy"]["grpo"]["lora"] = {"enabled": True}
+    params["policy"]["grpo"]["trl"] = {"use_vllm": True}
+    path = tmp_path / "params.yaml"
+    path.write_text(__import__("yaml").safe_dump(params))
+    loaded = stages.load_all(str(path))  # machine-independent: valid
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    problems = package_problems(loaded)
+    expected = ["model.quantization: 4-bit loading needs bitsandbytes (pip install 'rlhf-pipeline[quant]'"]
+    if real("flash_attn") is None:
+        expected.append("model.attn_implementation: flash_attention_2 needs flash-attn (pip install flash-attn")
+    if real("vllm") is None:
+        expected.append("policy.grpo.trl.use_vllm: TRL generates with vLLM, which is not installed")
+    assert_each_once(problems, expected)
+
+
+def test_a_bitsandbytes_that_does_not_load_fails_the_stage_before_compute(tmp_path):
+    """bitsandbytes installed but broken on this machine (its import fails: a build without
+    this machine's backend): the stage's start says so in one line, no traceback, before
+    any model loads."""
+    code = (
+        "import importlib.abc, importlib.machinery, sys\n"
+        "class Broken(importlib.abc.Loader):\n"
+        "    def create_module(self, spec): return None\n"
+        "    def exec_module(self, module): raise OSError('libbitsandbytes_cuda124.so: cannot open shared object')\n"
+        "class Finder(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        return importlib.machinery.ModuleSpec(name, Broken()) if name == 'bitsandbytes' else None\n"
+        "sys.meta_path.insert(0, Finder())\n"
+        "from rlhf.models import settings\n"
+        "try:\n"
+        "    settings.configure(settings.ModelSettings(quantization={'bits': 4}))\n"
+        "except settings.MissingPackageError as error:\n"
+        "    print(error)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    message, torch_loaded = out.stdout.strip().splitlines()
+    assert message.startswith("model.quantization: bitsandbytes is installed but does not load here (OSError: libbits")
+    assert "reinstall it for this machine, or set model.quantization: null" in message
+    assert torch_loaded == "False"  # nothing was computed
+
+
+@pytest.mark.slow
+def test_qlora_sft_trains_adapters_on_a_4bit_base_and_saves_a_plain_model(in_project):
+    """Stage sft with sft.model.quantization {bits: 4} and LoRA (QLoRA) on the micro model, on
+    the CPU through bitsandbytes' CPU backend: the trainer's base layers are 4-bit
+    (Linear4bit, uint8 storage) and frozen, the adapters train; what is saved is the adapter
+    and the base (reloaded unquantized) with it merged: a plain model that loads with plain
+    transformers, no quantization config, weights changed from the base's."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    import stages.base
+    import stages.prepare
+    import stages.sft
+    from rlhf.training import trainer_setup
+    from tests.test_stages import changed, weights
+
+    params = yaml.safe_load((in_project / "params.yaml").read_text())
+    params["sft"]["model"] = {"quantization": {"bits": 4}}  # this stage's own block
+    params["sft"]["lora"] = {"enabled": True, "r": 4}
+    params["sft"]["learning_rate"] = 0.01
+    (in_project / "params.yaml").write_text(yaml.safe_dump(params))
+    stages.prepare.main()
+    stages.base.main()
+    seen = {}
+    original = trainer_setup.train_resumable
+
+    def capture(trainer, stage, key):
+        seen["layer"] = trainer.model.base_model.model.model.layers[0].mlp.up_proj
+        return original(trainer, stage, key)
+
+    trainer_setup.train_resumable = capture
+    try:
+        stages.sft.main()
+    finally:
+        trainer_setup.train_resumable = original
+    layer = seen["layer"]
+    assert type(layer.base_layer).__name__ == "Linear4bit" and layer.base_layer.weight.dtype == torch.uint8
+    assert not layer.base_layer.weight.requires_grad and layer.lora_A["default"].weight.requires_grad
+    out = in_project / "models/sft"
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    plain = AutoModelForCausalLM.from_pretrained(str(out))
+    assert {p.dtype for p in plain.parameters()} == {torch.float32}  # the compute dtype on this CPU
+    assert changed(weights(in_project / "models/base"), weights(out))
+    metrics = json.loads((in_project / "metrics/sft.json").read_text())
+    assert metrics["steps"] == 4 and metrics["train_loss"] == metrics["train_loss"]  # finite
