@@ -1,6 +1,7 @@
-"""The baseline of benchmarks/sft_overhead.py: TRL's SFTTrainer as a user would call it by
-hand, with the sft section of params.yaml and nothing of ours (no validation, tracking,
-checkpoints, metrics or plots).
+"""The baseline of benchmarks/sft_overhead.py and benchmarks/real_size.py: TRL's SFTTrainer
+as a user would call it by hand, with the sft section of params.yaml (and its LoRA block,
+and the weights' dtype of params `model`) and nothing of ours (no validation, tracking,
+checkpoints, merge, metrics or plots).
 
     python benchmarks/bare_sft.py PROJECT_DIR
 """
@@ -9,15 +10,22 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import torch
 import yaml
 from datasets import Dataset
+from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 project = Path(sys.argv[1])
-p = yaml.safe_load((project / "params.yaml").read_text())["sft"]
-tokenizer = AutoTokenizer.from_pretrained(project / "models/base")
-model = AutoModelForCausalLM.from_pretrained(project / "models/base")
+params = yaml.safe_load((project / "params.yaml").read_text())
+p, lora = params["sft"], params["sft"].get("lora", {})
+dtype = params.get("model", {}).get("dtype", "auto")
+base = project / "models/base"
+if (base / "pointer.json").is_file():  # a model of the user's own: stage base points to it
+    base = Path(yaml.safe_load((base / "pointer.json").read_text())["path"])
+tokenizer = AutoTokenizer.from_pretrained(base)
+model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32 if dtype == "auto" else getattr(torch, dtype))
 dataset = Dataset.from_pandas(pd.read_parquet(project / "data/prepared/sft.parquet"), preserve_index=False)
 args = SFTConfig(
     output_dir=str(project / "bare-out"),
@@ -36,6 +44,12 @@ args = SFTConfig(
     save_strategy="no",
     report_to=[],
 )
-trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+peft_config = None
+if lora.get("enabled"):
+    peft_config = LoraConfig(
+        r=lora.get("r", 8), lora_alpha=lora.get("alpha", 16), target_modules=lora.get("target_modules", "all-linear"),
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
 trainer.train()
 trainer.save_model(str(project / "bare-out/final"))

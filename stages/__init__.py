@@ -282,7 +282,9 @@ def model_problems(params: dict) -> list[str]:
             continue
         if key == "policy.ppo" or (key == "prm" and block.kind == "classifier"):
             what = "PPO trains its value model" if key == "policy.ppo" else "prm.kind classifier trains its new head"
-            problems.append(f"{key}.model.quantization: {what} in full, which quantized weights cannot: set it to false")
+            problems.append(
+                f"{key}.model.quantization: {what} in full, which quantized weights cannot: set it to false"
+            )
         elif key == "prm":
             continue  # the likelihood kind reads the LM: quantized is fine
         elif not block.lora.enabled:
@@ -586,7 +588,7 @@ def load_model_stage(path: str = PARAMS_FILE, override=None) -> dict:
     from the `compute` section (rlhf.models.compute), and how models load from the `model`
     section with the stage's own `model:` block (`override(params)` gives it: None for a
     stage without one), failing here when it needs a package that is not installed."""
-    from rlhf.models import settings as model_settings
+    import rlhf.models.settings as model_settings
     from rlhf.models.compute import configure
 
     params = load_all(path)

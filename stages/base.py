@@ -13,7 +13,12 @@ Out: models/base — the built model, or for a user directory or Hub id a `point
      Downstream stages resolve both through `rlhf.models.folders.resolve_model_dir`.
 
 A user directory is checked for config, safetensors weights and tokenizer files before
-anything is loaded; a model that needs custom code loads only with `trust_remote_code`.
+anything is loaded, and its weights are not loaded here (the config builds an empty model,
+the weight files' headers are read), whatever the model's size; a model that needs custom
+code loads only with `trust_remote_code`. `base.chat_template` gives a base model a chat
+template (rlhf.models.templates): the tokenizer with it is written beside the pointer, or,
+when the template's tokens are new to the vocabulary, models/base is a copy of the model
+with its embeddings resized.
 A Hub id is fetched with safetensors weights only (never pickles), into the Hugging Face
 cache; offline (`HF_HUB_OFFLINE=1`) it must already be there, and the error says so.
 The user directory is not a DVC dependency (its path is a param), so an edit in place
@@ -61,7 +66,21 @@ class Config(StageConfig):
     rope_window: int | None = Field(
         None, gt=0, description="built-in model: its RoPE layers attend to the last N tokens only (null: all)"
     )
+    chat_template: str | None = Field(
+        None,
+        description="give a base model a chat template: chatml, a template TRL ships (llama3, qwen2_5, gemma...), "
+        "or a .jinja file (rlhf/models/templates.py)",
+    )
     trust_remote_code: bool = Field(False, description="allow custom modelling code from the model directory")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_template(cls, value: str | None) -> str | None:
+        from rlhf.models.templates import template_problem
+
+        if value is not None and (problem := template_problem(value)):
+            raise ValueError(problem)
+        return value
 
     @field_validator("model")
     @classmethod
@@ -83,6 +102,7 @@ class Config(StageConfig):
     def _keys_of_another_kind_of_model(self):
         if self.model.startswith(BUILTIN_PREFIX):
             reject_changed(self, ["revision"], "by a built-in model (a Hub model id's branch, tag or commit)")
+            reject_changed(self, ["chat_template"], "by a built-in model (it has its own template)")
         else:
             reject_changed(self, ["seed", "max_length"], "by a model of your own (they shape a built-in model)")
         return self
@@ -101,7 +121,7 @@ class Config(StageConfig):
 
 def run(config: Config, out_dir: Path) -> dict:
     """Write the base model (or a pointer to the user's) into `out_dir`; return its facts."""
-    from rlhf.models.loading import build_tiny_model, build_tokenizer, count_parameters, load_causal_lm, save_model
+    from rlhf.models.loading import build_tiny_model, build_tokenizer, count_parameters, save_model
 
     if config.model.startswith(BUILTIN_PREFIX):
         tokenizer = build_tokenizer()
@@ -121,10 +141,54 @@ def run(config: Config, out_dir: Path) -> dict:
     else:
         path = Path(config.model).resolve()
         pointer = {"files": folder_md5s(path)}
-    # Load once so that a broken model fails here, in the stage that names it.
-    model = load_causal_lm(path, config.trust_remote_code, what="base.model")
+    # Checked without loading the weights (a 70B model would need its memory here): the
+    # config builds an empty model, and every weight file's header reads.
+    parameters = checked_model(path, config.trust_remote_code)
+    facts = {"parameters": parameters, "source": config.model}
+    if config.chat_template is None:
+        write_json(out_dir / POINTER_FILE, {"path": str(path), **pointer})
+        return facts
+    return facts | with_template(config, path, pointer, out_dir)
+
+
+def checked_model(path: Path, trust_remote_code: bool) -> int:
+    """The parameter count of the model in `path`, from an empty (meta-device) model built
+    from its config, after reading the header of each of its safetensors files: a folder
+    whose config or weights do not read fails here, in the stage that names it."""
+    from safetensors import safe_open
+
+    from rlhf.models.folders import UnusableModelError
+    from rlhf.models.loading import count_parameters, empty_causal_lm
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                weights.keys()
+        except Exception as error:  # safetensors raises its own error types
+            raise UnusableModelError(
+                f"base.model: {file} does not read as safetensors ({type(error).__name__}: {error}); "
+                "copy or download the model again"
+            ) from error
+    return count_parameters(empty_causal_lm(path, trust_remote_code))
+
+
+def with_template(config: Config, path: Path, pointer: dict, out_dir: Path) -> dict:
+    """The base model with `base.chat_template` on its tokenizer (rlhf.models.templates):
+    the pointer and the tokenizer beside it, or, when the template writes tokens the
+    vocabulary lacks, a copy of the model with its embeddings resized to them."""
+    from rlhf.models.loading import load_tokenizer, resized_copy
+    from rlhf.models.templates import apply_template, read_template
+
+    tokenizer = load_tokenizer(path, config.trust_remote_code)
+    added = apply_template(tokenizer, read_template(config.chat_template))
+    facts = {"chat_template": config.chat_template, "added_tokens": added, "eos_token": tokenizer.eos_token}
+    if added:  # the embeddings grow: models/base becomes a copy, in the checkpoint's dtype
+        print(f"base: chat template {config.chat_template} adds {added}: models/base is a copy with resized embeddings")
+        resized_copy(path, tokenizer, out_dir, config.trust_remote_code)
+        return facts
     write_json(out_dir / POINTER_FILE, {"path": str(path), **pointer})
-    return {"parameters": count_parameters(model), "source": config.model}
+    tokenizer.save_pretrained(str(out_dir))  # read instead of the pointed-to folder's (load_tokenizer)
+    return facts
 
 
 def folder_md5s(path: Path) -> dict[str, str]:

@@ -203,7 +203,7 @@ def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, l
 def main(argv: list[str] | None = None) -> None:
     import mlflow
 
-    from rlhf.models import settings as model_settings
+    import rlhf.models.settings as model_settings
     from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
 
     argv = sys.argv[1:] if argv is None else argv

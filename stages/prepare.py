@@ -110,6 +110,11 @@ class UserFile(StageConfig):
         None, description="split of a save_to_disk DatasetDict or a Hub dataset (null: train); a file has none"
     )
     config: str | None = Field(None, description="configuration (subset) of a Hub dataset, e.g. main")
+    chat: bool = Field(
+        False,
+        description="text rows as conversations: the prompt a user turn, each response an assistant turn (so that "
+        "an instruct model reads them through its chat template)",
+    )
 
 
 class Config(StageConfig):
@@ -209,7 +214,7 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
     empty."""
     import pandas as pd
 
-    from rlhf.data.contracts import DataValidationError, load_contract
+    from rlhf.data.contracts import DataValidationError, as_conversation, load_contract
 
     tables: dict = {}
     origins: dict[str, str] = {}
@@ -222,6 +227,8 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
     for name, spec in config.files.items():
         try:
             frame = load_contract(spec.path, kind_of(name), spec.columns, split=spec.split, config=spec.config)
+            if spec.chat:
+                frame = as_conversation(frame)
         except DataValidationError as error:
             errors.append(error)
             continue

@@ -142,7 +142,9 @@ def test_check_params_names_the_packages_this_machine_lacks(tmp_path, monkeypatc
     path.write_text(__import__("yaml").safe_dump(params))
     loaded = stages.load_all(str(path))  # machine-independent: valid
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     problems = package_problems(loaded)
     expected = ["model.quantization: 4-bit loading needs bitsandbytes (pip install 'rlhf-pipeline[quant]'"]
     if real("flash_attn") is None:
@@ -229,3 +231,25 @@ def test_qlora_sft_trains_adapters_on_a_4bit_base_and_saves_a_plain_model(in_pro
     assert changed(weights(in_project / "models/base"), weights(out))
     metrics = json.loads((in_project / "metrics/sft.json").read_text())
     assert metrics["steps"] == 4 and metrics["train_loss"] == metrics["train_loss"]  # finite
+
+
+@pytest.mark.slow
+def test_the_gpu_acceptance_script_runs_its_code_path_on_a_cpu(tmp_path):
+    """benchmarks/gpu_acceptance.py with --tiny (the micro model, two steps): every run of
+    the stages' training and of the bare TRL trainers trains and reports its tokens per
+    second, tracking off (RLHF_TRACKING=off: no MLflow run is started, none imported by
+    the training), so the device call it is written for fails on nothing but the GPU."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/gpu_acceptance.py"), "--tiny", "--steps", "2", "--out", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads((tmp_path / "gpu_acceptance.json").read_text())["runs"]
+    expected = {"sft", "dpo", "grpo"} | (
+        {"sft-qlora"} if __import__("importlib").util.find_spec("bitsandbytes") else set()
+    )
+    assert expected <= set(runs)
+    for name in expected:
+        for side in ("stage", "bare_trl"):
+            assert runs[name][side]["steps"] == 2, (name, side)
+            assert runs[name][side]["train_tokens_per_second"] > 0, (name, side)

@@ -174,7 +174,9 @@ def test_a_resumed_likelihood_rm_run_reproduces_an_uninterrupted_one(micro_dir, 
 @pytest.mark.slow
 def test_activation_checkpointing_trains_the_lm(micro_dir, tmp_path, mlflow_store):
     """Trainer enables activation checkpointing through the wrapper, on the LM inside it."""
-    trainer = likelihood_trainer(micro_dir, tmp_path, tmp_path / "ckpt", max_steps=2, gradient_checkpointing=True)
+    trainer = likelihood_trainer(
+        micro_dir, tmp_path, tmp_path / "ckpt", max_steps=2, model={"gradient_checkpointing": True}
+    )
     before = {k: v.clone() for k, v in trainer.model.lm.state_dict().items()}
     trainer.train()
     assert trainer.model.lm.is_activation_checkpointing

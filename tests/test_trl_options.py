@@ -24,8 +24,8 @@ def test_the_recorded_fields_are_the_installed_trls():
     for name in trl_options.CONFIG_MODULES:
         assert recorded["configs"][name] == trl_options.imported_fields(name), name
     # Every training block names a config the file holds (or none: our own trainer).
-    from stages import all_configs
     from rlhf.training.methods import METHODS
+    from stages import all_configs
 
     blocks = [module.Params for module in METHODS.values()] + [all_configs()[s] for s in ("rm", "prm")]
     assert {b.TRL_CONFIG for b in blocks} - {None} <= set(recorded["configs"])
@@ -102,11 +102,11 @@ def test_trl_options_reach_the_trainer_args(in_project, monkeypatch):
     the trainer trains with that optimizer. GRPO's use_vllm and vllm_mode reach the
     GRPOConfig the stage builds; without vLLM installed the stage stops before any model
     loads, naming the key."""
+    import rlhf.models.settings as model_settings
     import stages.base
     import stages.policy
     import stages.prepare
     import stages.sft
-    from rlhf.models import settings as model_settings
     from rlhf.tasks import get_task
     from rlhf.training import trl_training
     from stages import load_config

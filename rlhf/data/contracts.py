@@ -658,3 +658,15 @@ def plain_messages(table: pd.DataFrame) -> pd.DataFrame:
                 dtype=object,
             )
     return table
+
+
+def as_conversation(frame: pd.DataFrame) -> pd.DataFrame:
+    """Text rows as conversations (prepare.files.<name>.chat): a text prompt becomes one user
+    turn, a text response (completion, chosen, rejected) one assistant turn, in TRL's
+    conversational format; rows that are conversations already are left as they are."""
+
+    def turn(role: str):
+        return lambda value: [{"role": role, "content": value}] if isinstance(value, str) else value
+
+    roles = {"prompt": "user", "completion": "assistant", "chosen": "assistant", "rejected": "assistant"}
+    return frame.assign(**{c: frame[c].map(turn(role)) for c, role in roles.items() if c in frame.columns})

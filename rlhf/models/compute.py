@@ -199,9 +199,10 @@ def sharded_launch() -> bool:
     there, for accelerate to shard (its launcher says so in the environment)."""
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         return True
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and os.environ.get(
-        "ACCELERATE_DEEPSPEED_ZERO_STAGE"
-    ) == "3"
+    return (
+        os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+        and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    )
 
 
 def is_main() -> bool:

@@ -40,7 +40,7 @@ from transformers import (
 )
 
 from rlhf.models.compute import current
-from rlhf.models.folders import BUILTIN_SIZES, check_model_dir, check_nope_layers, resolve_model_dir
+from rlhf.models.folders import BUILTIN_SIZES, POINTER_FILE, check_model_dir, check_nope_layers, resolve_model_dir
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
@@ -133,7 +133,13 @@ def build_tiny_model(
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(path)), trust_remote_code=trust_remote_code)
+    """The tokenizer of a model folder: a stage's, or the user's folder a pointer names,
+    unless the pointer's own folder holds a tokenizer (stage base's, with the chat template
+    `base.chat_template` put on it)."""
+    path = Path(path)
+    own = (path / POINTER_FILE).is_file() and (path / "tokenizer_config.json").is_file()
+    source = path if own else resolve_model_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # Generation batches prompts of different lengths: pad on the left.
@@ -184,7 +190,7 @@ def init_kwargs(
     model on this process's device (TRL's `get_kbit_device_map`). The same arguments go to
     TRL's trainers as `model_init_kwargs`, so a trainer's reference model loads like the
     policy. Only safetensors are read."""
-    from rlhf.models import settings as model_settings
+    import rlhf.models.settings as model_settings
 
     settings = settings or model_settings.current()
     placement = placement or current()
@@ -228,6 +234,20 @@ def empty_causal_lm(path: str | Path, trust_remote_code: bool = False) -> PreTra
     config = AutoConfig.from_pretrained(str(resolve_model_dir(path)), trust_remote_code=trust_remote_code)
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def resized_copy(path: str | Path, tokenizer, out_dir: str | Path, trust_remote_code: bool = False) -> None:
+    """The model in `path`, in its checkpoint's dtype on the CPU, with its embeddings grown to
+    `tokenizer` (new rows at the mean of the old, transformers' default) and the tokenizer's
+    EOS among the tokens generation stops at, saved with `tokenizer` into `out_dir`."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model_dir(path)), dtype="auto", trust_remote_code=trust_remote_code, use_safetensors=True
+    )
+    model.resize_token_embeddings(len(tokenizer))
+    stops = model.generation_config.eos_token_id
+    stops = [stops] if isinstance(stops, int) else list(stops or [])
+    model.generation_config.eos_token_id = list(dict.fromkeys([*stops, tokenizer.eos_token_id]))
+    save_model(model, tokenizer, out_dir)
 
 
 def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, trust_remote_code: bool = False) -> PreTrainedModel:

@@ -66,7 +66,7 @@ def trl_config(
     with it. A value TRL refuses fails naming `key` (the block's params key)."""
     import dataclasses
 
-    from rlhf.models import settings as model_settings
+    import rlhf.models.settings as model_settings
 
     if trust_remote_code and "trust_remote_code" in {f.name for f in dataclasses.fields(config_cls)}:
         extra["trust_remote_code"] = True
@@ -108,7 +108,7 @@ def trainer_loading(params: TrainingParams, trust_remote_code: bool, trainer_cls
     quantization (the trainer's `quantization_config` argument where it has one), and no
     device map unless quantized: the trainer places the model (TRL's "auto" would split it
     over the GPUs of one process)."""
-    from rlhf.models import settings as model_settings
+    import rlhf.models.settings as model_settings
     from rlhf.models.loading import init_kwargs
 
     settings = model_settings.current().merged(params.model)
@@ -173,15 +173,22 @@ class MLflowMetrics(TrainerCallback):
             )  # fmt: skip
 
 
+TRACKING_ENV = "RLHF_TRACKING"  # "off": train without MLflow (a machine without it, benchmarks)
+
+
 def tracking_callbacks() -> list[TrainerCallback]:
-    return [MLflowMetrics()]
+    """The trainers' callbacks: the curves to MLflow, unless RLHF_TRACKING=off (then MLflow
+    is never imported: a GPU machine without it runs the stages' training as it is)."""
+    import os
+
+    return [] if os.environ.get(TRACKING_ENV, "").lower() == "off" else [MLflowMetrics()]
 
 
 def fingerprint(config: Any, inputs: list[str | Path], context: Any = None) -> str:
     """A key for checkpoints: the resolved config, how the model loads (params `model`), the
     identity (size, mtime) of every input file, and `context` (other settings the run's steps depend on, e.g. the task a reward
     reads answers with). A restarted run with the same key resumes; any change starts afresh."""
-    from rlhf.models import settings as model_settings
+    import rlhf.models.settings as model_settings
 
     digest = hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode())
     loading = model_settings.current().merged(getattr(config, "model", None))
@@ -295,17 +302,20 @@ def train_resumable(trainer, stage: str, key: str) -> str | None:
 
 
 def training_resources(trainer) -> dict:
-    """What a run took beyond its steps: on a GPU its peak memory (GiB), and wherever the
-    trainer counts them, the tokens it trained on per second."""
+    """What a run took beyond its steps: on a GPU its peak memory (GiB, since the process's
+    last reset of the peak), and the tokens it trained on per second where the trainer
+    counts them (TRL's `num_tokens`)."""
     import torch
 
     measured = {}
     if torch.cuda.is_available():
         measured["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    tokens = getattr(trainer.state, "num_input_tokens_seen", 0) or 0
-    seconds = next((h["train_runtime"] for h in reversed(trainer.state.log_history) if "train_runtime" in h), None)
+    history = trainer.state.log_history
+    tokens = next((h["num_tokens"] for h in reversed(history) if "num_tokens" in h), None)
+    tokens = tokens or getattr(trainer.state, "num_input_tokens_seen", 0)
+    seconds = next((h["train_runtime"] for h in reversed(history) if "train_runtime" in h), None)
     if tokens and seconds:
-        measured["train_tokens_per_second"] = tokens / seconds
+        measured["train_tokens_per_second"] = float(tokens) / seconds
     return measured
 
 

@@ -70,8 +70,8 @@ def train_trl(
     and a table derived from pairs holds each prompt's chosen and rejected side by side)."""
     from datasets import Dataset
 
+    import rlhf.models.settings as model_settings
     from rlhf.data.contracts import read_prepared
-    from rlhf.models import settings as model_settings
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
     from rlhf.training.trainer_setup import (

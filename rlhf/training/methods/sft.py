@@ -76,8 +76,8 @@ def train_sft(
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    import rlhf.models.settings as model_settings
     from rlhf.data.contracts import read_prepared
-    from rlhf.models import settings as model_settings
     from rlhf.models.compute import is_main
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer

@@ -1,0 +1,243 @@
+"""GPU acceptance: a model of real size through the real stages' training on a GPU, next to
+the bare TRL trainers on the same model and data, in one process.
+
+The model is Qwen2.5-0.5B's architecture and shape built from its config with random
+weights (benchmarks/real_size.py; no model hub is reachable from the GPU machine either).
+Each run trains for `--steps` steps and reports its peak GPU memory (torch's allocator,
+reset before each run) and the tokens it trained on per second (TRL's `num_tokens` over its
+train_runtime):
+
+* sft: stage sft's training (stages.sft.run: rlhf.training.methods.sft) against TRL's
+  SFTTrainer, full fine-tuning in bf16 mixed precision;
+* dpo: stage policy@dpo's (stages.policy.run) against TRL's DPOTrainer, the same;
+* grpo: stage rl@grpo's against TRL's GRPOTrainer (HF generation, the answer reward);
+* sft-qlora: stage sft with params model.quantization {bits: 4} and LoRA against TRL's
+  SFTTrainer with the same BitsAndBytesConfig and LoRA, when bitsandbytes imports.
+
+The stages run as their `run()` with their params validated as in a stage process, and
+RLHF_TRACKING=off: the GPU machine has no MLflow (the stages' publishing, MLflow runs and
+DVC are not what this measures). On the device machine (torch, transformers, peft and
+accelerate there; TRL, datasets and pydantic carried as wheels, benchmarks/README.md):
+
+    python3 benchmarks/gpu_acceptance.py --out $OUT           # about 5 min on one H100
+    python benchmarks/gpu_acceptance.py --tiny --steps 2      # the same code on a CPU, in seconds (the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RLHF_TRACKING", "off")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+LORA = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
+
+
+def params_for(root: Path, model_dir: Path, steps: int, tiny: bool) -> dict:
+    """The project's params with this benchmark's model, data and budgets."""
+    import yaml
+
+    batch = 2 if tiny else 8
+    budget = {"max_steps": steps, "save_steps": 10_000, "logging_steps": 1, "per_device_train_batch_size": batch}
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["task"] = {"kind": "last_number"}
+    params["compute"]["dtype"] = "float32" if tiny else "bfloat16"
+    params["prepare"].update(
+        source="files",
+        files={
+            "sft": {"path": str(root / "raw/sft.jsonl")},
+            "prefs": {"path": str(root / "raw/prefs.jsonl")},
+            "eval_heldout": {"path": str(root / "raw/heldout.jsonl")},
+        },
+    )
+    params["base"]["model"] = str(model_dir)
+    params["sft"].update(budget, max_length=264, length_buckets=1, learning_rate=1e-5)
+    params["policy"]["offline"], params["policy"]["online"] = ["dpo"], ["grpo"]
+    params["policy"]["dpo"].update(budget, max_length=264)
+    params["policy"]["grpo"].update(
+        budget, num_generations=4, per_device_train_batch_size=4 * (2 if tiny else 8),
+        max_completion_length=8 if tiny else 64, rewards=[{"name": "answer_match"}],
+    )  # fmt: skip
+    return params
+
+
+def reset_peak() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def trainer_numbers(trainer, seconds: float) -> dict:
+    """Peak GPU memory and tokens per second of a bare TRL trainer's run."""
+    import torch
+
+    history = trainer.state.log_history
+    tokens = next((h["num_tokens"] for h in reversed(history) if "num_tokens" in h), None)
+    runtime = next((h["train_runtime"] for h in reversed(history) if "train_runtime" in h), seconds)
+    return {
+        "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "train_tokens_per_second": float(tokens) / runtime if tokens else None,
+        "steps": trainer.state.global_step,
+        "seconds": round(seconds, 1),
+    }
+
+
+def stage_numbers(metrics: dict, seconds: float) -> dict:
+    return {
+        "peak_gpu_memory_gib": metrics.get("peak_gpu_memory_gib"),
+        "train_tokens_per_second": metrics.get("train_tokens_per_second"),
+        "steps": metrics.get("steps"),
+        "seconds": round(seconds, 1),
+    }
+
+
+def bare(kind: str, params: dict, model_dir: Path, out: Path, quantized: bool = False, rewards=()) -> dict:
+    """TRL's trainer as a user calls it by hand, with the stage's settings."""
+    import pandas as pd
+    import torch
+    import trl
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    on_gpu = torch.cuda.is_available()
+    block = params["sft"] if kind.startswith("sft") else params["policy"][kind]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.padding_side = "left"
+    table = {"sft": "sft", "dpo": "prefs", "grpo": "prompts"}[kind.split("-")[0]]
+    dataset = Dataset.from_pandas(pd.read_parquet(out / f"data/prepared/{table}.parquet"), preserve_index=False)
+    common = dict(
+        output_dir=str(out / f"bare-{kind}"), max_steps=block["max_steps"], learning_rate=block["learning_rate"],
+        per_device_train_batch_size=block["per_device_train_batch_size"], logging_steps=1, save_strategy="no",
+        report_to=[], bf16=on_gpu, use_cpu=not on_gpu, seed=0,
+    )  # fmt: skip
+    loading = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    peft_config = None
+    if quantized:
+        loading = {"dtype": torch.bfloat16, "attn_implementation": "sdpa", "device_map": {"": 0 if on_gpu else "cpu"}}
+        loading["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )  # fmt: skip
+        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **loading)
+    if kind.startswith("sft"):
+        args = trl.SFTConfig(**common, max_length=block["max_length"], packing=False)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 peft_config=peft_config)  # fmt: skip
+    elif kind == "dpo":
+        args = trl.DPOConfig(**common, max_length=block["max_length"], beta=0.1, precompute_ref_log_probs=True)
+        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    else:
+        from rlhf.rewards.functions import build_rewards
+        from rlhf.tasks import TaskConfig, get_task
+
+        functions, weights = build_rewards(rewards, get_task(TaskConfig(kind="last_number")))
+        args = trl.GRPOConfig(
+            **common, num_generations=block["num_generations"], max_completion_length=block["max_completion_length"],
+            beta=0.0, temperature=0.7, reward_weights=weights,
+        )  # fmt: skip
+        trainer = trl.GRPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                  reward_funcs=functions)  # fmt: skip
+    reset_peak()
+    start = time.perf_counter()
+    trainer.train()
+    return trainer_numbers(trainer, time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--tiny", action="store_true", help="the micro model on a CPU: the code path, in seconds")
+    parser.add_argument("--out", type=Path, help="write gpu_acceptance.json here")
+    args = parser.parse_args()
+
+    import importlib.util
+
+    import torch
+    import yaml
+
+    from benchmarks.real_size import build_model, write_data
+
+    work = Path(tempfile.mkdtemp(prefix="gpu-acceptance-"))
+    model_dir = work / "model"
+    if args.tiny:
+        from rlhf.models.loading import build_tiny_model, build_tokenizer, save_model
+
+        tokenizer = build_tokenizer()
+        tokenizer.model_max_length = 1024
+        save_model(build_tiny_model("micro", tokenizer, 0, max_length=512), tokenizer, model_dir)
+    else:
+        build_model(model_dir)
+    write_data(work / "raw")
+    params = params_for(work, model_dir, args.steps, args.tiny)
+    os.chdir(work)
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    import rlhf.models.settings as model_settings
+    import stages
+    import stages.base
+    import stages.policy
+    import stages.prepare
+    import stages.sft
+    from rlhf.models.compute import current
+    from rlhf.tasks import get_task
+
+    loaded = stages.load_model_stage()
+    tables, _ = stages.prepare.run(loaded["prepare"], get_task(loaded["task"]))
+    (work / "data/prepared").mkdir(parents=True, exist_ok=True)
+    for name, frame in tables.items():
+        if not name.startswith("eval_"):
+            frame.to_parquet(work / f"data/prepared/{name}.parquet")
+    (work / "models/base").mkdir(parents=True)
+    stages.base.run(loaded["base"], work / "models/base")
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    results = {"device": device, "placement": str(current()), "steps": args.steps, "runs": {}}
+
+    def record(name: str, stage: dict, baseline: dict) -> None:
+        results["runs"][name] = {"stage": stage, "bare_trl": baseline}
+        print(f"{name}: stage {stage} | bare TRL {baseline}", flush=True)
+
+    reset_peak()
+    start = time.perf_counter()
+    metrics, _ = stages.sft.run(loaded["sft"], work / "models/base", work / "data/prepared/sft.parquet", work / "sft")
+    record("sft", stage_numbers(metrics, time.perf_counter() - start), bare("sft", params, model_dir, work))
+    # The policy stages start from the SFT model the stage just trained.
+    (work / "models/sft").symlink_to(work / "sft")
+    task = get_task(loaded["task"])
+    for method in ("dpo", "grpo"):
+        reset_peak()
+        start = time.perf_counter()
+        metrics, _ = stages.policy.run(loaded["policy"], task, method, work / f"policy-{method}")
+        baseline = bare(method, params, work / "sft", work, rewards=loaded["policy"].grpo.rewards)
+        record(method, stage_numbers(metrics, time.perf_counter() - start), baseline)
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        qlora = loaded["sft"].model_copy(update={"lora": loaded["sft"].lora.model_copy(update=LORA)})
+        model_settings.configure(loaded["model"], model_settings.ModelOverride(quantization={"bits": 4}))
+        reset_peak()
+        start = time.perf_counter()
+        metrics, _ = stages.sft.run(qlora, work / "models/base", work / "data/prepared/sft.parquet", work / "sft-q")
+        record("sft-qlora", stage_numbers(metrics, time.perf_counter() - start),
+               bare("sft-qlora", params, model_dir, work, quantized=True))  # fmt: skip
+    else:
+        results["runs"]["sft-qlora"] = "skipped: bitsandbytes does not import here"
+    print(json.dumps(results, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_acceptance.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
