@@ -62,7 +62,7 @@ def params_for(root: Path, model_dir: Path, steps: int, tiny: bool) -> dict:
     params["base"]["model"] = str(model_dir)
     params["sft"].update(budget, max_length=264, length_buckets=1, learning_rate=1e-5)
     params["policy"]["offline"], params["policy"]["online"] = ["dpo"], ["grpo"]
-    params["policy"]["dpo"].update(budget, max_length=264)
+    params["policy"]["dpo"].update(budget, max_length=264, sft_weight=0.0)  # plain DPO, as TRL's default
     params["policy"]["grpo"].update(
         budget, num_generations=4, per_device_train_batch_size=4 * (2 if tiny else 8),
         max_completion_length=8 if tiny else 64, rewards=[{"name": "answer_match"}],
@@ -103,8 +103,10 @@ def stage_numbers(metrics: dict, seconds: float) -> dict:
     }
 
 
-def bare(kind: str, params: dict, model_dir: Path, out: Path, quantized: bool = False, rewards=()) -> dict:
-    """TRL's trainer as a user calls it by hand, with the stage's settings."""
+def bare(kind: str, block, model_dir: Path, out: Path, quantized: bool = False, rewards=()) -> dict:
+    """TRL's trainer as a user calls it by hand, with the stage's settings: the params block's
+    own options (its `trl_args`, the same values the stage gives TRL), the same precision and
+    checkpointing, no saving, tracking or checks."""
     import pandas as pd
     import torch
     import trl
@@ -112,45 +114,37 @@ def bare(kind: str, params: dict, model_dir: Path, out: Path, quantized: bool = 
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+    from rlhf.training.trainer_setup import checkpointing_args
+
     on_gpu = torch.cuda.is_available()
-    block = params["sft"] if kind.startswith("sft") else params["policy"][kind]
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.padding_side = "left"
     table = {"sft": "sft", "dpo": "prefs", "grpo": "prompts"}[kind.split("-")[0]]
     dataset = Dataset.from_pandas(pd.read_parquet(out / f"data/prepared/{table}.parquet"), preserve_index=False)
-    common = dict(
-        output_dir=str(out / f"bare-{kind}"), max_steps=block["max_steps"], learning_rate=block["learning_rate"],
-        per_device_train_batch_size=block["per_device_train_batch_size"], logging_steps=1, save_strategy="no",
-        report_to=[], bf16=on_gpu, use_cpu=not on_gpu, seed=0,
-    )  # fmt: skip
+    config_cls = {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig}[kind.split("-")[0]]
+    own = {"output_dir": str(out / f"bare-{kind}"), "save_strategy": "no", "report_to": [], "bf16": on_gpu,
+           "use_cpu": not on_gpu, **checkpointing_args(config_cls, False)}  # fmt: skip
+    args = config_cls(**{**block.TRL_DEFAULTS, **block.trl_args(), **own})
     loading = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     peft_config = None
     if quantized:
-        loading = {"dtype": torch.bfloat16, "attn_implementation": "sdpa", "device_map": {"": 0 if on_gpu else "cpu"}}
+        half = torch.bfloat16 if on_gpu else torch.float32  # the compute dtype, as the stage loads a QLoRA base
+        loading = {"dtype": half, "attn_implementation": "sdpa", "device_map": {"": 0 if on_gpu else "cpu"}}
         loading["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_compute_dtype=half,
         )  # fmt: skip
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **loading)
-    if kind.startswith("sft"):
-        args = trl.SFTConfig(**common, max_length=block["max_length"], packing=False)
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                 peft_config=peft_config)  # fmt: skip
-    elif kind == "dpo":
-        args = trl.DPOConfig(**common, max_length=block["max_length"], beta=0.1, precompute_ref_log_probs=True)
-        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    else:
+    extra = {}
+    if kind == "grpo":
         from rlhf.rewards.functions import build_rewards
         from rlhf.tasks import TaskConfig, get_task
 
-        functions, weights = build_rewards(rewards, get_task(TaskConfig(kind="last_number")))
-        args = trl.GRPOConfig(
-            **common, num_generations=block["num_generations"], max_completion_length=block["max_completion_length"],
-            beta=0.0, temperature=0.7, reward_weights=weights,
-        )  # fmt: skip
-        trainer = trl.GRPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                  reward_funcs=functions)  # fmt: skip
+        extra["reward_funcs"] = build_rewards(rewards, get_task(TaskConfig(kind="last_number")))[0]
+    trainer_cls = {"sft": trl.SFTTrainer, "dpo": trl.DPOTrainer, "grpo": trl.GRPOTrainer}[kind.split("-")[0]]
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                          peft_config=peft_config, **extra)  # fmt: skip
     reset_peak()
     start = time.perf_counter()
     trainer.train()
@@ -213,7 +207,7 @@ def main() -> None:
     reset_peak()
     start = time.perf_counter()
     metrics, _ = stages.sft.run(loaded["sft"], work / "models/base", work / "data/prepared/sft.parquet", work / "sft")
-    record("sft", stage_numbers(metrics, time.perf_counter() - start), bare("sft", params, model_dir, work))
+    record("sft", stage_numbers(metrics, time.perf_counter() - start), bare("sft", loaded["sft"], model_dir, work))
     # The policy stages start from the SFT model the stage just trained.
     (work / "models/sft").symlink_to(work / "sft")
     task = get_task(loaded["task"])
@@ -221,7 +215,8 @@ def main() -> None:
         reset_peak()
         start = time.perf_counter()
         metrics, _ = stages.policy.run(loaded["policy"], task, method, work / f"policy-{method}")
-        baseline = bare(method, params, work / "sft", work, rewards=loaded["policy"].grpo.rewards)
+        block = getattr(loaded["policy"], method)
+        baseline = bare(method, block, work / "sft", work, rewards=loaded["policy"].grpo.rewards)
         record(method, stage_numbers(metrics, time.perf_counter() - start), baseline)
     if importlib.util.find_spec("bitsandbytes") is not None:
         qlora = loaded["sft"].model_copy(update={"lora": loaded["sft"].lora.model_copy(update=LORA)})
@@ -230,7 +225,7 @@ def main() -> None:
         start = time.perf_counter()
         metrics, _ = stages.sft.run(qlora, work / "models/base", work / "data/prepared/sft.parquet", work / "sft-q")
         record("sft-qlora", stage_numbers(metrics, time.perf_counter() - start),
-               bare("sft-qlora", params, model_dir, work, quantized=True))  # fmt: skip
+               bare("sft-qlora", qlora, model_dir, work, quantized=True))  # fmt: skip
     else:
         results["runs"]["sft-qlora"] = "skipped: bitsandbytes does not import here"
     print(json.dumps(results, indent=1))

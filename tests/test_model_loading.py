@@ -86,6 +86,24 @@ def test_load_causal_lm_follows_the_settings(micro_dir):
     assert {p.device.type for p in empty.parameters()} == {"meta"}
 
 
+@pytest.mark.slow
+def test_an_inference_stage_loads_a_4bit_model_that_generates(tmp_path):
+    """evaluate's or infer's `model: {quantization: {bits: 4}}`: the model loads quantized
+    (4-bit layers, bitsandbytes places it: no move afterwards) and generates. (builtin:tiny:
+    bitsandbytes' CPU kernel for one token at a time wants layers wider than the micro
+    model's 32.)"""
+    pytest.importorskip("bitsandbytes")
+    from rlhf.models.generation import generate
+    from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, load_tokenizer, save_model
+
+    tokenizer = build_tokenizer()
+    save_model(build_tiny_model("tiny", tokenizer, seed=0), tokenizer, tmp_path / "tiny")
+    model = load_causal_lm(tmp_path / "tiny", settings=ModelSettings(quantization={"bits": 4}))
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    [completion] = generate(model, load_tokenizer(tmp_path / "tiny"), ["1+2="], max_new_tokens=4)
+    assert isinstance(completion, str)
+
+
 def test_unknown_attention_and_quantization_without_adapters_are_named(tmp_path):
     """An attention implementation transformers does not have; quantized weights where a
     stage trains in full (sft without LoRA, PPO's value model, the PRM classifier's head):

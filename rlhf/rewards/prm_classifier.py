@@ -125,7 +125,7 @@ def build_dataset(tokenizer, rows, separator: str = DEFAULT_SEPARATOR, max_lengt
 
 def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str = "process reward model"):
     """A two-label token classifier from a model directory (a causal LM gets a new head)."""
-    from rlhf.models.compute import current
+    from rlhf.models.compute import current, sharded_launch
 
     path = check_model_dir(resolve_model_dir(path), what)
     unsupported = missing_classifier_type(path, trust_remote_code)
@@ -143,7 +143,7 @@ def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str 
     model = AutoModelForTokenClassification.from_pretrained(
         str(path), num_labels=2, id2label={BAD: "bad", GOOD: "good"}, label2id={"bad": BAD, "good": GOOD}, **kwargs
     )
-    return model.to(current().device)
+    return model if sharded_launch() else model.to(current().device)  # FSDP / ZeRO-3: accelerate shards it
 
 
 def prm_trainer(
