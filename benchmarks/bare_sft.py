@@ -1,6 +1,7 @@
 """The baseline of benchmarks/sft_overhead.py and benchmarks/real_size.py: TRL's SFTTrainer
 as a user would call it by hand, with the sft section of params.yaml (and its LoRA block,
-and the weights' dtype of params `model`) and nothing of ours (no validation, tracking,
+the weights' dtype and mixed precision as params `model` and `compute` give the stage) and
+nothing of ours (no validation, tracking,
 checkpoints, merge, metrics or plots).
 
     python benchmarks/bare_sft.py PROJECT_DIR
@@ -20,12 +21,16 @@ from trl import SFTConfig, SFTTrainer
 project = Path(sys.argv[1])
 params = yaml.safe_load((project / "params.yaml").read_text())
 p, lora = params["sft"], params["sft"].get("lora", {})
+compute = params.get("compute", {}).get("dtype", "auto")
+half = compute == "bfloat16"  # bf16 mixed precision (CPU autocast), as the stage trains with it
 dtype = params.get("model", {}).get("dtype", "auto")
+if dtype == "auto":  # as the stage loads: a LoRA base in the compute dtype, full fine-tuning in float32
+    dtype = "bfloat16" if half and lora.get("enabled") else "float32"
 base = project / "models/base"
 if (base / "pointer.json").is_file():  # a model of the user's own: stage base points to it
     base = Path(yaml.safe_load((base / "pointer.json").read_text())["path"])
 tokenizer = AutoTokenizer.from_pretrained(base)
-model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32 if dtype == "auto" else getattr(torch, dtype))
+model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
 dataset = Dataset.from_pandas(pd.read_parquet(project / "data/prepared/sft.parquet"), preserve_index=False)
 args = SFTConfig(
     output_dir=str(project / "bare-out"),
@@ -39,7 +44,7 @@ args = SFTConfig(
     seed=p["seed"],
     data_seed=p["seed"],
     use_cpu=True,
-    bf16=False,
+    bf16=half,
     activation_checkpointing=False,
     save_strategy="no",
     report_to=[],

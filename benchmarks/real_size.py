@@ -7,7 +7,8 @@ It prints:
 
 * the sft stage's peak memory above what its process held before it loaded the model
   (resident set, the same stage once with the base loaded in float32 and once in bfloat16:
-  params `model.dtype`), and their ratio;
+  params `compute.dtype` float32, or bfloat16 with bf16 mixed precision, the LoRA base in
+  that dtype), and their ratio;
 * the sft stage's wall time against the bare TRL script benchmarks/bare_sft.py with the
   same settings (model and its dtype, data, LoRA, steps, batch, lengths; it saves the
   adapter, the stage the adapter and the merged model), both whole processes, in one run,
@@ -16,8 +17,8 @@ It prints:
   loads with plain transformers;
 * policy@dpo's and evaluate's time and peak memory.
 
-    python benchmarks/real_size.py                 # 8 steps each (about 30 min on 2 cores)
-    python benchmarks/real_size.py --steps 4 --rounds 1
+    python benchmarks/real_size.py                 # 30 sft steps, 8 DPO steps (about 35 min on 2 cores)
+    python benchmarks/real_size.py --steps 8 --rounds 1
 
 The data are text rows of 256 characters (256 tokens of the built-in character tokenizer:
 2 x 256 tokens a step at batch 2). The model's embedding matrix has Qwen's size whatever
@@ -29,7 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,17 +126,23 @@ def project(work: Path, model_dir: Path, steps: int) -> Path:
 
 
 # What runs in each measured process: the heavy libraries imported first, the resident set
-# read, then the stage's main, then the peak (ru_maxrss: the process's whole life).
+# read, then the stage's main, then the peak. The peak is the process's own high-water mark
+# (VmHWM of /proc/self/status: its memory map's, new at exec), not getrusage's ru_maxrss,
+# which Linux carries over from the parent that forked the process.
 PROBE = """
-import json, resource, sys, time, psutil, runpy
+import json, sys, time, psutil, runpy
 import torch, transformers, trl, peft, datasets, mlflow  # imported before the baseline
+
+def high_water():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
 before = psutil.Process().memory_info().rss
 start = time.perf_counter()
 sys.argv = sys.argv[1:]
 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("PROBE " + json.dumps({"before": before, "peak": peak, "seconds": seconds}))
+print("PROBE " + json.dumps({"before": before, "peak": high_water(), "seconds": seconds}))
 """
 
 
@@ -148,7 +157,14 @@ def measured(args: list[str], cwd: Path, env: dict | None = None) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     probe = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PROBE "))[6:])
-    return {"wall": wall, "above": (probe["peak"] - probe["before"]) / 2**30, "peak": probe["peak"] / 2**30}
+    return {"wall": wall, "above": (probe["peak"] - probe["before"]) / 2**30, "peak": probe["peak"] / 2**30,
+            "train_runtime": train_runtime(done.stdout)}  # fmt: skip
+
+
+def train_runtime(stdout: str) -> float | None:
+    """TRL's own measure of its training loop (the last `train_runtime` it printed)."""
+    found = re.findall(r"'train_runtime': '([0-9.]+)'", stdout)
+    return float(found[-1]) if found else None
 
 
 def set_params(root: Path, update) -> None:
@@ -179,8 +195,9 @@ def check_outputs(root: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="stage/bare timing pairs, alternated")
+    parser.add_argument("--steps", type=int, default=30, help="sft steps")
+    parser.add_argument("--dpo-steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="stage/bare timing pairs, alternated")
     parser.add_argument("--keep", type=Path, help="work here and keep it (default: a temporary folder)")
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="real-size-"))
@@ -190,14 +207,17 @@ def main() -> None:
     if not (model_dir / "config.json").exists():
         build_model(model_dir)
     root = project(work, model_dir, args.steps)
+    set_params(root, lambda p: p["policy"]["dpo"].update(max_steps=args.dpo_steps))
     env["PYTHONPATH"] = str(root)
     for stage in ("stages.prepare", "stages.base"):
         measured([stage], root, env)
-    results: dict = {"steps": args.steps, "rows": f"2 x {ROW} tokens a step"}
+    results: dict = {"sft_steps": args.steps, "dpo_steps": args.dpo_steps, "rows": f"2 x {ROW} tokens a step"}
 
     memory = {}
+    # The LoRA base loads in the compute dtype (params model.dtype auto): float32, or
+    # bfloat16 with bf16 mixed precision (CPU autocast, as a GPU's).
     for dtype in ("float32", "bfloat16"):
-        set_params(root, lambda p, d=dtype: p["model"].update(dtype=d))
+        set_params(root, lambda p, d=dtype: p["compute"].update(dtype=d))
         memory[dtype] = measured(["stages.sft"], root, env)
         print(f"sft, base in {dtype}: {memory[dtype]['above']:.2f} GiB above the pre-load level, "
               f"{memory[dtype]['wall']:.0f} s")  # fmt: skip
@@ -206,16 +226,33 @@ def main() -> None:
     results["checks"] = check_outputs(root)
 
     # Time: the stage (bf16 base) against the bare TRL script, alternated, same settings.
-    stage_times, bare_times = [], []
+    stage_times, bare_times, stage_loops, bare_loops = [], [], [], []
     for _ in range(args.rounds):
-        stage_times.append(measured(["stages.sft"], root, env)["wall"])
+        run = measured(["stages.sft"], root, env)
+        stage_times.append(run["wall"])
+        stage_loops.append(run["train_runtime"])
         start = time.perf_counter()
         bare = [sys.executable, str(ROOT / "benchmarks/bare_sft.py"), str(root)]
-        subprocess.run(bare, cwd=root, env={**os.environ, **env}, check=True, capture_output=True)
+        done = subprocess.run(bare, cwd=root, env={**os.environ, **env}, check=True, capture_output=True, text=True)
         bare_times.append(time.perf_counter() - start)
-        print(f"sft stage {stage_times[-1]:.0f} s, bare TRL {bare_times[-1]:.0f} s")
-    results["sft_seconds"] = {"stage": [round(t, 1) for t in stage_times], "bare": [round(t, 1) for t in bare_times]}
-    results["sft_time_ratio_stage_to_bare"] = round(min(stage_times) / min(bare_times), 3)
+        bare_loops.append(train_runtime(done.stdout))
+        print(f"sft stage {stage_times[-1]:.0f} s (training loop {stage_loops[-1]:.0f} s), "
+              f"bare TRL {bare_times[-1]:.0f} s (training loop {bare_loops[-1]:.0f} s)")  # fmt: skip
+    median = statistics.median
+    results["sft_seconds"] = {
+        "stage": [round(t, 1) for t in stage_times],
+        "bare": [round(t, 1) for t in bare_times],
+        "stage_training_loop": stage_loops,
+        "bare_training_loop": bare_loops,
+    }
+    results["sft_time_ratio_stage_to_bare"] = {
+        "whole_process_median": round(median(stage_times) / median(bare_times), 3),
+        "whole_process_min": round(min(stage_times) / min(bare_times), 3),
+        "training_loop_median": round(median(stage_loops) / median(bare_loops), 3),
+        "fixed_cost_difference_s": round(
+            (median(stage_times) - median(stage_loops)) - (median(bare_times) - median(bare_loops)), 1
+        ),
+    }
 
     for name, command in (("policy@dpo", ["stages.policy", "dpo"]), ("evaluate", ["stages.evaluate"])):
         if name == "evaluate":

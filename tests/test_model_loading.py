@@ -271,3 +271,70 @@ def test_the_gpu_acceptance_script_runs_its_code_path_on_a_cpu(tmp_path):
         for side in ("stage", "bare_trl"):
             assert runs[name][side]["steps"] == 2, (name, side)
             assert runs[name][side]["train_tokens_per_second"] > 0, (name, side)
+
+
+def test_bf16_mixed_precision_on_a_cpu_only_when_asked():
+    """compute.dtype auto is float32 on a CPU: no mixed precision; bfloat16 asked for trains
+    in bf16 autocast there too (CPUs with bf16 instructions); float16 never on a CPU."""
+    import rlhf.models.compute as compute
+    from rlhf.training.trainer_setup import precision
+
+    try:
+        for dtype, expected in (("auto", False), ("bfloat16", True), ("float16", False)):
+            compute.configure(compute.ComputeConfig(device="cpu", dtype=dtype))
+            assert precision() == {"bf16": expected, "fp16": False}, dtype
+    finally:
+        compute.configure(None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dpo", "grpo"])
+def test_lora_in_bf16_mixed_precision_trains_with_one_copy_of_each_input(in_project, method):
+    """compute.dtype bfloat16 (here on the CPU's autocast): the LoRA base loads in bf16 and
+    the adapters read their inputs as autocast gives them (no float32 copy per adapted
+    layer) inside the loss, while GRPO's generation, outside it, keeps peft's casts; both
+    train and save a bf16 model, and the adapters cast again afterwards."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    import rlhf.models.compute as compute
+    import stages.base
+    import stages.policy
+    import stages.prepare
+    import stages.sft
+    from rlhf.tasks import get_task
+    from rlhf.training import trainer_setup
+    from stages import load_config
+
+    stages.prepare.main()
+    stages.base.main()
+    stages.sft.main()
+    config = load_config("policy")
+    updates = {"max_steps": 2, "per_device_train_batch_size": 4, "lora": {"enabled": True, "r": 4}}
+    if method == "grpo":
+        updates |= {"num_generations": 2, "max_completion_length": 4, "rewards": [{"name": "answer_match"}]}
+    params = type(getattr(config, method)).model_validate(updates)
+    config = config.model_copy(update={"online": ["grpo"] if method == "grpo" else [], method: params})
+    seen = []
+    original = trainer_setup.train_resumable
+
+    def capture(trainer, stage, key):
+        layers = [m for m in trainer.model.modules() if isinstance(m, BaseTunerLayer)]
+        seen.extend([trainer, layers])
+        try:
+            return original(trainer, stage, key)
+        finally:
+            seen.append([m.cast_input_dtype_enabled for m in layers])  # after every loss
+
+    trainer_setup.train_resumable = capture
+    compute.configure(compute.ComputeConfig(device="cpu", dtype="bfloat16"))
+    try:
+        metrics, _ = stages.policy.run(config, get_task(), method, in_project / "out")
+    finally:
+        compute.configure(None)
+        trainer_setup.train_resumable = original
+    trainer, layers, casts_after = seen
+    assert trainer.args.bf16 and metrics["steps"] == 2 and metrics["train_loss"] == metrics["train_loss"]
+    assert trainer.compute_loss.__name__ == "without_casts"
+    assert layers and all(casts_after)  # peft's casts are back outside the loss
+    assert {p.dtype for n, p in trainer.model.named_parameters()} == {torch.bfloat16}  # merged, saved in bf16

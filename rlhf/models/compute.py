@@ -7,14 +7,16 @@ a GPU, or to bfloat16, in one place:
   `cpu`, `cuda`, `cuda:<i>`, `mps`.
 * `dtype`: `auto`, `bfloat16`, `float16` or `float32`. `auto` is float32 on the CPU (half
   precision is slow or unsupported there) and on a GPU bfloat16 where the GPU supports it,
-  else float16.
+  else float16. `bfloat16` on a CPU trains in bf16 autocast (worth it on CPUs with bf16
+  instructions: AVX512-BF16, AMX).
 * `launcher`, `processes`, `accelerate_config`: how the training stages start
   (stages.launch): one process, or `processes` data-parallel ones under `torchrun` or
   `accelerate launch`. Rank 0 publishes (`is_main`): outputs, metrics, the MLflow run.
 
 Inference (evaluate, infer, the reward models and PRM, the greedy soup) loads weights in
-that dtype on that device. Training keeps float32 master weights and trains in mixed
-precision (TRL's `bf16` / `fp16` flags), as transformers' Trainer expects.
+that dtype on that device. Training trains in mixed precision in that dtype (TRL's `bf16` /
+`fp16` flags), over float32 master weights when it trains a model in full (params `model`,
+rlhf.models.settings, says in which dtype each kind of weights loads).
 
 The stage process sets the default once (`configure`) from its validated params; library
 functions read it (`current`) unless a caller passes its own. Light on purpose: torch is

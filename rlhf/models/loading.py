@@ -306,11 +306,13 @@ def check_finite(weights: dict, what: str) -> None:
         )
 
 
-def save_model(model, tokenizer, path: str | Path, state_dict: dict | None = None) -> None:
+def save_model(model, tokenizer, path: str | Path, state_dict: dict | None = None, checked: bool = False) -> None:
     """`model` (its weights, or `state_dict` when given: gathered weights of a sharded
     model) as safetensors, and `tokenizer`, into `path`; weights that are not finite are
-    refused (`check_finite`)."""
-    check_finite(state_dict if state_dict is not None else model.state_dict(), str(path))
+    refused (`check_finite`), unless the caller has `checked` what training changed (a
+    LoRA run: its adapter, before merging)."""
+    if not checked:
+        check_finite(state_dict if state_dict is not None else model.state_dict(), str(path))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)

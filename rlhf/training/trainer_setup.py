@@ -29,8 +29,12 @@ def use_cpu() -> bool:
 
 
 def precision() -> dict[str, bool]:
-    """Mixed-precision flags from params `compute.dtype` (none on the CPU)."""
-    return {"bf16": False, "fp16": False} if use_cpu() else current().training_precision()
+    """Mixed-precision flags from params `compute.dtype`. On the CPU only bfloat16, and only
+    when asked for (`auto` is float32 there): torch's CPU autocast has no float16, and
+    bfloat16 pays off only on CPUs with bf16 instructions (AVX512-BF16, AMX)."""
+    if use_cpu():
+        return {"bf16": current().dtype == "bfloat16", "fp16": False}
+    return current().training_precision()
 
 
 class TrainingConfigError(InputError, ValueError):
@@ -253,6 +257,27 @@ def final_weights(trainer) -> tuple[Any, dict | None]:
     return trainer.accelerator.unwrap_model(trainer.model), trainer.accelerator.get_state_dict(trainer.model)
 
 
+def adapters_without_casts(trainer) -> None:
+    """Under mixed precision, let LoRA adapters read their input as autocast gives it. peft
+    casts each adapter's input to the adapter's float32 before its matmul, and autocast casts
+    it back to the compute dtype, so every adapted layer keeps one more copy of its input for
+    the backward pass (seven per transformer block with `all-linear`). Without the cast the
+    adapter's matmul saves the very input its base layer saves; the matmul runs in the
+    compute dtype either way. Only inside `compute_loss`, which the Trainer runs under
+    autocast (GRPO's and RLOO's generation, outside it, keeps peft's casts)."""
+    if not (trainer.args.bf16 or trainer.args.fp16) or not hasattr(trainer.model, "peft_config"):
+        return
+    from peft.helpers import disable_input_dtype_casting
+
+    compute_loss = trainer.compute_loss
+
+    def without_casts(model, inputs, *args, **kwargs):
+        with disable_input_dtype_casting(model):
+            return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = without_casts
+
+
 def quantized(model) -> bool:
     """Whether `model` (or the base under its adapter) holds bitsandbytes-quantized weights."""
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)) or bool(
@@ -270,17 +295,21 @@ def save_trained(trainer, tokenizer, out_dir: Path, base_dir: Path) -> None:
     from rlhf.models.compute import is_main
     from rlhf.models.loading import merge_adapter, save_model
 
+    from rlhf.models.loading import check_finite
+
     model = trainer.model
     adapters = hasattr(model, "peft_config") and not sharded_weights(trainer)
+    if adapters:  # what training changed: the adapter (the base is as it loaded)
+        check_finite({n: p for n, p in model.named_parameters() if p.requires_grad}, str(out_dir))
     if adapters and is_main():
         model.save_pretrained(str(Path(out_dir) / ADAPTER_DIR), safe_serialization=True)
     if adapters and quantized(model):
         if is_main():
-            save_model(merge_adapter(base_dir, Path(out_dir) / ADAPTER_DIR), tokenizer, out_dir)
+            save_model(merge_adapter(base_dir, Path(out_dir) / ADAPTER_DIR), tokenizer, out_dir, checked=True)
         return
     weights, state_dict = final_weights(trainer)
     if is_main():  # the other processes of a multi-process launch trained the same weights
-        save_model(weights, tokenizer, out_dir, state_dict)
+        save_model(weights, tokenizer, out_dir, state_dict, checked=adapters)
 
 
 def train_resumable(trainer, stage: str, key: str) -> str | None:

@@ -75,6 +75,7 @@ def train_trl(
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
     from rlhf.training.trainer_setup import (
+        adapters_without_casts,
         checkpoint_dir,
         fingerprint,
         last_logged,
@@ -127,6 +128,7 @@ def train_trl(
         callbacks=tracking_callbacks(),
         **trainer_kwargs,
     )
+    adapters_without_casts(trainer)
     if on_trainer is not None:
         on_trainer(trainer)
     ewc = consolidate_on_sft(trainer.model, ewc_data, params, params.gradient_accumulation_steps, trainer)

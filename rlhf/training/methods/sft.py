@@ -83,6 +83,7 @@ def train_sft(
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
     from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenize_prompt_completion
     from rlhf.training.trainer_setup import (
+        adapters_without_casts,
         checkpoint_dir,
         discard_checkpoints,
         fingerprint,
@@ -154,6 +155,7 @@ def train_sft(
         **loader_kwargs,
         **extra,
     )
+    adapters_without_casts(trainer)
     consolidation = None
     if consolidating:
         from rlhf.training.ewc import consolidate, trainer_loss_scale
