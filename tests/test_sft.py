@@ -57,8 +57,8 @@ def test_sft_with_ewc_pulls_towards_its_start_and_a_max_length_no_earlier_row_fi
     """SFT with EWC (a round's method sft): the penalty is reported after training (the
     weights left their start). Earlier data none of whose prompts fits max_length fails
     before the model loads, naming the key (a round's train.max_length) and the file."""
-    from rlhf.training.params import EwcParams
     from rlhf.training.methods.sft import SFTDataError, train_sft
+    from rlhf.training.params import EwcParams
 
     data, earlier = tmp_path / "sft.parquet", tmp_path / "earlier.parquet"
     pd.DataFrame({"prompt": ["1+1\n", "2+2\n", "3+3\n", "4+4\n"], "completion": ["2", "4", "6", "8"]}).to_parquet(data)

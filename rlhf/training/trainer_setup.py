@@ -293,9 +293,7 @@ def save_trained(trainer, tokenizer, out_dir: Path, base_dir: Path) -> None:
     and the saved adapter merged into it, as QLoRA's users do. Every process of a launch
     calls it (a sharded gather needs them all); rank 0 writes."""
     from rlhf.models.compute import is_main
-    from rlhf.models.loading import merge_adapter, save_model
-
-    from rlhf.models.loading import check_finite
+    from rlhf.models.loading import check_finite, merge_adapter, save_model
 
     model = trainer.model
     adapters = hasattr(model, "peft_config") and not sharded_weights(trainer)
