@@ -43,7 +43,7 @@ class TrainingConfigError(InputError, ValueError):
 
 def checkpointing_args(config_cls, enabled: bool) -> dict[str, bool]:
     """Activation (gradient) checkpointing on or off, under the name the installed
-    transformers reads: `activation_checkpointing` from 5.18, `gradient_checkpointing`
+    transformers reads: `activation_checkpointing` from 5.23, `gradient_checkpointing`
     before (TRL's configs turn it on by default, so it is always given)."""
     import dataclasses
 
