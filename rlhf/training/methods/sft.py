@@ -203,8 +203,8 @@ def check_assistant_masking(tokenizer, section: str, base_dir: Path) -> None:
     if not tokenizer.chat_template:
         raise SFTDataError(
             f"{section}: the SFT data holds conversations (messages) but {where} has no chat template: add one "
-            "(set tokenizer.chat_template and save_pretrained it: chat_template.jinja), or give prompt/completion "
-            "text rows"
+            "with base.chat_template (chatml, a template TRL ships such as llama3, or a .jinja file), or give "
+            "prompt/completion text rows"
         )
     if has_generation_markers(tokenizer.chat_template):
         return
