@@ -10,6 +10,7 @@ Values already set by the user win (`setdefault`).
 
 from __future__ import annotations
 
+import logging
 import os
 
 QUIET_ENV = {
@@ -35,9 +36,18 @@ QUIET_ENV = {
 }
 
 
+# Loggers of other packages that repeat a warning in every stage's log without news for
+# the user: bitsandbytes, imported by peft and transformers whenever it is installed, warns
+# at import on a CPU that an optional 4-bit matmul kernel (the `kernels` package) is
+# missing; its own CPU path serves without it (tests/test_model_loading.py trains QLoRA).
+QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+
+
 def configure_environment() -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def hub_offline() -> bool:
