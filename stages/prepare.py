@@ -49,7 +49,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf.artifacts import atomic_dir, write_json
+from rlhf.artifacts import write_json
 from rlhf.data.contracts import looks_like_hub_dataset
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
@@ -208,106 +208,180 @@ def same_file(a: str | Path, b: str | Path) -> bool:
 
 
 def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
-    """The prepared tables (DataFrames) keyed by file name, and where each came from. User
-    files are validated in full first; then the human `feedback` pairs (a frame from
-    `read_feedback`, or None) are added to prefs, and the absent tables are derived or left
-    empty."""
+    """The prepared tables read back as frames, keyed by file name, and where each came from:
+    `prepare` into a temporary folder (for small data: tests, a look at what prepare makes)."""
+    import tempfile
+
+    from rlhf.data.contracts import read_prepared
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "prepared"
+        manifest = prepare(root, config, task, feedback)
+        tables = {name: read_prepared(table_path(root, name), "prepare") for name in manifest["rows"]}
+    # Missing values as None, as the rows were validated (Parquet's text columns read as NaN).
+    return {n: t.astype(object).where(t.notna(), None) for n, t in tables.items()}, manifest["origin"]
+
+
+def prepare(root: Path, config: Config, task, feedback=None) -> dict:
+    """Write every prepared table and the manifest into `root`, replacing it atomically; the
+    manifest. User files are read, validated and written one batch at a time (rlhf.data:
+    `contract_batches`, `TableWriter`), every row of every file validated before anything
+    is published: on any problem `root` is left as it was. Then the human `feedback` pairs
+    (a frame from `read_feedback`, or None) are added to prefs, and the absent tables are
+    derived (streaming the written tables) or left empty."""
     import pandas as pd
 
-    from rlhf.data.contracts import DataValidationError, as_conversation, load_contract
+    from rlhf.artifacts import atomic_dir
 
-    tables: dict = {}
-    origins: dict[str, str] = {}
-    if config.source == "builtin":
-        spec = TaskSpec(**config.builtin.model_dump(exclude={"sizes"}))
-        sizes = TaskSizes(**config.builtin.sizes)
-        for name, rows in generate_datasets(spec, sizes, config.seed).items():
-            tables[name], origins[name] = pd.DataFrame(rows), "builtin"
+    with atomic_dir(root) as tmp:
+        tables = Tables(tmp, config)
+        if config.source == "builtin":
+            spec = TaskSpec(**config.builtin.model_dump(exclude={"sizes"}))
+            sizes = TaskSizes(**config.builtin.sizes)
+            for name, rows in generate_datasets(spec, sizes, config.seed).items():
+                tables.write(name, pd.DataFrame(rows), "builtin")
+        write_files(tables, config, task)
+        if feedback is not None and len(feedback):
+            add_feedback(tables, feedback, config)
+        derive(tables, task, config)
+        check_one_format(tables)
+        manifest = {
+            "source": config.source,
+            "rows": {name: writer.rows for name, writer in tables.writers.items()},
+            "origin": {name: writer.origin for name, writer in tables.writers.items()},
+            # Eval prompts the training tables hold too, per suite and table.
+            "eval_overlap": eval_overlap(tables),
+            # The pairs of the labelling page's file (in prefs: added, or named in prepare.files).
+            "feedback": {"path": FEEDBACK_FILE.as_posix(), "rows": 0 if feedback is None else len(feedback)},
+        }
+        write_json(tmp / "manifest.json", manifest)
+    return manifest
+
+
+class Tables:
+    """The tables being written under `root`, by file name (`TableWriter`s). prefs and prm,
+    when their held-out table is to be derived, are staged first (keyed by prompt) and split
+    by `derive`."""
+
+    def __init__(self, root: Path, config: Config):
+        self.root, self.writers = root, {}
+        given = config.given()
+        self.staged = {name for name in ("prefs", "prm") if f"{name}_eval" not in given}
+
+    def writer(self, name: str, origin: str):
+        from rlhf.data.prepared import TableWriter
+
+        if name not in self.writers:
+            if name in self.staged:
+                self.writers[name] = TableWriter(self.root / f".{name}.all.parquet", origin, keyed=True)
+            else:
+                self.writers[name] = TableWriter(table_path(self.root, name), origin)
+        return self.writers[name]
+
+    def write(self, name: str, frame, origin: str) -> None:
+        self.writer(name, origin).write(frame, origin)
+
+    def path(self, name: str) -> Path:
+        return self.writers[name].path
+
+
+def write_files(tables: Tables, config: Config, task) -> None:
+    """Every user file, validated batch by batch and appended to its table; one
+    `DataValidationError` naming every problem of every file."""
+    from rlhf.data.contracts import DataValidationError, as_conversation, contract_batches
+
     errors = []
     for name, spec in config.files.items():
+        kind = kind_of(name)
+        answered = False
+        existing = tables.writers.get(name)
+        added = existing is not None and existing.rows > 0  # to the built-in table
+
+        def checks(batch, first_row, name=name, kind=kind, spec=spec):
+            problems = answer_problems(batch, task, first_row) if kind == "prompts" else []
+            if kind == "prm":
+                problems += step_problems(batch, task, f"prepare.files.{name}", first_row)
+            return problems
+
         try:
-            frame = load_contract(spec.path, kind_of(name), spec.columns, split=spec.split, config=spec.config)
-            if spec.chat:
-                frame = as_conversation(frame)
+            for batch in contract_batches(
+                spec.path, kind, spec.columns, split=spec.split, config=spec.config, checks=checks
+            ):
+                if spec.chat:
+                    batch = as_conversation(batch)
+                answered = answered or has_answers(batch)
+                if added and set(batch.columns) != set(existing.columns):
+                    raise DataValidationError(
+                        spec.path,
+                        [f"prepare.files.{name}: columns {sorted(batch.columns)} cannot be added to the built-in "
+                         f"table's {sorted(existing.columns)}; give the same format, or use source: files"],
+                    )  # fmt: skip
+                if not errors:  # after a problem, files are only validated
+                    tables.write(name, batch, str(spec.path))
         except DataValidationError as error:
             errors.append(error)
             continue
-        unreadable = answer_problems(frame, task) if kind_of(name) == "prompts" else []
-        if kind_of(name) == "prm":
-            unreadable += step_problems(frame, task, f"prepare.files.{name}")
-        if name.startswith(EVAL_PREFIX) and task.checks_answers and not has_answers(frame):
-            unreadable.append(
+        if name.startswith(EVAL_PREFIX) and task.checks_answers and not answered:
+            errors.append(DataValidationError(spec.path, [
                 f"prepare.files.{name}: no row has an answer, and task.kind {task.name!r} scores an eval suite by "
                 "its answers (accuracy, the gate's default tests): map the file's answer column "
                 f"(prepare.files.{name}.columns: {{answer: <column>}}), or choose task.kind none"
-            )
-        if unreadable:
-            errors.append(DataValidationError(spec.path, unreadable))
+            ]))  # fmt: skip
             continue
-        if name in tables:
-            if set(frame.columns) != set(tables[name].columns):
-                errors.append(
-                    DataValidationError(
-                        spec.path,
-                        [
-                            f"prepare.files.{name}: columns {sorted(frame.columns)} cannot be added to the built-in "
-                            f"table's {sorted(tables[name].columns)}; give the same format, or use source: files"
-                        ],
-                    )
-                )
-                continue
-            tables[name] = pd.concat([tables[name], frame], ignore_index=True)
-            origins[name] = f"builtin + {spec.path}"
-        else:
-            tables[name], origins[name] = frame, str(spec.path)
+        if added:
+            existing.origin = f"builtin + {spec.path}"
     if errors:
         problems = [f"{e.path}: {p}" for e in errors for p in e.problems]
-        raise DataValidationError(", ".join(e.path for e in errors), problems)
-    if feedback is not None and len(feedback):
-        add_feedback(tables, origins, feedback, config)
-    derive(tables, origins, task, config)
-    check_one_format(tables, origins)
-    return tables, origins
+        raise DataValidationError(", ".join(e.path for e in errors), problems, sum(e.unlisted for e in errors))
 
 
-def eval_overlap(tables: dict, origins: dict) -> dict:
+def eval_overlap(tables: Tables) -> dict:
     """Per eval suite, how many of its prompts each training table holds too (the model is
-    then scored on what it was trained on), printed; {} when none. The manifest keeps it."""
-    from rlhf.data.contracts import prompt_key
+    then scored on what it was trained on), printed; {} when none. The manifest keeps it.
+    The suites' prompt keys are held; the training tables are streamed."""
+    from rlhf.data.prepared import prepared_batches, prompt_hash, row_prompts
 
-    def prompts(table) -> set[str]:
-        if "messages" in table:  # a conversation's prompt: its turns before the last
-            return {prompt_key(list(m)[:-1]) for m in table["messages"]}
-        return {prompt_key(p) for p in table["prompt"]} if "prompt" in table else set()
-
-    training = {n: prompts(t) for n, t in tables.items() if not n.startswith(EVAL_PREFIX) and not n.endswith("_eval")}
+    suites = {}
+    for name, writer in tables.writers.items():
+        if name.startswith(EVAL_PREFIX) and writer.rows:
+            suites[name] = {prompt_hash(p) for batch in prepared_batches(writer.path, ["prompt"])
+                            for p in row_prompts(batch)}  # fmt: skip
+    if not suites:
+        return {}
+    every = set().union(*suites.values())
+    found: dict[str, set] = {}
+    for name, writer in tables.writers.items():
+        if name.startswith(EVAL_PREFIX) or name.endswith("_eval") or not writer.rows:
+            continue
+        column = "messages" if "messages" in (writer.columns or ()) else "prompt"
+        for batch in prepared_batches(writer.path, [column]):
+            found.setdefault(name, set()).update(k for k in map(prompt_hash, row_prompts(batch)) if k in every)
     overlap = {}
-    for suite in (n for n in tables if n.startswith(EVAL_PREFIX)):
-        held = prompts(tables[suite])
-        found = {n: len(held & keys) for n, keys in training.items() if held & keys}
-        if found:
-            overlap[suite] = found
-            listed = ", ".join(f"{count} in {n}" for n, count in found.items())
-            print(f"prepare: {suite} ({origins[suite]}): of its {len(held)} prompts, {listed}; a model trained on "
-                  "those is scored on what it was trained on")  # fmt: skip
+    for suite, held in suites.items():
+        counts = {n: len(held & keys) for n, keys in found.items() if held & keys}
+        if counts:
+            overlap[suite] = counts
+            listed = ", ".join(f"{count} in {n}" for n, count in counts.items())
+            print(f"prepare: {suite} ({tables.writers[suite].origin}): of its {len(held)} prompts, {listed}; a model "
+                  "trained on those is scored on what it was trained on")  # fmt: skip
     return overlap
 
 
-def check_one_format(tables: dict, origins: dict) -> None:
+def check_one_format(tables: Tables) -> None:
     """Every table the policy trains, samples or is evaluated on holds one format, text or
     messages (each file already does, by its contract): a policy trained through the chat
     template and sampled or scored without it (or the reverse) is quietly wrong. The PRM's
     tables may differ (its model may be another)."""
-    from rlhf.data.contracts import DataValidationError, value_format
+    from rlhf.data.contracts import DataValidationError
 
     formats: dict[str, list[str]] = {}
-    for name, table in tables.items():
-        if kind_of(name) == "prm" or not len(table):
+    for name, writer in tables.writers.items():
+        if kind_of(name) == "prm" or not writer.rows or writer.first_format is None:
             continue
-        column = "messages" if "messages" in table.columns else "prompt"
-        formats.setdefault(value_format(table[column].iloc[0]), []).append(name)
+        formats.setdefault(writer.first_format, []).append(name)
     if len(formats) < 2:
         return
+    origins = {name: writer.origin for name, writer in tables.writers.items()}
     sides = sorted(formats.items())
     listed = "; ".join(f"{fmt}: " + ", ".join(f"{n} ({origins[n]})" for n in names) for fmt, names in sides)
     files = [origins[n] for _, names in sides for n in names if Path(origins[n]).exists()]
@@ -325,34 +399,35 @@ def has_answers(frame) -> bool:
     return "answer" in frame and bool(frame["answer"].notna().any())
 
 
-def answer_problems(frame, task) -> list[str]:
+def answer_problems(frame, task, first_row: int = 0) -> list[str]:
     """The rows of a prompts table whose answer the task cannot read as a reference (a
     numeric task's answer that is not a number, a choice task's letter not among its
-    choices): caught here, not after a stage has sampled or evaluated for an hour."""
+    choices): caught here, not after a stage has sampled or evaluated for an hour.
+    `first_row`: the number of rows before `frame` in its file."""
     if not task.checks_answers or "answer" not in frame:
         return []
     problems = []
-    for index, answer in enumerate(frame["answer"]):
+    for index, answer in enumerate(frame["answer"], start=first_row + 1):
         if answer is None or (isinstance(answer, float) and answer != answer):
             continue
         try:
             task.reference_answer(answer)
         except ValueError as error:
-            problems.append(f"row {index + 1}: 'answer' {error}; correct it, or leave it empty (no answer)")
+            problems.append(f"row {index}: 'answer' {error}; correct it, or leave it empty (no answer)")
     return problems
 
 
-def step_problems(frame, task, key: str) -> list[str]:
+def step_problems(frame, task, key: str, first_row: int = 0) -> list[str]:
     """The rows of a step-labelled table with a step that holds the task's step separator:
     the PRM would learn those labels on these steps, and then score solutions split at the
     separator (best-of-N, MCTS, the rounds' checks), other steps than those labelled."""
     separator = task.step_separator
     problems = []
-    for index, steps in enumerate(frame["completions"]):
+    for index, steps in enumerate(frame["completions"], start=first_row + 1):
         split = [k for k, step in enumerate(steps) if separator in step.strip()]
         if split:
             problems.append(
-                f"row {index + 1}: step {split[0] + 1} holds the task's step separator {separator!r} "
+                f"row {index}: step {split[0] + 1} holds the task's step separator {separator!r} "
                 f"({_excerpt(steps[split[0]])}), so the PRM would score it as several steps; split it there "
                 f"(with a label for each), or set task.step_separator (the file: {key})"
             )
@@ -363,93 +438,148 @@ def _excerpt(text: str, chars: int = 40) -> str:
     return repr(text if len(text) <= chars else text[: chars - 3] + "...")
 
 
-def add_feedback(tables: dict, origins: dict, feedback, config: Config) -> None:
+def add_feedback(tables: Tables, feedback, config: Config) -> None:
     """The labelling page's pairs, added to prefs (or prefs itself when there is none);
     nothing when prepare.files already names the feedback file."""
-    import pandas as pd
-
-    from rlhf.data.contracts import DataValidationError
+    from rlhf.data.contracts import DataValidationError, value_format
 
     if any(same_file(spec.path, FEEDBACK_FILE) for spec in config.files.values() if Path(spec.path).exists()):
         return
     pairs = f"{len(feedback)} human feedback pair{'' if len(feedback) == 1 else 's'}"
     described = f"{FEEDBACK_FILE.as_posix()} ({pairs})"
-    prefs = tables.get("prefs")
-    if prefs is None:
-        tables["prefs"], origins["prefs"] = feedback.reset_index(drop=True), described
+    prefs = tables.writers.get("prefs")
+    if prefs is None or not prefs.rows:
+        tables.write("prefs", feedback.reset_index(drop=True), described)
+        tables.writers["prefs"].origin = described
         return
-    if len(prefs) and isinstance(prefs["prompt"].iloc[0], str) != isinstance(feedback["prompt"].iloc[0], str):
+    if prefs.first_format != value_format(feedback["prompt"].iloc[0]):
         raise DataValidationError(
             FEEDBACK_FILE,
             ["its prompts and those of the other preference pairs must both be text or both be messages"],
         )
-    tables["prefs"] = pd.concat([prefs, feedback], ignore_index=True)
-    origins["prefs"] = f"{origins['prefs']} + {described}"
+    prefs.write(feedback.reset_index(drop=True), str(FEEDBACK_FILE))
+    prefs.origin = f"{prefs.origin} + {described}"
 
 
-def derive(tables: dict, origins: dict, task, config: Config) -> None:
-    """Fill what the given tables imply (module docstring); leave the rest empty."""
+def held_out_keys(keys, share: float, seed: int):
+    """The prompt keys held out of a table whose rows have prompt `keys` (in row order):
+    whole prompts, drawn from `seed` in the order of their first row, until `share` of the
+    rows is held; at least one prompt stays. (the keys held, the rows held, the prompts)."""
     import numpy as np
+
+    distinct, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    order_of_appearance = np.argsort(first)
+    distinct, counts = distinct[order_of_appearance], counts[order_of_appearance]
+    order = np.random.default_rng(seed).permutation(len(distinct))
+    target, held_keys, held = max(1, round(share * len(keys))), [], 0
+    for index in order[:-1]:  # at least one prompt stays for training
+        if held >= target:
+            break
+        held_keys.append(distinct[index])
+        held += int(counts[index])
+    return np.sort(np.array(held_keys, dtype=np.uint64)), held, len(distinct)
+
+
+def split_staged(tables: Tables, name: str, what: str, config: Config) -> None:
+    """Split the staged table `name` into `name` and `<name>_eval` by whole prompts
+    (`held_out_keys`), streaming it."""
+    import numpy as np
+
+    from rlhf.data.contracts import DataValidationError
+    from rlhf.data.prepared import TableWriter, prepared_batches
+
+    staged = tables.writers[name]
+    staged.close()
+    origin = staged.origin
+    keys = staged.all_keys()
+    if len(keys) < 2:
+        raise DataValidationError(
+            origin, [f"one row cannot be split into {name} and {name}_eval: add rows, or give {name}_eval"]
+        )
+    # Whole prompts are held out: several pairs (solutions) of one prompt on both sides
+    # would score the held-out set on prompts the model was trained on.
+    held_keys, held, distinct = held_out_keys(keys, config.heldout_share, config.seed)
+    if distinct < 2:
+        raise DataValidationError(
+            origin, [f"every row has one prompt, which cannot be split into {name} and {name}_eval: give {name}_eval"]
+        )
+    kept = TableWriter(table_path(tables.root, name), origin)
+    out = TableWriter(table_path(tables.root, f"{name}_eval"), (
+        f"derived: {held} {what} of {len(held_keys)} prompts held out of {name} (heldout_share "
+        f"{config.heldout_share}; no prompt on both sides)"
+    ))  # fmt: skip
+    offset = 0
+    for batch in prepared_batches(staged.path):
+        mask = np.isin(keys[offset : offset + len(batch)], held_keys)
+        offset += len(batch)
+        out.write(batch[mask].reset_index(drop=True))
+        kept.write(batch[~mask].reset_index(drop=True))
+    for writer in (kept, out):
+        writer.close(staged.columns)
+    staged.path.unlink()
+    tables.writers[name], tables.writers[f"{name}_eval"] = kept, out
+
+
+def derive(tables: Tables, task, config: Config) -> None:
+    """Fill what the given tables imply (module docstring); leave the rest empty."""
     import pandas as pd
 
-    from rlhf.data.contracts import CONTRACTS, DataValidationError, prompt_key
+    from rlhf.data.contracts import CONTRACTS
+    from rlhf.data.prepared import prepared_batches
 
     for name, what in (("prefs", "pairs"), ("prm", "step-labelled solutions")):
-        table = tables.get(name)
-        if table is None or not len(table) or f"{name}_eval" in tables:
-            continue
-        if len(table) < 2:
-            raise DataValidationError(
-                origins[name], [f"one row cannot be split into {name} and {name}_eval: add rows, or give {name}_eval"]
-            )
-        # Whole prompts are held out: several pairs (solutions) of one prompt on both sides
-        # would score the held-out set on prompts the model was trained on.
-        keys = [prompt_key(p) for p in table["prompt"]]
-        distinct = list(dict.fromkeys(keys))
-        order = np.random.default_rng(config.seed).permutation(len(distinct))
-        if len(distinct) < 2:
-            raise DataValidationError(
-                origins[name],
-                [f"every row has one prompt, which cannot be split into {name} and {name}_eval: give {name}_eval"],
-            )
-        target, held_keys, held = max(1, round(config.heldout_share * len(table))), set(), 0
-        for index in order[:-1]:  # at least one prompt stays for training
-            if held >= target:
-                break
-            held_keys.add(distinct[index])
-            held += keys.count(distinct[index])
-        held_out = np.array([k in held_keys for k in keys])
-        tables[f"{name}_eval"] = table[held_out].reset_index(drop=True)
-        tables[name] = table[~held_out].reset_index(drop=True)
-        origins[f"{name}_eval"] = (
-            f"derived: {held} {what} of {len(held_keys)} prompts held out of {name} (heldout_share "
-            f"{config.heldout_share}; no prompt on both sides)"
-        )
-    prefs = tables.get("prefs")
-    if prefs is not None and len(prefs) and "unpaired" not in tables:
-        rows = [
-            {"prompt": r.prompt, "completion": completion, "label": label}
-            for r in prefs.itertuples(index=False)
-            for completion, label in ((r.chosen, True), (r.rejected, False))
-        ]
-        tables["unpaired"] = pd.DataFrame({c: pd.Series([r[c] for r in rows], dtype=object) for c in rows[0]})
-        origins["unpaired"] = "derived: prefs pairs as desirable / undesirable rows"
-    if "prompts" in tables and "answer" not in tables["prompts"]:
+        if name in tables.staged and name in tables.writers and tables.writers[name].rows:
+            split_staged(tables, name, what, config)
+        elif name in tables.writers and name in tables.staged:  # staged, but with no rows: an empty table
+            tables.writers[name].close()
+            tables.writers[name].path.unlink(missing_ok=True)
+            del tables.writers[name]
+    tables.staged = set()  # what is written from here on is final
+    for writer in tables.writers.values():
+        writer.close()
+    prefs = tables.writers.get("prefs")
+    if prefs is not None and prefs.rows and "unpaired" not in tables.writers:
+        unpaired = tables.writer("unpaired", "derived: prefs pairs as desirable / undesirable rows")
+        for batch in prepared_batches(prefs.path, ["prompt", "chosen", "rejected"]):
+            unpaired.write(pd.DataFrame({
+                "prompt": pd.Series([p for p in batch["prompt"] for _ in (0, 1)], dtype=object),
+                "completion": pd.Series([c for pair in zip(batch["chosen"], batch["rejected"]) for c in pair],
+                                        dtype=object),
+                "label": [label for _ in range(len(batch)) for label in (True, False)],
+            }))  # fmt: skip
+        unpaired.close()
+    if "prompts" in tables.writers and "answer" not in (tables.writers["prompts"].columns or ()):
         # The answer is optional in a prompts file; the stages that read the table find the
         # column, empty (the PRM's derived labels, the rounds' answer check then have none).
-        tables["prompts"]["answer"] = pd.Series([None] * len(tables["prompts"]), dtype=object)
-    if "prompts" not in tables:
-        tables["prompts"] = prompts_from_sft(tables["sft"], task)
-        answered = int(tables["prompts"]["answer"].notna().sum())
-        origins["prompts"] = f"derived: sft prompts, {answered} with an answer read by task {task.name!r}"
-        if task.checks_answers and not answered and len(tables["sft"]):
+        given = tables.writers.pop("prompts")
+        staged = given.path.with_name(".prompts.given.parquet")
+        given.path.rename(staged)
+        with_answers = tables.writer("prompts", given.origin)
+        for batch in prepared_batches(staged):
+            with_answers.write(batch.assign(answer=pd.Series([None] * len(batch), dtype=object)))
+        with_answers.close(("prompt", "answer"))
+        staged.unlink()
+    if "prompts" not in tables.writers:
+        sft = tables.writers.get("sft")
+        prompts = tables.writer("prompts", "")
+        answered = 0
+        if sft is not None and sft.rows:
+            for batch in sft_prompts(prepared_batches(sft.path), task):
+                answered += int(batch["answer"].notna().sum())
+                prompts.write(batch)
+        prompts.close(("prompt", "answer"))
+        prompts.origin = f"derived: sft prompts, {answered} with an answer read by task {task.name!r}"
+        sft_rows = sft.rows if sft is not None else 0
+        if task.checks_answers and not answered and sft_rows:
             if task.name == "builtin" and "sft" in config.files:
                 # The default kind left as it was with files of another task: the run would
                 # train, then fail the gate on the built-in format, pointing the wrong way.
+                from rlhf.data.contracts import DataValidationError
+
                 raise DataValidationError(
-                    origins["sft"],
+                    sft.origin,
                     [
-                        f"none of the {len(tables['sft'])} sft demonstrations ends with `answer N`, the answer "
+                        f"none of the {sft_rows} sft demonstrations ends with `answer N`, the answer "
                         "task.kind 'builtin' reads (the default: the built-in arithmetic task, whose format "
                         "`a+b=c; ...; answer N` the gate also tests): set task.kind to the kind that reads your "
                         "files' answers (gsm8k, math, last_number, regex, choice), or none"
@@ -460,57 +590,74 @@ def derive(tables: dict, origins: dict, task, config: Config) -> None:
             # writes no answer this task reads, and the answer rewards, rounds and the PRM's
             # derived labels have none (they fail at their stage).
             print(
-                f"prepare: warning: task.kind {task.name!r} reads no answer in any of the {len(tables['sft'])} sft "
+                f"prepare: warning: task.kind {task.name!r} reads no answer in any of the {sft_rows} sft "
                 "demonstrations: a model trained on them writes no answer it can check; set the task.kind that "
                 "reads your files' answers (gsm8k, math, last_number, regex, choice) or none"
             )
     for name, kind in FILE_KINDS.items():
-        if name not in tables:
-            columns = CONTRACTS[kind]["required"]
-            tables[name] = pd.DataFrame({c: pd.Series([], dtype=object) for c in columns})
-            origins[name] = (
+        if name not in tables.writers:
+            writer = tables.writer(name, (
                 "absent: stage prm derives step labels by rollouts, or give prepare.files.prm"
                 if kind == "prm"
                 else f"absent: give prepare.files.{DERIVED_FROM.get(name, name)}"
-            )
+            ))  # fmt: skip
+            writer.close(CONTRACTS[kind]["required"])
+    for writer in tables.writers.values():
+        writer.close()
 
 
 def prompts_from_sft(sft, task):
-    """One row per distinct sft prompt, with the reference answer the task reads from its
-    first demonstration (a prompt whose demonstrations state different answers is warned
-    of) (`Task.demonstration_answer`; None where it reads none, or for a task
-    with no checkable answers)."""
+    """`sft_prompts` of one SFT frame, as one frame."""
     import pandas as pd
 
-    prompts = []
-    if "messages" in sft.columns:
-        pairs = []
-        for messages in sft["messages"]:
-            if len(messages) >= 2 and messages[-1]["role"] == "assistant":
-                pairs.append((list(messages[:-1]), messages[-1]["content"]))
-    else:
-        pairs = list(zip(sft["prompt"], sft["completion"]))
-    first: dict[str, object] = {}  # each prompt's first answer, by its repr
-    conflicts: dict[str, set] = {}
-    for prompt, completion in pairs:
-        key = repr(prompt)
-        text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
-        answer = task.demonstration_answer(text) if task.checks_answers else None
-        if key in first:
-            if answer is not None and first[key] is not None and answer != first[key]:
-                conflicts.setdefault(key, {first[key]}).add(answer)
-            continue
-        first[key] = answer
-        prompts.append(prompt)
+    frames = list(sft_prompts([sft], task))
+    if not frames:
+        return pd.DataFrame({"prompt": pd.Series([], dtype=object), "answer": pd.Series([], dtype=object)})
+    return pd.concat(frames, ignore_index=True)
+
+
+def sft_prompts(batches, task):
+    """One row per distinct sft prompt of the SFT frames `batches`, with the reference answer
+    the task reads from its first demonstration (a prompt whose demonstrations state
+    different answers is warned of) (`Task.demonstration_answer`; None where it reads
+    none, or for a task with no checkable answers), a frame per batch. Holds a key and an
+    answer per distinct prompt."""
+    import pandas as pd
+
+    from rlhf.data.prepared import prompt_hash
+
+    first: dict[int, object] = {}  # each prompt's first answer, by its key
+    conflicts: dict[int, set] = {}
+    example: tuple[str, set] | None = None
+    for sft in batches:
+        if "messages" in sft.columns:
+            pairs = [(list(m[:-1]), m[-1]["content"]) for m in sft["messages"]
+                     if len(m) >= 2 and m[-1]["role"] == "assistant"]  # fmt: skip
+        else:
+            pairs = list(zip(sft["prompt"], sft["completion"]))
+        prompts, answers = [], []
+        for prompt, completion in pairs:
+            key = prompt_hash(prompt)
+            text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+            answer = task.demonstration_answer(text) if task.checks_answers else None
+            if key in first:
+                if answer is not None and first[key] is not None and answer != first[key]:
+                    conflicts.setdefault(key, {first[key]}).add(answer)
+                    if example is None or example[0] == repr(prompt):
+                        example = (repr(prompt), conflicts[key])
+                continue
+            first[key] = answer
+            prompts.append(prompt)
+            answers.append(answer)
+        if prompts:
+            yield pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "answer": pd.Series(answers, dtype=object)})
     if conflicts:
-        key, values = next(iter(conflicts.items()))
+        text, values = example
         print(
             f"prepare: warning: {len(conflicts)} sft prompt(s) have demonstrations with different answers (e.g. "
-            f"{key[:80]}: {', '.join(sorted(map(str, values)))}); prompts keeps the first, and the answer rewards and "
+            f"{text[:80]}: {', '.join(sorted(map(str, values)))}); prompts keeps the first, and the answer rewards and "
             "rounds count the others wrong: give prepare.files.prompts with the answer to check"
         )
-    answers = pd.Series(list(first.values()), dtype=object)
-    return pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "answer": answers})
 
 
 def table_path(root: Path, name: str) -> Path:
@@ -518,26 +665,6 @@ def table_path(root: Path, name: str) -> Path:
     if name.startswith(EVAL_PREFIX):
         return root / EVAL_DIR.relative_to(DATA_DIR) / f"{name[len(EVAL_PREFIX) :]}.parquet"
     return root / f"{name}.parquet"
-
-
-def write_prepared(root: Path, config: Config, tables: dict, origins: dict, feedback=None) -> dict:
-    """Every table as Parquet and the manifest, replacing `root` atomically; the manifest."""
-    manifest = {
-        "source": config.source,
-        "rows": {name: len(frame) for name, frame in tables.items()},
-        "origin": origins,
-        # Eval prompts the training tables hold too, per suite and table.
-        "eval_overlap": eval_overlap(tables, origins),
-        # The pairs of the labelling page's file (in prefs: added, or named in prepare.files).
-        "feedback": {"path": FEEDBACK_FILE.as_posix(), "rows": 0 if feedback is None else len(feedback)},
-    }
-    with atomic_dir(root) as tmp:
-        for name, frame in tables.items():
-            path = table_path(tmp, name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            frame.to_parquet(path, index=False)
-        write_json(tmp / "manifest.json", manifest)
-    return manifest
 
 
 def main() -> None:
@@ -550,11 +677,10 @@ def main() -> None:
     config = params["prepare"]
     with stage_run("prepare", config):
         feedback = read_feedback(FEEDBACK_FILE)
-        tables, origins = run(config, get_task(params["task"]), feedback=feedback)
-        manifest = write_prepared(DATA_DIR, config, tables, origins, feedback)
+        manifest = prepare(DATA_DIR, config, get_task(params["task"]), feedback=feedback)
         mlflow.log_metrics(numeric_metrics({"rows": manifest["rows"], "feedback_rows": manifest["feedback"]["rows"]}))
-        for name, frame in tables.items():
-            print(f"prepare: {name}: {len(frame)} rows ({origins[name]})")
+        for name, rows in manifest["rows"].items():
+            print(f"prepare: {name}: {rows} rows ({manifest['origin'][name]})")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,7 @@ def test_offline_rows_cut_at_max_length_are_counted_and_pairs_cut_alike_are_name
     (the prompt's length was passed as the whole row's), and pairs whose chosen and
     rejected differ only after the cut carried no preference unnoticed."""
     import pandas as pd
+    from datasets import Dataset
 
     from rlhf.models.loading import build_tokenizer
     from rlhf.training.trl_training import fitting_rows
@@ -132,6 +133,7 @@ def test_offline_rows_cut_at_max_length_are_counted_and_pairs_cut_alike_are_name
     )
     # max_length 16: prompts of 4 tokens leave 12; "1+2=3; answer 3" (15) is cut after "1+2=3; answe" in
     # both sides (alike), "3+4=7; ..." differs at its fifth token; the 12-token prompt fills 16 - room
+    table = Dataset.from_pandas(table, preserve_index=False)
     kept, counts = fitting_rows(table, tokenizer, 16, "policy.dpo.max_length", tmp_path / "prefs.parquet", room=5)
     assert counts == {"truncated_rows": 2, "dropped_rows": 1, "indistinct_pairs": 1}
     assert len(kept) == 2
@@ -165,6 +167,7 @@ def test_kto_rows_derived_from_pairs_are_not_read_side_by_side():
     answer, in the same order whatever policy.kto.seed. The stage reads them in an order
     drawn from the seed."""
     import pandas as pd
+    from datasets import Dataset
 
     from rlhf.training.trl_training import seeded_order
 
@@ -176,6 +179,7 @@ def test_kto_rows_derived_from_pairs_are_not_read_side_by_side():
         return sum(a == b for a, b in zip(prompts, prompts[1:] + prompts[:1])) / len(prompts)
 
     assert neighbours_alike(table) == 0.5
-    first, again, other = seeded_order(table, 0), seeded_order(table, 0), seeded_order(table, 1)
+    dataset = Dataset.from_pandas(table, preserve_index=False)
+    first, again, other = (seeded_order(dataset, seed).to_pandas() for seed in (0, 0, 1))
     assert neighbours_alike(first) < 0.05 and first.equals(again) and not first.equals(other)
     assert sorted(map(tuple, first.values.tolist())) == sorted(map(tuple, table.values.tolist()))

@@ -212,7 +212,7 @@ def test_prepare_adds_the_feedback_pairs_to_prefs(tmp_path, monkeypatch):
     import pandas as pd
 
     from rlhf.tasks import get_task
-    from stages.prepare import FEEDBACK_FILE, Config, read_feedback, run, write_prepared
+    from stages.prepare import FEEDBACK_FILE, Config, prepare, read_feedback, run
 
     monkeypatch.chdir(tmp_path)
     FEEDBACK_FILE.parent.mkdir(parents=True)
@@ -231,7 +231,7 @@ def test_prepare_adds_the_feedback_pairs_to_prefs(tmp_path, monkeypatch):
     tables, origins = run(config, get_task(), feedback=feedback)
     assert len(tables["prefs"]) == SIZES["prefs"] + 2 and len(tables["prefs_eval"]) == SIZES["prefs_eval"]
     assert origins["prefs"] == "builtin + data/raw/feedback_prefs.jsonl (2 human feedback pairs)"
-    manifest = write_prepared(tmp_path / "data/prepared", config, tables, origins, feedback)
+    manifest = prepare(tmp_path / "data/prepared", config, get_task(), feedback)
     prefs = pd.read_parquet(tmp_path / "data/prepared/prefs.parquet")
     assert prefs.tail(2).to_dict("records") == labelled
     written = json.loads((tmp_path / "data/prepared/manifest.json").read_text())

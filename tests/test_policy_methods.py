@@ -283,7 +283,7 @@ def test_simpo_and_orpo_train_on_the_prompt_tokens_generation_reads(method, bos_
                 "rejected": [turn("assistant", r) for r in table["rejected"]],
             }
         )
-    trainer_tokenizer, trained = without_forced_bos(tokenizer, table)
+    trainer_tokenizer, trained = without_forced_bos(tokenizer, Dataset.from_pandas(table, preserve_index=False))
     if method == "simpo":
         from trl.experimental.cpo import CPOConfig as Config
         from trl.experimental.cpo import CPOTrainer as Trainer
@@ -292,9 +292,7 @@ def test_simpo_and_orpo_train_on_the_prompt_tokens_generation_reads(method, bos_
         from trl.experimental.orpo import ORPOTrainer as Trainer
     args = Config(output_dir="unused", max_length=64, report_to=[], use_cpu=True)
     model = build_tiny_model("micro", tokenizer, seed=0)
-    trainer = Trainer(
-        model=model, args=args, train_dataset=Dataset.from_pandas(trained), processing_class=trainer_tokenizer
-    )
+    trainer = Trainer(model=model, args=args, train_dataset=trained, processing_class=trainer_tokenizer)
     for row, prompt in zip(trainer.train_dataset, table["prompt"]):
         read = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
         assert row["prompt_input_ids"] == read

@@ -66,7 +66,7 @@ def test_held_out_pairs_take_whole_prompts_and_eval_prompts_seen_in_training_are
     """Three pairs per prompt (UltraFeedback's layout): prefs_eval holds whole prompts, none
     of them in prefs. Eval problems the SFT file holds too are counted per suite and table
     in the manifest (`eval_overlap`) and printed: a model is scored on what it trained on."""
-    from stages.prepare import write_prepared
+    from stages.prepare import prepare
 
     pairs = [
         {"prompt": f"{a}+1?", "chosen": f"#### {a + 1}", "rejected": f"#### {a + b}"}
@@ -80,7 +80,7 @@ def test_held_out_pairs_take_whole_prompts_and_eval_prompts_seen_in_training_are
     tables, origins = run(config, GSM8K)
     held, kept = set(tables["prefs_eval"]["prompt"]), set(tables["prefs"]["prompt"])
     assert len(tables["prefs_eval"]) == 6 and len(held) == 2 and not held & kept
-    manifest = write_prepared(tmp_path / "prepared", config, tables, origins)
+    manifest = prepare(tmp_path / "prepared", config, GSM8K)
     assert manifest["eval_overlap"] == {"eval_heldout": {"sft": 1, "prompts": 1}}
 
 

@@ -31,7 +31,7 @@ import json
 import math
 import numbers
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -49,6 +49,11 @@ CONTRACTS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 MAX_LISTED_PROBLEMS = 25
+# Problems kept in full (each names file, row and field); past it a file's problems are
+# counted, so that a large file of bad rows does not fill the memory with messages.
+MAX_KEPT_PROBLEMS = 10_000
+# Rows read, validated and written at a time: a file of any size is held one batch at a time.
+BATCH_ROWS = 10_000
 SHOWN_CHARS = 60  # of a bad JSON line, in an error
 HH_ASSISTANT_TURN = "\n\nAssistant:"  # where an HH-RLHF prompt ends
 
@@ -56,29 +61,37 @@ HH_ASSISTANT_TURN = "\n\nAssistant:"  # where an HH-RLHF prompt ends
 class DataValidationError(InputError, ValueError):
     """A data file does not meet its contract. The message lists every problem found."""
 
-    def __init__(self, path: str | Path, problems: list[str]):
+    def __init__(self, path: str | Path, problems: list[str], unlisted: int = 0):
         self.path = str(path)
         self.problems = problems
+        self.unlisted = unlisted  # problems found but not kept (a large file: see MAX_KEPT_PROBLEMS)
         shown = problems[:MAX_LISTED_PROBLEMS]
-        more = len(problems) - len(shown)
-        lines = [f"{path}: {len(problems)} problem(s) found:"] + [f"  {p}" for p in shown]
+        more = len(problems) - len(shown) + unlisted
+        lines = [f"{path}: {len(problems) + unlisted} problem(s) found:"] + [f"  {p}" for p in shown]
         if more:
             lines.append(f"  ... and {more} more")
         super().__init__("\n".join(lines))
 
 
-def read_table(path: str | Path, *, split: str | None = None, config: str | None = None) -> pd.DataFrame:
-    """Rows of a JSONL, JSON, Parquet or CSV file, of a `datasets.save_to_disk` folder, or of
-    the Hugging Face Hub dataset `path` names (``owner/name``) when no such local path exists.
+def read_batches(
+    path: str | Path, *, split: str | None = None, config: str | None = None, batch_rows: int = BATCH_ROWS
+) -> Iterator[pd.DataFrame]:
+    """The rows of a JSONL, JSON, Parquet or CSV file, of a `datasets.save_to_disk` folder, or
+    of the Hugging Face Hub dataset `path` names (``owner/name``) when no such local path
+    exists, `batch_rows` at a time: JSONL, CSV and Parquet are read as they are iterated,
+    a saved or Hub dataset through its memory-mapped Arrow files; a JSON file (one array)
+    is parsed whole, so a large dataset is better given as JSON Lines.
 
     `split` picks the split of a Hub dataset or of a saved DatasetDict (default ``train``);
     a file or a saved Dataset has none, and naming one for it is an error (it would read
     the whole file as that split). `config` names a Hub dataset's configuration (e.g.
-    ``"main"`` for ``openai/gsm8k``)."""
+    ``"main"`` for ``openai/gsm8k``). Problems of the file as a whole fail before the
+    first batch; bad JSON lines fail after the last batch read before them, naming all."""
     local = Path(path)
     if not local.exists():
         if looks_like_hub_dataset(str(path)):
-            return _read_hub_dataset(str(path), split or "train", config)
+            yield from _arrow_batches(_hub_dataset(str(path), split or "train", config), batch_rows, str(path))
+            return
         raise DataValidationError(
             path,
             ["does not exist; check the path in params.yaml (prepare.files), or name a Hugging Face dataset as "
@@ -89,23 +102,20 @@ def read_table(path: str | Path, *, split: str | None = None, config: str | None
             local, [f"config {config!r}: a local file or folder has no configurations (a Hub dataset has); remove it"]
         )
     if local.is_dir():
-        return _read_saved_dataset(local, split)
+        yield from _arrow_batches(_saved_dataset(local, split), batch_rows, local)
+        return
     if split is not None:
         raise DataValidationError(
             local, [f"split {split!r}: a file has no splits (a Hub dataset or a saved DatasetDict has); remove it"]
         )
     suffix = local.suffix.lower()
+    readers = {".jsonl": _jsonl_batches, ".json": _json_batches, ".parquet": _parquet_batches, ".csv": _csv_batches}
+    if suffix not in readers:
+        raise DataValidationError(
+            local, [f"unsupported file type {suffix!r}; use one of {', '.join(FORMATS)} or a save_to_disk folder"]
+        )
     try:
-        if suffix == ".jsonl":
-            return _read_jsonl(local)
-        if suffix == ".json":
-            return _read_json(local)
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return _arrow_frame(pq.read_table(local))
-        if suffix == ".csv":  # an empty cell is a missing value, as JSON's null (not "" text)
-            return pd.read_csv(local, dtype=str, keep_default_na=False).replace({"": None})
+        yield from readers[suffix](local, batch_rows)
     except DataValidationError:
         raise
     except UnicodeDecodeError as error:
@@ -113,11 +123,16 @@ def read_table(path: str | Path, *, split: str | None = None, config: str | None
         raise DataValidationError(
             local, [f"is not UTF-8 text (byte 0x{byte} is not UTF-8: {error.reason}); save the file as UTF-8"]
         ) from error
-    except ValueError as error:
+    except ValueError as error:  # pandas' and pyarrow's parse errors (ArrowInvalid is a ValueError)
         raise DataValidationError(local, [f"cannot be parsed as {suffix}: {error}"]) from error
-    raise DataValidationError(
-        local, [f"unsupported file type {suffix!r}; use one of {', '.join(FORMATS)} or a save_to_disk folder"]
-    )
+
+
+def read_table(path: str | Path, *, split: str | None = None, config: str | None = None) -> pd.DataFrame:
+    """All rows of `path` in one frame (`read_batches`): for files known to be small."""
+    frames = list(read_batches(path, split=split, config=config))
+    if not frames:
+        raise DataValidationError(path, ["the file has no rows"])
+    return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
 
 
 def load_contract(
@@ -128,14 +143,47 @@ def load_contract(
     split: str | None = None,
     config: str | None = None,
 ) -> pd.DataFrame:
-    """Read `path` (see `read_table`), rename its columns onto the `kind` contract, validate
-    every row.
+    """Read `path` (see `read_batches`), rename its columns onto the `kind` contract, validate
+    every row, and return all of them in one frame (`contract_batches` holds one batch at a
+    time: for files of any size).
 
     `columns` maps contract names to the file's names, e.g. ``{"prompt": "question"}``.
     Returns only the contract's columns, with list and bool fields normalised (and, for a
     preference file without a prompt, the prompt split off chosen and rejected)."""
-    frame = read_table(path, split=split, config=config)
-    return validate_contract(frame, kind, path, columns)
+    frames = list(contract_batches(path, kind, columns, split=split, config=config))
+    return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+
+
+def contract_batches(
+    path: str | Path,
+    kind: str,
+    columns: Mapping[str, str] | None = None,
+    *,
+    split: str | None = None,
+    config: str | None = None,
+    batch_rows: int = BATCH_ROWS,
+    checks: Callable[[pd.DataFrame, int], list[str]] | None = None,
+) -> Iterator[pd.DataFrame]:
+    """The rows of `path` mapped onto the `kind` contract and validated, one batch at a time
+    (`read_batches`). A batch with a problem is not yielded; reading goes on to the end, and
+    then one `DataValidationError` names every problem of the file (row numbers count from
+    the file's first row). `checks(batch, first_row)`: further problems of a valid batch
+    (the caller's, e.g. answers its task cannot read), each starting ``row N:``."""
+    reader = ContractReader(kind, path, columns)
+    try:
+        for frame in read_batches(path, split=split, config=config, batch_rows=batch_rows):
+            first_row = reader.rows
+            batch = reader.batch(frame)
+            if batch is not None and checks is not None:
+                found = checks(batch, first_row)
+                reader.add_problems(found)
+                if found:
+                    batch = None
+            if batch is not None and not reader.problems:
+                yield batch
+    except DataValidationError as error:  # the file's own problems (bad JSON lines) after those of its rows
+        reader.add_problems(error.problems)
+    reader.finish()
 
 
 # ----------------------------------------------------------------------------- readers
@@ -146,26 +194,26 @@ def _shown(text: str) -> str:
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
-def _records_frame(path: Path, records: list) -> pd.DataFrame:
+def _records_frame(path: Path, records: list, first: int = 0) -> pd.DataFrame:
     """JSON records as a frame of object columns, so that values stay as parsed (an int
     answer beside a null one is not turned into 8.0), and a missing key reads as None."""
     problems = [
-        f"record {i + 1}: expected a JSON object {{...}}, got {type(record).__name__}"
+        f"record {first + i + 1}: expected a JSON object {{...}}, got {type(record).__name__}"
         for i, record in enumerate(records)
         if not isinstance(record, dict)
     ]
     if problems:
         raise DataValidationError(path, problems)
-    if not records:
-        raise DataValidationError(path, ["the file has no rows"])
     columns = list(dict.fromkeys(key for record in records for key in record))
     return pd.DataFrame({c: pd.Series([r.get(c) for r in records], dtype=object) for c in columns})
 
 
-def _read_jsonl(path: Path) -> pd.DataFrame:
+def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[pd.DataFrame]:
     """One JSON object per line; blank lines are skipped, and every bad line is reported
-    with its 1-based number and start (pandas' reader names neither)."""
-    records, problems = [], []
+    with its 1-based number and start (pandas' reader names neither). After a bad line no
+    more batches are yielded (the record numbers would no longer be the file's), but the
+    rest of the file is read for its bad lines."""
+    records, problems, unlisted = [], [], 0
     with open(path, encoding="utf-8-sig") as file:  # a byte-order mark (Windows editors) is dropped
         for number, line in enumerate(file, start=1):
             if not line.strip():
@@ -173,18 +221,27 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
             try:
                 record = json.loads(line.rstrip("\r\n"))  # so that a cut-short line errs on its own column
             except json.JSONDecodeError as error:
-                problems.append(f"line {number}: invalid JSON ({error.msg} at column {error.colno}): {_shown(line)}")
-                continue
-            if not isinstance(record, dict):
-                problems.append(f"line {number}: expected a JSON object {{...}}, got {type(record).__name__}")
-                continue
-            records.append(record)
+                problem = f"line {number}: invalid JSON ({error.msg} at column {error.colno}): {_shown(line)}"
+            else:
+                if isinstance(record, dict):
+                    if not problems and not unlisted:
+                        records.append(record)
+                        if len(records) == batch_rows:
+                            yield _records_frame(path, records)
+                            records = []
+                    continue
+                problem = f"line {number}: expected a JSON object {{...}}, got {type(record).__name__}"
+            if len(problems) < MAX_KEPT_PROBLEMS:
+                problems.append(problem)
+            else:
+                unlisted += 1
     if problems:
-        raise DataValidationError(path, problems)
-    return _records_frame(path, records)
+        raise DataValidationError(path, problems, unlisted)
+    if records:
+        yield _records_frame(path, records)
 
 
-def _read_json(path: Path) -> pd.DataFrame:
+def _json_batches(path: Path, batch_rows: int) -> Iterator[pd.DataFrame]:
     text = path.read_text(encoding="utf-8-sig")
     try:
         data = json.loads(text)
@@ -194,11 +251,38 @@ def _read_json(path: Path) -> pd.DataFrame:
         raise DataValidationError(
             path, [f"line {error.lineno} column {error.colno}: invalid JSON ({error.msg}) near {near!r}{hint}"]
         ) from error
+    del text
     if isinstance(data, dict):
         data = data.get("data", data)
     if not isinstance(data, list):
         raise DataValidationError(path, ["a .json file must hold a list of records (or {'data': [...]})"])
-    return _records_frame(path, data)
+    for start in range(0, len(data), batch_rows):
+        yield _records_frame(path, data[start : start + batch_rows], start)
+
+
+def _parquet_batches(path: Path, batch_rows: int) -> Iterator[pd.DataFrame]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as file:  # opened by Python: audit hooks see the read (read_prepared)
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=batch_rows):
+            yield _arrow_frame(pa.Table.from_batches([batch]))
+
+
+def _csv_batches(path: Path, batch_rows: int) -> Iterator[pd.DataFrame]:
+    # An empty cell is a missing value, as JSON's null (not "" text).
+    with pd.read_csv(path, dtype=str, keep_default_na=False, chunksize=batch_rows) as chunks:
+        for chunk in chunks:
+            yield chunk.replace({"": None}).reset_index(drop=True)
+
+
+def _arrow_batches(dataset, batch_rows: int, path) -> Iterator[pd.DataFrame]:
+    """A `datasets.Dataset` (memory-mapped Arrow files) in batches; `path` names it in errors."""
+    try:
+        for table in dataset.with_format("arrow").iter(batch_size=batch_rows):
+            yield _arrow_frame(table)
+    except (OSError, ValueError) as error:  # a data file missing or cut short (pyarrow's errors are ValueErrors)
+        raise DataValidationError(path, [f"cannot be read ({error}); save it again with `save_to_disk`"]) from error
 
 
 def _arrow_frame(table) -> pd.DataFrame:
@@ -208,7 +292,7 @@ def _arrow_frame(table) -> pd.DataFrame:
     return table.to_pandas(integer_object_nulls=True)
 
 
-def _read_saved_dataset(path: Path, split: str | None) -> pd.DataFrame:
+def _saved_dataset(path: Path, split: str | None):
     if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
         raise DataValidationError(
             path, ["a folder must be a `datasets.Dataset.save_to_disk` folder (no dataset_info.json found)"]
@@ -226,14 +310,14 @@ def _read_saved_dataset(path: Path, split: str | None) -> pd.DataFrame:
             raise DataValidationError(
                 path, [f"split {split!r}: this saved Dataset has no splits (a saved DatasetDict has); remove it"]
             )
-        table = dataset.with_format("arrow")[:]
+        dataset.with_format("arrow")[:1]  # a data file missing or cut short fails here, named
     except DataValidationError:
         raise
     except (OSError, ValueError) as error:  # a data file missing or cut short (pyarrow's errors are ValueErrors)
         raise DataValidationError(
             path, [f"cannot be read as a save_to_disk folder ({error}); save it again with `save_to_disk`"]
         ) from error
-    return _arrow_frame(table)
+    return dataset
 
 
 def looks_like_hub_dataset(name: str) -> bool:
@@ -250,7 +334,7 @@ def looks_like_hub_dataset(name: str) -> bool:
     return True
 
 
-def _read_hub_dataset(name: str, split: str, config: str | None) -> pd.DataFrame:
+def _hub_dataset(name: str, split: str, config: str | None):
     import datasets
     from datasets.exceptions import DatasetNotFoundError
 
@@ -271,7 +355,7 @@ def _read_hub_dataset(name: str, split: str, config: str | None) -> pd.DataFrame
         raise DataValidationError(name, [f"no local path {name!r}, and no {what} on the Hub: {error}"]) from error
     except (ValueError, FileNotFoundError) as error:  # an unknown config or split: datasets lists the valid ones
         raise DataValidationError(name, [f"cannot load the {what}: {error}"]) from error
-    return _arrow_frame(dataset.with_format("arrow")[:])
+    return dataset
 
 
 # ----------------------------------------------------------------------------- validation
@@ -291,106 +375,164 @@ def mapped_columns(frame: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFr
 def validate_contract(
     frame: pd.DataFrame, kind: str, path: str | Path, columns: Mapping[str, str] | None = None
 ) -> pd.DataFrame:
-    if kind not in CONTRACTS:
-        raise ValueError(f"unknown data contract {kind!r}; expected one of {sorted(CONTRACTS)}")
-    columns = dict(columns or {})
-    contract = CONTRACTS[kind]
-    if kind == "sft" and "messages" in frame.columns and "messages" not in columns.values():
-        columns.setdefault("messages", "messages")
-    problems: list[str] = []
-    fields = [*contract["required"], *contract["optional"], *(["messages"] if kind == "sft" else [])]
-    for target, source in columns.items():
-        if target not in fields:
-            problems.append(
-                f"column mapping {target!r} -> {source!r}: {target!r} is not a field of a {kind} file "
-                f"(fields: {list(dict.fromkeys(fields))})"
-            )
-        if source not in frame.columns:
-            problems.append(
-                f"column mapping {target!r} -> {source!r}: no column {source!r} (columns: {list(frame.columns)})"
-            )
-    frame = mapped_columns(frame, columns)
-    if kind == "preference" and repeated_prompt(frame):
-        frame = frame.drop(columns=["prompt"])  # the conversations hold it: split off below, as TRL does
-    implicit_prompt = kind == "preference" and "prompt" not in frame.columns and {"chosen", "rejected"} <= set(frame)
-    # Conversations: a `messages` column, and no prompt/completion pair beside it (UltraChat
-    # keeps its first user turn as `prompt` too: the conversation holds it).
-    if kind == "sft" and "messages" in frame.columns and not {"prompt", "completion"} <= set(frame.columns):
-        wanted: tuple[str, ...] = ("messages",)
-    elif implicit_prompt:
-        wanted = ("chosen", "rejected")
-    else:
-        wanted = contract["required"]
-    missing = [c for c in wanted if c not in frame.columns]
-    if missing:
-        problems.append(
-            f"missing column(s) {missing} for a {kind} file (columns: {list(frame.columns)}); "
-            "rename them or map them in params.yaml (prepare.files.<name>.columns)"
-        )
-    if problems:
-        raise DataValidationError(path, problems)
-    if len(frame) == 0:
-        raise DataValidationError(path, ["the file has no rows"])
+    """`frame` (a whole file's rows) mapped onto the `kind` contract and validated: the
+    normalised rows, or one `DataValidationError` naming every problem."""
+    reader = ContractReader(kind, path, columns)
+    batch = reader.batch(frame)
+    reader.finish()
+    return batch
 
-    keep = list(wanted) + [c for c in contract["optional"] if c in frame.columns]
-    frame = frame[keep].reset_index(drop=True)
-    for column in ("answer", "difficulty"):
-        if column in frame and str(frame[column].dtype) in ("float16", "float32"):
-            frame[column] = short_floats(frame[column])
-    checkers = {
-        "prompt": _check_text_or_messages,
-        "completion": _check_text_or_messages,
-        "chosen": _check_text_or_messages,
-        "rejected": _check_text_or_messages,
-        "messages": _check_conversation,
-        "label": _check_bool,
-        "completions": _check_str_list,
-        "labels": _check_bool_list,
-        "answer": _check_answer,
-        "difficulty": _check_answer,
-    }
-    normalised: dict[str, list] = {c: [] for c in keep}
-    prompts: list = []  # split off chosen and rejected, when the prompt is implicit
-    file_format: tuple[str, int] | None = None  # (format of the first good row, its number)
-    for index, row in enumerate(frame.itertuples(index=False)):
-        record = dict(zip(keep, row))
-        row_ok = True
-        for field in keep:
-            value, problem = checkers[field](record[field])
-            if problem:
-                problems.append(f"row {index + 1}: {field!r} {problem}")
-                row_ok = False
-            normalised[field].append(value)
-        if row_ok:
-            formats = _row_format(normalised, keep)
-            problem = _format_problem(formats, file_format)
-            if problem:
-                problems.append(f"row {index + 1}: {problem}")
-                row_ok = False
-            elif file_format is None and formats:
-                file_format = (next(iter(formats.values())), index + 1)
-        if kind == "prm" and row_ok and len(normalised["completions"][-1]) != len(normalised["labels"][-1]):
+
+CHECKERS = {  # field -> its check (defined below, under "field checks")
+    "prompt": lambda v: _check_text_or_messages(v),
+    "completion": lambda v: _check_text_or_messages(v),
+    "chosen": lambda v: _check_text_or_messages(v),
+    "rejected": lambda v: _check_text_or_messages(v),
+    "messages": lambda v: _check_conversation(v),
+    "label": lambda v: _check_bool(v),
+    "completions": lambda v: _check_str_list(v),
+    "labels": lambda v: _check_bool_list(v),
+    "answer": lambda v: _check_answer(v),
+    "difficulty": lambda v: _check_answer(v),
+}
+
+
+class ContractReader:
+    """Validates one file's rows against the `kind` contract, batch after batch: the column
+    mapping and layout are read off the first batch (every later batch is read the same
+    way), a row's number counts from the file's first row, and the file holds one format
+    (text or messages) across batches. Problems accumulate (`MAX_KEPT_PROBLEMS` kept, the
+    rest counted); `finish` raises them all."""
+
+    def __init__(self, kind: str, path: str | Path, columns: Mapping[str, str] | None = None):
+        if kind not in CONTRACTS:
+            raise ValueError(f"unknown data contract {kind!r}; expected one of {sorted(CONTRACTS)}")
+        self.kind, self.path, self.columns = kind, path, dict(columns or {})
+        self.rows = 0  # read so far
+        self.problems: list[str] = []
+        self.unlisted = 0
+        self.layout: tuple | None = None  # (columns mapped, drop the repeated prompt, implicit prompt, keep)
+        self.file_format: tuple[str, int] | None = None  # (format of the first good row, its number)
+        self.broken = False  # the file's columns do not fit: no row can be read
+
+    def add_problems(self, problems: list[str]) -> None:
+        room = MAX_KEPT_PROBLEMS - len(self.problems)
+        self.problems += problems[: max(room, 0)]
+        self.unlisted += max(len(problems) - max(room, 0), 0)
+
+    def finish(self) -> None:
+        if not self.problems and not self.unlisted and not self.rows:
+            self.problems.append("the file has no rows")
+        if self.problems or self.unlisted:
+            raise DataValidationError(self.path, self.problems, self.unlisted)
+
+    def _layout(self, frame: pd.DataFrame) -> tuple | None:
+        kind, contract, columns = self.kind, CONTRACTS[self.kind], self.columns
+        if kind == "sft" and "messages" in frame.columns and "messages" not in columns.values():
+            columns.setdefault("messages", "messages")
+        problems: list[str] = []
+        fields = [*contract["required"], *contract["optional"], *(["messages"] if kind == "sft" else [])]
+        for target, source in columns.items():
+            if target not in fields:
+                problems.append(
+                    f"column mapping {target!r} -> {source!r}: {target!r} is not a field of a {kind} file "
+                    f"(fields: {list(dict.fromkeys(fields))})"
+                )
+            if source not in frame.columns:
+                problems.append(
+                    f"column mapping {target!r} -> {source!r}: no column {source!r} (columns: {list(frame.columns)})"
+                )
+        mapped = mapped_columns(frame, columns)
+        drop_prompt = kind == "preference" and repeated_prompt(mapped)
+        if drop_prompt:  # the conversations hold it: split off below, as TRL does
+            mapped = mapped.drop(columns=["prompt"])
+        implicit = kind == "preference" and "prompt" not in mapped.columns and {"chosen", "rejected"} <= set(mapped)
+        # Conversations: a `messages` column, and no prompt/completion pair beside it (UltraChat
+        # keeps its first user turn as `prompt` too: the conversation holds it).
+        if kind == "sft" and "messages" in mapped.columns and not {"prompt", "completion"} <= set(mapped.columns):
+            wanted: tuple[str, ...] = ("messages",)
+        elif implicit:
+            wanted = ("chosen", "rejected")
+        else:
+            wanted = contract["required"]
+        missing = [c for c in wanted if c not in mapped.columns]
+        if missing:
             problems.append(
-                f"row {index + 1}: 'completions' has {len(normalised['completions'][-1])} steps but "
-                f"'labels' has {len(normalised['labels'][-1])}; give one label per step"
+                f"missing column(s) {missing} for a {kind} file (columns: {list(mapped.columns)}); "
+                "rename them or map them in params.yaml (prepare.files.<name>.columns)"
             )
-        if kind == "preference" and row_ok:
-            chosen, rejected = normalised["chosen"][-1], normalised["rejected"][-1]
-            problem = _pair_problem(chosen, rejected)
-            if not problem and implicit_prompt:
-                split, problem = split_implicit_prompt(chosen, rejected)
-                if split:
-                    prompts.append(split["prompt"])
-                    normalised["chosen"][-1], normalised["rejected"][-1] = split["chosen"], split["rejected"]
-            if problem:
-                problems.append(f"row {index + 1}: {problem}")
-    if problems:
-        raise DataValidationError(path, problems)
-    if implicit_prompt:
-        normalised = {"prompt": prompts, **normalised}
-    # object columns keep the normalised Python values: pandas >= 3 would otherwise infer a
-    # string dtype and turn a missing answer (None) into NaN.
-    return pd.DataFrame({c: pd.Series(values, dtype=object) for c, values in normalised.items()})
+        if problems:
+            self.add_problems(problems)
+            return None
+        keep = list(wanted) + [c for c in contract["optional"] if c in mapped.columns]
+        return drop_prompt, implicit, keep
+
+    def batch(self, frame: pd.DataFrame) -> pd.DataFrame | None:
+        """The batch's rows normalised, or None when it (or the file) has a problem."""
+        if self.broken or not len(frame):
+            return None
+        first_row = self.rows
+        self.rows += len(frame)
+        if self.layout is None:
+            self.layout = self._layout(frame)
+            if self.layout is None:
+                self.broken = True
+                return None
+        drop_prompt, implicit_prompt, keep = self.layout
+        frame = mapped_columns(frame, self.columns)
+        if drop_prompt and "prompt" in frame.columns:
+            frame = frame.drop(columns=["prompt"])
+        for column in keep:  # a field no row of this batch has (JSON Lines): missing in each row
+            if column not in frame.columns:
+                frame[column] = pd.Series([None] * len(frame), dtype=object, index=frame.index)
+        frame = frame[keep].reset_index(drop=True)
+        for column in ("answer", "difficulty"):
+            if column in frame and str(frame[column].dtype) in ("float16", "float32"):
+                frame[column] = short_floats(frame[column])
+        kind = self.kind
+        problems: list[str] = []
+        normalised: dict[str, list] = {c: [] for c in keep}
+        prompts: list = []  # split off chosen and rejected, when the prompt is implicit
+        checkers = [CHECKERS[field] for field in keep]
+        for index, row in enumerate(frame.itertuples(index=False), start=first_row + 1):
+            row_ok = True
+            for field, checker, raw in zip(keep, checkers, row):
+                value, problem = checker(raw)
+                if problem:
+                    problems.append(f"row {index}: {field!r} {problem}")
+                    row_ok = False
+                normalised[field].append(value)
+            if row_ok:
+                formats = _row_format(normalised, keep)
+                problem = _format_problem(formats, self.file_format)
+                if problem:
+                    problems.append(f"row {index}: {problem}")
+                    row_ok = False
+                elif self.file_format is None and formats:
+                    self.file_format = (next(iter(formats.values())), index)
+            if kind == "prm" and row_ok and len(normalised["completions"][-1]) != len(normalised["labels"][-1]):
+                problems.append(
+                    f"row {index}: 'completions' has {len(normalised['completions'][-1])} steps but "
+                    f"'labels' has {len(normalised['labels'][-1])}; give one label per step"
+                )
+            if kind == "preference" and row_ok:
+                chosen, rejected = normalised["chosen"][-1], normalised["rejected"][-1]
+                problem = _pair_problem(chosen, rejected)
+                if not problem and implicit_prompt:
+                    split, problem = split_implicit_prompt(chosen, rejected)
+                    if split:
+                        prompts.append(split["prompt"])
+                        normalised["chosen"][-1], normalised["rejected"][-1] = split["chosen"], split["rejected"]
+                if problem:
+                    problems.append(f"row {index}: {problem}")
+        if problems:
+            self.add_problems(problems)
+            return None
+        if implicit_prompt:
+            normalised = {"prompt": prompts, **normalised}
+        # object columns keep the normalised Python values: pandas >= 3 would otherwise infer a
+        # string dtype and turn a missing answer (None) into NaN.
+        return pd.DataFrame({c: pd.Series(values, dtype=object) for c, values in normalised.items()})
 
 
 TEXT_FIELDS = ("prompt", "completion", "chosen", "rejected", "messages")
@@ -617,14 +759,18 @@ def _check_answer(value):
     return text, "is empty" if not text else None
 
 
+def missing_prepared(path: Path, stage: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{stage} needs {path}, which prepare did not write: with prepare.source=files, add "
+        f"prepare.files.{path.stem}: {{path: ...}} to params.yaml (or use prepare.source: builtin)"
+    )
+
+
 def read_prepared(path: str | Path, stage: str) -> pd.DataFrame:
     """A table written by `prepare`, or an error that says how to provide it."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(
-            f"{stage} needs {path}, which prepare did not write: with prepare.source=files, add "
-            f"prepare.files.{path.stem}: {{path: ...}} to params.yaml (or use prepare.source: builtin)"
-        )
+        raise missing_prepared(path, stage)
     # Opened here, not by pyarrow, so that Python's audit hooks see the read (the
     # end-to-end test checks every file a stage reads against its DVC deps).
     with open(path, "rb") as file:

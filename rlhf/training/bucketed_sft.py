@@ -96,12 +96,27 @@ class LengthBucketedSFTTrainer(SFTTrainer):
 def tokenize_prompt_completion(tokenizer, prompts: list[str], completions: list[str]) -> Dataset:
     """`input_ids` and `completion_mask` of standard prompt/completion rows, as SFTTrainer
     builds them (see the module docstring)."""
+    rows = tokenized_rows({"prompt": prompts, "completion": completions}, tokenizer)
+    return Dataset.from_dict({"input_ids": rows["input_ids"], "completion_mask": rows["completion_mask"]})
+
+
+def tokenized_rows(batch: dict, tokenizer) -> dict:
+    """A batch of prompt/completion rows tokenized as SFTTrainer does (`input_ids`,
+    `completion_mask`), with each row's prompt and full length in tokens: a batched `map`
+    function, so that the tokens are cached with the dataset."""
     eos = tokenizer.eos_token
-    completions = [c if c.endswith(eos) else c + eos for c in completions]
+    prompts = batch["prompt"]
+    completions = [c if c.endswith(eos) else c + eos for c in batch["completion"]]
     prompt_ids = tokenizer(prompts)["input_ids"]
     full_ids = tokenizer([p + c for p, c in zip(prompts, completions)])["input_ids"]
-    masks = []
+    masks, starts = [], []
     for prompt, full in zip(prompt_ids, full_ids):
         start = common_prefix_length(prompt, full)
         masks.append([0] * start + [1] * (len(full) - start))
-    return Dataset.from_dict({"input_ids": full_ids, "completion_mask": masks})
+        starts.append(min(start, len(full)))
+    return {
+        "input_ids": full_ids,
+        "completion_mask": masks,
+        "prompt_tokens": starts,
+        "full_tokens": [len(full) for full in full_ids],
+    }

@@ -14,6 +14,14 @@ so a run whose reference model and data are unchanged loads the columns
 computing them. Hyperparameters that do not change the reference log-probs (beta, loss
 type, learning rate, steps) are not part of the key: that is the point of the cache.
 Entries are written atomically; deleting the folder only costs recomputation.
+
+Why TRL's own cache does not serve: TRL 1.16 keeps the result in the datasets cache under
+the dataset's fingerprint, and the prepared tables are memory-mapped (rlhf.data.prepared),
+so their fingerprints hold across runs; but DPO's filter of over-long prompts
+(`truncation_mode: keep_start`, its default) is a lambda over the whole config, so the
+fingerprint, and with it TRL's cache entry, changes with beta, the learning rate or any
+other option. The digest here is streamed over the rows (`table_digest`): a table of any
+size is hashed without being copied.
 """
 
 from __future__ import annotations
@@ -35,17 +43,33 @@ CACHE_DIR_ENV = "RLHF_REF_LOGPS_CACHE"  # overrides the caller's cache folder (t
 _TOKENISATION_ARGS = ("max_length", "max_prompt_length", "max_completion_length", "truncation_mode", "padding_free")
 
 
-def table_digest(table: pa.Table) -> str:
-    """sha256 of an Arrow table's content (its IPC serialisation)."""
-    sink = io.BytesIO()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return hashlib.sha256(sink.getvalue()).hexdigest()
+class _HashSink(io.RawIOBase):
+    """A write-only file that hashes what is written to it."""
+
+    def __init__(self):
+        self.hash = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        return len(data)
+
+
+def table_digest(dataset: Dataset, batch_rows: int = 10_000) -> str:
+    """sha256 of a dataset's rows (their Arrow IPC serialisation), as the dataset reads them
+    (an indices mapping applied), streamed a batch at a time: the table is never copied."""
+    sink = _HashSink()
+    with pa.ipc.new_stream(sink, dataset.features.arrow_schema) as writer:
+        for batch in dataset.with_format("arrow").iter(batch_size=batch_rows):
+            writer.write_table(batch.cast(dataset.features.arrow_schema))
+    return sink.hash.hexdigest()
 
 
 def cache_key(model_hash: str, dataset: Dataset, trainer: str, split: str, args) -> str:
     settings = {name: getattr(args, name, None) for name in _TOKENISATION_ARGS}
-    parts = [str(model_hash), table_digest(dataset.data.table), trainer, split, json.dumps(settings, sort_keys=True)]
+    parts = [str(model_hash), table_digest(dataset), trainer, split, json.dumps(settings, sort_keys=True)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 

@@ -68,10 +68,8 @@ def train_trl(
     `shuffle_rows`: the table in an order drawn from `params.seed`, for a trainer that
     reads it in file order (KTO: its KL term pairs each row with its neighbour in the batch,
     and a table derived from pairs holds each prompt's chosen and rejected side by side)."""
-    from datasets import Dataset
-
     import rlhf.models.settings as model_settings
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import prepared_dataset
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
     from rlhf.training.trainer_setup import (
@@ -92,22 +90,21 @@ def train_trl(
     start = job.start
     model_dir = check_model_dir(resolve_model_dir(start), start.as_posix())
     tokenizer = load_tokenizer(start, job.trust_remote_code)
-    table, counts = read_prepared(job.data, job.stage), {}
+    dataset, counts = prepared_dataset(job.data, job.stage), {}
     if fit_rows:
-        table, counts = fitting_rows(table, tokenizer, params.max_length, f"{job.key}.max_length", job.data)
+        dataset, counts = fitting_rows(dataset, tokenizer, params.max_length, f"{job.key}.max_length", job.data)
     if shuffle_rows:
-        table = seeded_order(table, params.seed)
+        dataset = seeded_order(dataset, params.seed)
     ewc_data = sft_ewc_examples(tokenizer, params, f"{job.key}.max_length", job.sft_data)
     trainer_tokenizer = tokenizer
     if forced_bos:
-        trainer_tokenizer, table = without_forced_bos(tokenizer, table)
+        trainer_tokenizer, dataset = without_forced_bos(tokenizer, dataset)
     config_cls, trainer_cls = trl_classes
     refuses_head = trainer_cls.__name__ in ("DPOTrainer", "KTOTrainer")  # they raise on an adapted lm_head
     params.lora.check_targets(empty_causal_lm(model_dir, job.trust_remote_code), f"{job.key}.lora.target_modules",
                               output_layer=not refuses_head)  # fmt: skip
     settings = model_settings.current().merged(params.model)
     quantized_lora_problem(settings, params, job.key)
-    dataset = Dataset.from_pandas(table, preserve_index=False)
     key = fingerprint(
         params,
         [start, job.data, *inputs, *([job.sft_data] if params.ewc.strength else [])],
@@ -186,8 +183,8 @@ def train_online(job: TrainingJob, params, trl_classes: tuple, trl_args: dict, o
     )
 
 
-def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: int = 1):
-    """(`table` without the rows whose prompt, tokenized as it is trained and sampled, leaves
+def fitting_rows(dataset, tokenizer, max_length: int, key: str, path: Path, room: int = 1):
+    """(`dataset` without the rows whose prompt, tokenized as it is trained and sampled, leaves
     fewer than `room` of `max_length` tokens for the completion, and the counts:
     `dropped_rows`, `truncated_rows` (kept rows whose longest response TRL cuts at
     max_length), and for pairs `indistinct_pairs`: those whose chosen and rejected are the
@@ -196,40 +193,68 @@ def fitting_rows(table, tokenizer, max_length: int, key: str, path: Path, room: 
     and ORPO cut their completions to nothing, whose mean log-prob is then 0/0 and turns
     every weight into NaN, and PPO's rollouts (room: max_new_tokens) would cut the prompt's
     start. None fitting is an error naming `key` (`length_report`, as SFT's). A response
-    given as messages is counted by its contents (its template's tokens left out)."""
-    from rlhf.models.generation import format_prompt
-    from rlhf.rewards.functions import completion_text
+    given as messages is counted by its contents (its template's tokens left out).
+
+    The lengths are a batched `map` over the (memory-mapped) dataset: cached with it, so a
+    rerun on the same table and tokenizer reads them back; only they are held."""
+    import numpy as np
+
     from rlhf.training.trainer_setup import length_report
 
-    def tokens(text) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    lengths = [len(tokens(format_prompt(tokenizer, p))) for p in table["prompt"]]
-    responses = [c for c in ("chosen", "rejected", "completion") if c in table]
-    answers = {c: [tokens(completion_text(r)) for r in table[c]] for c in responses}
-    full = [n + max((len(answers[c][i]) + 1 for c in responses), default=0) for i, n in enumerate(lengths)]
-    keep = [n + room <= max_length for n in lengths]
-    counts = length_report(list(zip(lengths, full)), keep, max_length, key, path, room)
-    if "chosen" in answers and "rejected" in answers:
-        counts["indistinct_pairs"] = sum(
-            kept and chosen[: max_length - n] == rejected[: max_length - n]
-            for kept, n, chosen, rejected in zip(keep, lengths, answers["chosen"], answers["rejected"])
-        )
+    pairs = {"chosen", "rejected"} <= set(dataset.column_names)
+    measured = dataset.map(
+        row_lengths,
+        batched=True,
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+        remove_columns=dataset.column_names,
+        desc="Counting tokens",
+    )
+    prompt_tokens, full_tokens = measured["prompt_tokens"], measured["full_tokens"]
+    keep = np.array([n + room <= max_length for n in prompt_tokens], dtype=bool)
+    counts = length_report(list(zip(prompt_tokens, full_tokens)), keep.tolist(), max_length, key, path, room)
+    if pairs:
+        counts["indistinct_pairs"] = int(np.sum(keep & np.array(measured["indistinct"], dtype=bool)))
         if counts["indistinct_pairs"]:
             print(
                 f"{key} {max_length}: {counts['indistinct_pairs']} pairs of {path} have chosen and rejected alike up "
                 f"to where max_length cuts them: they carry no preference; raise {key}"
             )
-    return table[keep].reset_index(drop=True), counts
+    if keep.all():
+        return dataset, counts
+    return dataset.select(np.flatnonzero(keep)), counts
 
 
-def seeded_order(table, seed: int):
-    """`table`'s rows in an order drawn from `seed` (the same for the same seed)."""
-    return table.sample(frac=1.0, random_state=seed).reset_index(drop=True)
+def row_lengths(batch: dict, tokenizer, max_length: int) -> dict:
+    """`fitting_rows`' counts of a batch of rows: prompt tokens (as sampled: `format_prompt`),
+    prompt + longest response (+1 for EOS), and whether chosen and rejected are the same
+    tokens where max_length cuts them."""
+    from rlhf.models.generation import format_prompt
+    from rlhf.rewards.functions import completion_text
+
+    def tokens(texts: list) -> list[list[int]]:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    prompts = tokens([format_prompt(tokenizer, p) for p in batch["prompt"]])
+    lengths = [len(p) for p in prompts]
+    responses = [c for c in ("chosen", "rejected", "completion") if c in batch]
+    answers = {c: tokens([completion_text(r) for r in batch[c]]) for c in responses}
+    full = [n + max((len(answers[c][i]) + 1 for c in responses), default=0) for i, n in enumerate(lengths)]
+    out = {"prompt_tokens": lengths, "full_tokens": full}
+    if "chosen" in answers and "rejected" in answers:
+        out["indistinct"] = [
+            chosen[: max_length - n] == rejected[: max_length - n]
+            for n, chosen, rejected in zip(lengths, answers["chosen"], answers["rejected"])
+        ]
+    return out
 
 
-def without_forced_bos(tokenizer, table):
-    """(a tokenizer for TRL's CPO and ORPO trainers, `table` for them). Those trainers put a
+def seeded_order(dataset, seed: int):
+    """`dataset`'s rows in an order drawn from `seed` (the same for the same seed)."""
+    return dataset.shuffle(seed=seed)
+
+
+def without_forced_bos(tokenizer, dataset):
+    """(a tokenizer for TRL's CPO and ORPO trainers, `dataset` for them). Those trainers put a
     BOS before every prompt that does not start with one, whatever the tokenizer's default;
     the pipeline samples and scores a prompt as the tokenizer's default (and DPO, KTO and
     SFT) reads it (`format_prompt`). So they get a copy of the tokenizer without a BOS
@@ -240,20 +265,25 @@ def without_forced_bos(tokenizer, table):
     and the trained prompt would lack the BOS that sampling puts there."""
     import copy
 
-    import pandas as pd
     from trl.data_utils import maybe_apply_chat_template
 
     from rlhf.models.generation import text_start
 
-    chat = len(table) and not isinstance(table["prompt"].iloc[0], str)
+    chat = len(dataset) and not isinstance(dataset[0]["prompt"], str)
     if chat:  # the template writes whatever BOS it wants: nothing more is put before it
-        table = pd.DataFrame([maybe_apply_chat_template(row, tokenizer) for row in table.to_dict("records")])
+        dataset = dataset.map(
+            maybe_apply_chat_template, fn_kwargs={"processing_class": tokenizer}, desc="Chat template"
+        )
     start = "" if chat else text_start(tokenizer)
     trainer_tokenizer = copy.deepcopy(tokenizer)
     trainer_tokenizer.bos_token = None
     if start:
-        table = table.assign(prompt=[start + p if isinstance(p, str) else p for p in table["prompt"]])
-    return trainer_tokenizer, table
+        dataset = dataset.map(prefixed_prompt, fn_kwargs={"start": start}, desc="BOS in the prompt text")
+    return trainer_tokenizer, dataset
+
+
+def prefixed_prompt(row: dict, start: str) -> dict:
+    return {"prompt": start + row["prompt"] if isinstance(row["prompt"], str) else row["prompt"]}
 
 
 def sft_ewc_examples(tokenizer, params, key: str, sft_data: Path | None):

@@ -98,7 +98,8 @@ def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     dtype); the policy and the value model load for training."""
     import mlflow
 
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.contracts import plain_messages
+    from rlhf.data.prepared import prepared_dataset
     from rlhf.models.compute import world_size
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
     from rlhf.rewards.ensemble import member_dirs
@@ -111,8 +112,9 @@ def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     trust, start, key = job.trust_remote_code, job.start, job.key
     tokenizer = load_tokenizer(start, trust)
     # A prompt must leave max_new_tokens of max_length: the rollouts would cut its start.
-    table, counts = fitting_rows(read_prepared(job.data, job.stage), tokenizer, params.max_length,
-                                 f"{key}.max_length", job.data, room=params.max_new_tokens)  # fmt: skip
+    prompts, counts = fitting_rows(prepared_dataset(job.data, job.stage), tokenizer, params.max_length,
+                                   f"{key}.max_length", job.data, room=params.max_new_tokens)  # fmt: skip
+    table = plain_messages(prompts.to_pandas())  # the rollouts' prompts: our loop reads a frame
     ewc_data = sft_ewc_examples(tokenizer, params, f"{key}.max_length", job.sft_data)
     what = start.as_posix()
     policy = load_causal_lm(start, trust, what=what, training=True, adapters=params.lora.enabled)

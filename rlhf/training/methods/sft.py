@@ -2,9 +2,9 @@
 on the completion only (prompt/completion data) or on the assistant turns only
 (conversational data, through the chat template's generation markers), each batch run as
 length-sorted sub-batches (rlhf.training.bucketed_sft: the same loss, less padding),
-optionally with elastic weight consolidation (rlhf.training.ewc). With TRL's `packing`
-(`trl: {packing: true}`, for a GPU with FlashAttention or SDPA) TRL's own trainer runs
-instead: packing removes the padding the sub-batches save.
+optionally with elastic weight consolidation (rlhf.training.ewc). When SFT packs its
+examples (`packs`: by default on a CUDA GPU, or `trl: {packing: true}`) TRL's own trainer
+runs instead: packing removes the padding the sub-batches save.
 
 Checkpoints go to <checkpoints>/<stage>/<fingerprint>/ every `save_steps`; a killed run
 restarted with the same params and inputs resumes from the last one. Stage sft, the
@@ -73,15 +73,16 @@ def train_sft(
     TRL cuts their end, EOS included), rows with no completion token left are left out
     (`dropped_rows`), and conversational rows with `loss_on: completion` need a chat
     template whose assistant turns TRL can mask (`check_assistant_masking`)."""
-    from datasets import Dataset
+    import numpy as np
     from trl import SFTConfig, SFTTrainer
 
     import rlhf.models.settings as model_settings
     from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import prepared_dataset
     from rlhf.models.compute import is_main
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
-    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenize_prompt_completion
+    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenized_rows
     from rlhf.training.trainer_setup import (
         adapters_without_casts,
         checkpoint_dir,
@@ -101,21 +102,23 @@ def train_sft(
 
     section = section or stage
     tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
-    table = read_prepared(data, "sft")
-    conversational = "messages" in table.columns
+    dataset = prepared_dataset(data, "sft")  # memory-mapped: each map below is cached with it
+    conversational = "messages" in dataset.column_names
     only_target = config.loss_on == "completion"
     if conversational and only_target:
         check_assistant_masking(tokenizer, section, base_dir)
-    if conversational or not isinstance(table["prompt"].iloc[0], str):
-        lengths = chat_lengths(tokenizer, table)
-        fits = [prompt < config.max_length for prompt, _ in lengths]
-        dataset = Dataset.from_pandas(table[fits].reset_index(drop=True), preserve_index=False)
-    else:  # tokenised here in one batched call, to the ids TRL would make row by row
-        dataset = tokenize_prompt_completion(tokenizer, table["prompt"].tolist(), table["completion"].tolist())
-        lengths = [(mask.index(1) if 1 in mask else len(mask), len(mask)) for mask in dataset["completion_mask"]]
-        fits = [prompt < config.max_length for prompt, _ in lengths]
-        dataset = dataset.select([i for i, keep in enumerate(fits) if keep])
-    lost = length_report(lengths, fits, config.max_length, f"{section}.max_length", data)
+    if conversational or not isinstance(dataset[0]["prompt"], str):
+        measured = dataset.map(chat_lengths, batched=True, fn_kwargs={"tokenizer": tokenizer},
+                               remove_columns=dataset.column_names, desc="Counting tokens")  # fmt: skip
+    else:  # tokenised here in batched calls, to the ids TRL would make row by row
+        dataset = measured = dataset.map(tokenized_rows, batched=True, fn_kwargs={"tokenizer": tokenizer},
+                                         remove_columns=dataset.column_names, desc="Tokenizing")  # fmt: skip
+    lengths = list(zip(measured["prompt_tokens"], measured["full_tokens"]))
+    fits = np.array([prompt < config.max_length for prompt, _ in lengths], dtype=bool)
+    lost = length_report(lengths, fits.tolist(), config.max_length, f"{section}.max_length", data)
+    if not fits.all():
+        dataset = dataset.select(np.flatnonzero(fits))
+    dataset = dataset.remove_columns([c for c in ("prompt_tokens", "full_tokens") if c in dataset.column_names])
     consolidating = ewc is not None and ewc[0].strength > 0
     if consolidating:
         from rlhf.training.ewc import ewc_examples
@@ -132,7 +135,7 @@ def train_sft(
     if consolidating:
         key += "-" + fingerprint(ewc[0], [])[:8]
     # Packing removes the padding that length-sorted sub-batches would save: TRL's own trainer.
-    packed = config.trl.get("packing") or config.trl.get("padding_free")
+    packed = packs(config)
     trainer_cls, extra = (SFTTrainer, {}) if packed else (LengthBucketedSFTTrainer, {"buckets": config.length_buckets})
     # The model loads inside the trainer, from its folder, after the arguments (ZeRO-3, FSDP).
     loading, loader_kwargs = trainer_loading(config, config.trust_remote_code, trainer_cls)
@@ -144,6 +147,7 @@ def train_sft(
         model_init_kwargs=loading,
         completion_only_loss=only_target and not conversational,
         assistant_only_loss=only_target and conversational,
+        **({"packing": True} if packed and "packing" not in config.trl and "padding_free" not in config.trl else {}),
     )
     trainer = trainer_cls(
         model=str(model_dir),
@@ -219,19 +223,36 @@ def check_assistant_masking(tokenizer, section: str, base_dir: Path) -> None:
         ) from None
 
 
-def chat_lengths(tokenizer, table) -> list[tuple[int, int]]:
-    """(prompt tokens, prompt + completion tokens) of each conversational row (`messages`,
-    or prompt/completion messages) through the chat template."""
+def packs(config: Params) -> bool:
+    """Whether SFT packs its examples (TRL's `packing`: best-fit-decreasing into rows of
+    max_length, padding-free, each example attending only to itself). `trl.packing` (or
+    `trl.padding_free`) decides when set. Unset, SFT packs on a CUDA GPU, where a batch's
+    padding costs the most and the attention kernels (FlashAttention's variable-length
+    path, transformers' block-diagonal masks for SDPA) keep packed examples apart, and runs
+    length-sorted sub-batches elsewhere (a CPU: measured faster there, benchmarks/README.md).
+    Packing changes what a step holds: `per_device_train_batch_size` rows of up to
+    max_length tokens, each holding several examples."""
+    from rlhf.models import compute
+
+    if "packing" in config.trl or "padding_free" in config.trl:
+        return bool(config.trl.get("packing") or config.trl.get("padding_free"))
+    return compute.current().device.startswith("cuda")
+
+
+def chat_lengths(batch: dict, tokenizer) -> dict:
+    """(prompt tokens, prompt + completion tokens) of each conversational row of a batch
+    (`messages`, or prompt/completion messages) through the chat template."""
     from rlhf.models.generation import format_prompt
 
-    lengths = []
-    for row in table.itertuples(index=False):
-        if "messages" in table.columns:
-            messages = list(row.messages)
+    prompt_tokens, full_tokens = [], []
+    rows = batch["messages"] if "messages" in batch else zip(batch["prompt"], batch["completion"])
+    for row in rows:
+        if "messages" in batch:
+            messages = list(row)
             prompt = messages[:-1] if messages[-1]["role"] == "assistant" else messages
         else:
-            prompt, messages = list(row.prompt), list(row.prompt) + list(row.completion)
+            prompt, messages = list(row[0]), list(row[0]) + list(row[1])
         full = tokenizer.apply_chat_template(messages, tokenize=False)
-        prompt_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-        lengths.append((len(prompt_ids), len(tokenizer(full, add_special_tokens=False)["input_ids"])))
-    return lengths
+        prompt_tokens.append(len(tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]))
+        full_tokens.append(len(tokenizer(full, add_special_tokens=False)["input_ids"]))
+    return {"prompt_tokens": prompt_tokens, "full_tokens": full_tokens}
