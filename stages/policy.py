@@ -145,15 +145,19 @@ def check_answer_rewards(params, method: str) -> None:
     """An online method's reward that reads the prompts' answers, on prompts without any:
     it failed inside TRL's first training step (no `answer` column), or trained to the end
     on a reward of 0 for every completion (an empty column). Checked before any model loads."""
-    from rlhf.data.contracts import DataValidationError, read_prepared
+    from rlhf.data.contracts import DataValidationError, missing_prepared
+    from rlhf.data.prepared import prepared_batches, prepared_columns
     from stages import ANSWER_REWARDS
 
     readers = [i for i, reward in enumerate(getattr(params, "rewards", [])) if reward.name in ANSWER_REWARDS]
     if not readers:
         return
     prompts = training_data(method)
-    table = read_prepared(prompts, stage_name(method))
-    if "answer" in table and table["answer"].notna().any():
+    if not prompts.exists():
+        raise missing_prepared(prompts, stage_name(method))
+    if "answer" in prepared_columns(prompts) and any(
+        batch["answer"].notna().any() for batch in prepared_batches(prompts, ["answer"])
+    ):
         return
     key = f"policy.{method}.rewards[{readers[0]}]"
     raise DataValidationError(

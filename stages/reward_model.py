@@ -190,12 +190,28 @@ def likelihood_start(config: Config, init: Path, pairs, tokenizer) -> tuple[tupl
     return head, dataset, {**fit, "dropped_pairs": dropped}
 
 
-def accuracy_by_flaw(task: Task, pairs, chosen, rejected) -> dict[str, float]:
-    """Ensemble accuracy per kind of mistake in the rejected response, where the task can
-    name it (empty otherwise): which mistakes the reward model can and cannot see."""
+def held_out_scores(ensemble, task: Task, eval_data: Path):
+    """The ensemble's scores of the held-out pairs' chosen and rejected responses (each an
+    `EnsembleScores` over all pairs), and each pair's kind of mistake (`accuracy_by_flaw`),
+    read a batch at a time: only the scores are held."""
+    from rlhf.data.prepared import prepared_batches
+    from rlhf.rewards.ensemble import EnsembleScores
+
+    chosen, rejected, kinds = [], [], []
+    for pairs in prepared_batches(eval_data, ["prompt", "chosen", "rejected"]):
+        prompts = pairs["prompt"].tolist()
+        chosen.append(ensemble.score(prompts, pairs["chosen"].tolist()))
+        rejected.append(ensemble.score(prompts, pairs["rejected"].tolist()))
+        kinds += [task.classify_error(p, r) for p, r in zip(prompts, pairs["rejected"])]
+    return EnsembleScores.concatenate(chosen), EnsembleScores.concatenate(rejected), kinds
+
+
+def accuracy_by_flaw(kinds: list, chosen, rejected) -> dict[str, float]:
+    """Ensemble accuracy per kind of mistake in the rejected response (`kinds`: each pair's,
+    where the task can name it, else None): which mistakes the reward model can and cannot
+    see; empty when the task names none."""
     from rlhf.rewards.ensemble import pairwise_accuracy
 
-    kinds = [task.classify_error(p, r) for p, r in zip(pairs["prompt"], pairs["rejected"])]
     result = {}
     for kind in sorted({k for k in kinds if k}):
         rows = [i for i, k in enumerate(kinds) if k == kind]
@@ -204,9 +220,7 @@ def accuracy_by_flaw(task: Task, pairs, chosen, rejected) -> dict[str, float]:
 
 
 def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
-    from datasets import Dataset
-
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import prepared_dataset
     from rlhf.models.compute import is_main, world_size
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
@@ -216,7 +230,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     stage = "rm"
     check_model_dir(resolve_model_dir(init), f"rm.init {config.init!r} ({init})")
     tokenizer = load_tokenizer(init, config.trust_remote_code)
-    pairs = read_prepared(data, "rm")
+    pairs = prepared_dataset(data, "rm")  # memory-mapped: its tokenisation is cached with it
     start = time.perf_counter()
     if config.kind == "classifier":
         from rlhf.models.folders import UnusableModelError
@@ -234,7 +248,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
         if dropped:
             print(f"rm: {dropped} of {len(pairs)} pairs are longer than rm.max_length {config.max_length} tokens and "
                   "are left out of training; raise rm.max_length to keep them")  # fmt: skip
-        train, fit = Dataset.from_pandas(pairs, preserve_index=False), {"dropped_pairs": dropped}
+        train, fit = pairs, {"dropped_pairs": dropped}
     else:
         head, dataset, fit = likelihood_start(config, init, pairs, tokenizer)
         train = (head, dataset)
@@ -248,10 +262,8 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
         shutil.copytree(root / f"{MEMBER_PREFIX}{index}" / "final", out_dir / f"{MEMBER_PREFIX}{index}")
     train_seconds = time.perf_counter() - start
 
-    held_out = read_prepared(eval_data, "rm")
     ensemble = RewardEnsemble.load(out_dir, config.trust_remote_code)
-    chosen = ensemble.score(held_out["prompt"].tolist(), held_out["chosen"].tolist())
-    rejected = ensemble.score(held_out["prompt"].tolist(), held_out["rejected"].tolist())
+    chosen, rejected, flaws = held_out_scores(ensemble, task, eval_data)
     metrics = {
         "ensemble_accuracy": pairwise_accuracy(chosen.mean, rejected.mean),
         "members": {
@@ -261,10 +273,10 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
             }
             for i in range(config.num_members)
         },
-        "accuracy_by_flaw": accuracy_by_flaw(task, held_out, chosen.mean, rejected.mean),
+        "accuracy_by_flaw": accuracy_by_flaw(flaws, chosen.mean, rejected.mean),
         "mean_margin": float((chosen.mean - rejected.mean).mean()),
         "mean_std": float(((chosen.std + rejected.std) / 2).mean()),
-        "eval_pairs": len(held_out),
+        "eval_pairs": len(flaws),
         "processes": world_size(),
         **fit,
         "train_seconds": train_seconds,

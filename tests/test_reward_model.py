@@ -288,10 +288,14 @@ def test_accuracy_by_flaw_groups_pairs_by_the_tasks_error_kind():
         }
     )
     chosen, rejected = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 1.0, 2.0])
-    assert stage.accuracy_by_flaw(get_task(), pairs, chosen, rejected) == {"answer": 0.0, "slip": 0.75}
-    assert stage.accuracy_by_flaw(Task(), pairs, chosen, rejected) == {}
+
+    def kinds(task, table):
+        return [task.classify_error(p, r) for p, r in zip(table["prompt"], table["rejected"])]
+
+    assert stage.accuracy_by_flaw(kinds(get_task(), pairs), chosen, rejected) == {"answer": 0.0, "slip": 0.75}
+    assert stage.accuracy_by_flaw(kinds(Task(), pairs), chosen, rejected) == {}
     words = pairs.assign(prompt=["capital of France?\n"] * 3)
-    assert stage.accuracy_by_flaw(get_task(), words, chosen, rejected) == {}
+    assert stage.accuracy_by_flaw(kinds(get_task(), words), chosen, rejected) == {}
 
 
 def test_pairs_counted_over_max_length_are_the_ones_trls_reward_trainer_leaves_out(tmp_path):

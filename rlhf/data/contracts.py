@@ -52,8 +52,10 @@ MAX_LISTED_PROBLEMS = 25
 # Problems kept in full (each names file, row and field); past it a file's problems are
 # counted, so that a large file of bad rows does not fill the memory with messages.
 MAX_KEPT_PROBLEMS = 10_000
-# Rows read, validated and written at a time: a file of any size is held one batch at a time.
+# Rows read, validated and written at a time: a file of any size is held one batch at a time
+# (of JSON Lines, also at most BATCH_BYTES of text: rows of long conversations).
 BATCH_ROWS = 10_000
+BATCH_BYTES = 8_000_000
 SHOWN_CHARS = 60  # of a bad JSON line, in an error
 HH_ASSISTANT_TURN = "\n\nAssistant:"  # where an HH-RLHF prompt ends
 
@@ -74,7 +76,7 @@ class DataValidationError(InputError, ValueError):
 
 
 def read_batches(
-    path: str | Path, *, split: str | None = None, config: str | None = None, batch_rows: int = BATCH_ROWS
+    path: str | Path, *, split: str | None = None, config: str | None = None, batch_rows: int | None = None
 ) -> Iterator[pd.DataFrame]:
     """The rows of a JSONL, JSON, Parquet or CSV file, of a `datasets.save_to_disk` folder, or
     of the Hugging Face Hub dataset `path` names (``owner/name``) when no such local path
@@ -86,7 +88,9 @@ def read_batches(
     a file or a saved Dataset has none, and naming one for it is an error (it would read
     the whole file as that split). `config` names a Hub dataset's configuration (e.g.
     ``"main"`` for ``openai/gsm8k``). Problems of the file as a whole fail before the
-    first batch; bad JSON lines fail after the last batch read before them, naming all."""
+    first batch; bad JSON lines fail after the last batch read before them, naming all.
+    `batch_rows`: default BATCH_ROWS."""
+    batch_rows = batch_rows or BATCH_ROWS
     local = Path(path)
     if not local.exists():
         if looks_like_hub_dataset(str(path)):
@@ -161,7 +165,7 @@ def contract_batches(
     *,
     split: str | None = None,
     config: str | None = None,
-    batch_rows: int = BATCH_ROWS,
+    batch_rows: int | None = None,
     checks: Callable[[pd.DataFrame, int], list[str]] | None = None,
 ) -> Iterator[pd.DataFrame]:
     """The rows of `path` mapped onto the `kind` contract and validated, one batch at a time
@@ -213,7 +217,7 @@ def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[pd.DataFrame]:
     with its 1-based number and start (pandas' reader names neither). After a bad line no
     more batches are yielded (the record numbers would no longer be the file's), but the
     rest of the file is read for its bad lines."""
-    records, problems, unlisted = [], [], 0
+    records, problems, unlisted, size = [], [], 0, 0
     with open(path, encoding="utf-8-sig") as file:  # a byte-order mark (Windows editors) is dropped
         for number, line in enumerate(file, start=1):
             if not line.strip():
@@ -226,9 +230,10 @@ def _jsonl_batches(path: Path, batch_rows: int) -> Iterator[pd.DataFrame]:
                 if isinstance(record, dict):
                     if not problems and not unlisted:
                         records.append(record)
-                        if len(records) == batch_rows:
+                        size += len(line)
+                        if len(records) == batch_rows or size >= BATCH_BYTES:
                             yield _records_frame(path, records)
-                            records = []
+                            records, size = [], 0
                     continue
                 problem = f"line {number}: expected a JSON object {{...}}, got {type(record).__name__}"
             if len(problems) < MAX_KEPT_PROBLEMS:

@@ -101,7 +101,7 @@ class TableWriter:
         return np.concatenate(self.keys) if self.keys else np.zeros(0, np.uint64)
 
 
-def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_rows: int = BATCH_ROWS) -> Iterator:
+def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_rows: int | None = None) -> Iterator:
     """A prepared table's rows as frames of at most `batch_rows` (conversations as lists of
     message dicts, as `read_prepared` gives them)."""
     import pyarrow as pa
@@ -111,8 +111,16 @@ def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_r
         parquet = pq.ParquetFile(file)
         if not parquet.metadata.num_rows:
             return
-        for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
+        for batch in parquet.iter_batches(batch_size=batch_rows or BATCH_ROWS, columns=columns):
             yield plain_messages(pa.Table.from_batches([batch]).to_pandas(integer_object_nulls=True))
+
+
+def prepared_columns(path: str | Path) -> list[str]:
+    """The column names of a prepared table (read from its footer)."""
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as file:
+        return pq.ParquetFile(file).schema_arrow.names
 
 
 def prepared_dataset(path: str | Path, stage: str):

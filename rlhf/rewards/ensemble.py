@@ -71,6 +71,11 @@ class EnsembleScores:
     def std(self) -> torch.Tensor:
         return self.members.std(0, unbiased=False)
 
+    @classmethod
+    def concatenate(cls, parts: Sequence[EnsembleScores]) -> EnsembleScores:
+        """The scores of consecutive batches as one (K, N) set."""
+        return cls(torch.cat([part.members for part in parts], dim=1))
+
 
 class RewardEnsemble:
     def __init__(self, models: list, tokenizer):

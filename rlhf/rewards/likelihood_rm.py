@@ -65,23 +65,31 @@ def encode(tokenizer, prompt, completion) -> tuple[list[int], int]:
 
 def pairs_dataset(tokenizer, pairs, max_length: int | None = None) -> tuple[Dataset, int]:
     """Pre-tokenized preference rows for `RewardTrainer` (chosen_ids, rejected_ids and where
-    each response starts), and how many pairs were dropped for exceeding max_length."""
-    rows = []
-    for prompt, chosen, rejected in zip(pairs["prompt"], pairs["chosen"], pairs["rejected"]):
-        chosen_ids, chosen_start = encode(tokenizer, prompt, chosen)
-        rejected_ids, rejected_start = encode(tokenizer, prompt, rejected)
-        if max_length is None or max(len(chosen_ids), len(rejected_ids)) <= max_length:
-            rows.append(
-                {
-                    "chosen_ids": chosen_ids,
-                    "rejected_ids": rejected_ids,
-                    "chosen_start": chosen_start,
-                    "rejected_start": rejected_start,
-                }
-            )
-    if not rows:
+    each response starts), and how many pairs were dropped for exceeding max_length.
+    `pairs`: a `datasets.Dataset` (a prepared table, memory-mapped: the tokens are cached
+    with it) or a frame with prompt, chosen and rejected."""
+    if not isinstance(pairs, Dataset):
+        pairs = Dataset.from_pandas(pairs[["prompt", "chosen", "rejected"]], preserve_index=False)
+    encoded = pairs.map(
+        encoded_pair, fn_kwargs={"tokenizer": tokenizer}, remove_columns=pairs.column_names, desc="Tokenizing pairs"
+    )
+    if max_length is not None:
+        encoded = encoded.filter(fits_length, fn_kwargs={"max_length": max_length}, desc="Pairs within max_length")
+    if not len(encoded):
         raise ValueError(f"every preference pair is longer than max_length={max_length} tokens; raise rm.max_length")
-    return Dataset.from_list(rows), len(pairs["prompt"]) - len(rows)
+    return encoded, len(pairs) - len(encoded)
+
+
+def encoded_pair(row: dict, tokenizer) -> dict:
+    """One pair's `pairs_dataset` row (a `map` function)."""
+    chosen_ids, chosen_start = encode(tokenizer, row["prompt"], row["chosen"])
+    rejected_ids, rejected_start = encode(tokenizer, row["prompt"], row["rejected"])
+    return {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "chosen_start": chosen_start,
+            "rejected_start": rejected_start}  # fmt: skip
+
+
+def fits_length(row: dict, max_length: int) -> bool:
+    return max(len(row["chosen_ids"]), len(row["rejected_ids"])) <= max_length
 
 
 def response_mask(starts: Sequence[int], attention_mask: torch.Tensor) -> torch.Tensor:

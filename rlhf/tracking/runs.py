@@ -71,17 +71,46 @@ def log_table(path: str | Path, context: str, frame=None):
 
     path = Path(path)
     try:
-        table = frame if frame is not None else pd.read_parquet(path)
         with warnings.catch_warnings():
             # MLflow registers two sources of one name for local paths (schemes "" and
             # "file") and warns on every local file that it picked one: they are the same.
             warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple")
-            dataset = from_pandas(table, source=path.as_posix(), name=path.stem, digest=file_md5(path))
+            if frame is None and parquet_rows(path) > LOGGED_WHOLE_ROWS:
+                dataset = described_table(path)
+            else:
+                table = frame if frame is not None else pd.read_parquet(path)
+                dataset = from_pandas(table, source=path.as_posix(), name=path.stem, digest=file_md5(path))
         mlflow.log_input(dataset, context=context)
         return dataset
     except Exception as error:  # tracking must not fail a stage whose result is made
         logger.warning("MLflow did not log the input %s: %s", path, error)
         return None
+
+
+# A table of more rows is logged by its schema and digest (MLflow's MetaDataset), not read
+# whole into a frame for MLflow's profile: a stage's memory does not grow with its data.
+LOGGED_WHOLE_ROWS = 100_000
+
+
+def parquet_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as file:
+        return pq.ParquetFile(file).metadata.num_rows
+
+
+def described_table(path: Path):
+    """An MLflow dataset of a large Parquet table: its source, name, the file's md5 and the
+    schema read from its first rows (no profile: that would read every row)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types.utils import _infer_schema
+
+    from rlhf.data.prepared import prepared_batches
+
+    sample = next(prepared_batches(path, batch_rows=100))
+    source = resolve_dataset_source(path.as_posix())
+    return MetaDataset(source, name=path.stem, digest=file_md5(path), schema=_infer_schema(sample))
 
 
 def dvc_out_hash(path: str | Path, lock_path: str | Path = "dvc.lock") -> str | None:
