@@ -253,3 +253,20 @@ def test_a_tracking_uri_that_is_a_bare_path_names_the_uri_to_write(monkeypatch, 
         tracking_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_the_experiment_is_tagged_as_model_training_so_the_ui_opens_on_its_runs(mlflow_store):
+    """MLflow 3's UI opens an experiment on the GenAI overview unless its kind says model
+    training; an experiment made before the tag gets it, a kind the user chose stays."""
+    import mlflow
+
+    from rlhf.tracking.runs import KIND_TAG, setup_experiment
+
+    experiment = mlflow.get_experiment(setup_experiment())
+    assert experiment.tags[KIND_TAG] == "custom_model_development"
+    older = mlflow.create_experiment("made-before")
+    setup_experiment("made-before")
+    assert mlflow.get_experiment(older).tags[KIND_TAG] == "custom_model_development"
+    chosen = mlflow.create_experiment("chosen", tags={KIND_TAG: "genai_development"})
+    setup_experiment("chosen")
+    assert mlflow.get_experiment(chosen).tags[KIND_TAG] == "genai_development"

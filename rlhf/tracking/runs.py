@@ -186,6 +186,12 @@ def tracking_uri() -> str:
     return uri
 
 
+# MLflow 3's UI opens an experiment by its kind: model training opens on its runs (the
+# pipeline's stages), not on the GenAI overview of traces, which this project has none of.
+KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+
+
 def experiment_name() -> str:
     """The experiment runs go to: MLFLOW_EXPERIMENT_NAME, else the project's default."""
     return os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
@@ -205,9 +211,11 @@ def setup_experiment(name: str | None = None) -> str:
         artifacts = os.environ.get("RLHF_ARTIFACT_ROOT")
         if artifacts is None and not uri.startswith(("http://", "https://", "databricks")):
             artifacts = (project_root() / "mlartifacts").as_uri()
-        experiment_id = mlflow.create_experiment(name, artifact_location=artifacts)
+        experiment_id = mlflow.create_experiment(name, artifact_location=artifacts, tags={KIND_TAG: MODEL_TRAINING})
     else:
         experiment_id = experiment.experiment_id
+        if KIND_TAG not in experiment.tags:  # one made before the tag, or by hand: a kind the user set stays
+            mlflow.MlflowClient().set_experiment_tag(experiment_id, KIND_TAG, MODEL_TRAINING)
     mlflow.set_experiment(experiment_id=experiment_id)
     # transformers' MLflowCallback reads the experiment from the environment.
     os.environ[EXPERIMENT_ENV] = name
