@@ -21,7 +21,7 @@ In a scratch project (--work, default a temporary folder; this checkout is not t
    with bootstrap intervals per number of operands (stages.improve.evaluate_models).
 
 Round settings: ROUND_SETTINGS over improve.defaults, then --round-set key=value (YAML
-values); `operands` and `checks` as above. The rounds' gates read dev and dev_long only; the README reports
+values); `operands` and `checks` as above. The rounds' gates read dev and dev_long only; docs/concepts/rounds.md reports
 test and test_long. Results go to --out/results.json and a markdown table on stdout.
 """
 

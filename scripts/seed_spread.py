@@ -1,4 +1,4 @@
-"""The README's headline table: SFT, DPO, GRPO and PPO on the built-in task, over seeds,
+"""The headline table (README, docs/results/policy-over-seeds.md): SFT, DPO, GRPO and PPO on the built-in task, over seeds,
 with and without the planted shortcut habit, scored on the test split only.
 
     .venv/bin/python scripts/seed_spread.py                        # 3 seeds x 2 settings

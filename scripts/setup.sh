@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install the project into it, at the versions the suite passed with
-# (constraints.txt), with the optional extras (lm-eval, bitsandbytes) the tests use.
+# (constraints.txt), with the optional extras (lm-eval, bitsandbytes, mkdocs-material) the tests use.
 # Idempotent: a second run only checks the stamp (the hash of pyproject.toml and
 # constraints.txt) and returns.
 set -euo pipefail
@@ -18,9 +18,9 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch first, pinned: a bare `torch` requirement could pull a multi-GB CUDA build. (The reference
 # machine's pip finds the CPU build of this version locally; elsewhere add
-# --index-url https://download.pytorch.org/whl/cpu for it: README, Requirements.)
+# --index-url https://download.pytorch.org/whl/cpu for it: docs/index.md.)
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,harness,quant]"
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,harness,quant,docs]"
 # A headless browser for the labelling page's browser test (tests/test_feedback.py): Debian's
 # chromium and its driver, when missing and we may install them. Never fails setup: without
 # them that one test skips and says why.

@@ -40,7 +40,7 @@ def default_model() -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m stages.label", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: models/champion, else sft)")
     parser.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help=f"prompts file (default: {PROMPTS_FILE})")
     parser.add_argument("--out", type=Path, default=FEEDBACK_FILE, help=f"preference file (default: {FEEDBACK_FILE})")

@@ -1,4 +1,4 @@
-"""The fault table of README (Reliability): every training stage killed with SIGKILL after
+"""The fault table (docs/reference/faults.md): every training stage killed with SIGKILL after
 its first checkpoint, then run again.
 
 For each of sft, verifier, rm (killed during its second member), prm and every policy

@@ -1,0 +1,93 @@
+"""Refresh the pictures of README.md and the documentation site.
+
+    python scripts/docs_pictures.py              # the DAG picture only (from dvc.yaml)
+    python scripts/docs_pictures.py --screens    # and the screenshots, from a run of this project
+
+The DAG: `dvc dag --mermaid`, without check_params (every stage depends on it), written
+between the `<!-- dag -->` and `<!-- /dag -->` markers of README.md and
+docs/concepts/dag.md; GitHub and the site draw it.
+
+The screenshots (`--screens`, after `bash scripts/pipeline.sh`): `python -m flows.ui_check`
+runs the flow against a Prefect and an MLflow server on 127.0.0.1 and photographs the flow
+run's graph and the MLflow run (headless Chromium); `dvc plots show` is photographed the
+same way. They are copied to docs/images/ (dvc-plots.png, prefect-flow-run.png,
+mlflow-run.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = (ROOT / "README.md", ROOT / "docs/concepts/dag.md")
+IMAGES = ROOT / "docs/images"
+
+
+def dag_mermaid() -> str:
+    """`dvc dag --mermaid` without check_params and its edges."""
+    text = subprocess.run(
+        [sys.executable, "-m", "dvc", "dag", "--mermaid"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    lines = text.strip().splitlines()
+    node = next((re.match(r"\s*(node\d+)\[", line).group(1) for line in lines if '"check_params"' in line), None)
+    kept = [line for line in lines if node is None or not re.search(rf"\b{node}\b", line)]
+    return "```mermaid\n" + "\n".join(line.replace("\t", "    ") for line in kept) + "\n```"
+
+
+def write_dag() -> None:
+    block = dag_mermaid()
+    for page in PAGES:
+        text = page.read_text()
+        new, count = re.subn(r"<!-- dag -->.*?<!-- /dag -->", f"<!-- dag -->\n{block}\n<!-- /dag -->", text,
+                             flags=re.S)  # fmt: skip
+        if not count:
+            raise SystemExit(f"{page}: no <!-- dag --> ... <!-- /dag --> markers")
+        page.write_text(new)
+        print(f"{page.relative_to(ROOT)}: DAG picture written")
+
+
+def screenshot_file(html: Path, out: Path) -> None:
+    from rlhf.browser import headless_chromium
+
+    import time
+
+    with tempfile.TemporaryDirectory() as profile:
+        browser = headless_chromium(profile, 1280, 900)
+        try:
+            browser.get(html.as_uri())
+            time.sleep(5)  # the plots are drawn by Vega after the page loads
+            browser.save_screenshot(str(out))
+        finally:
+            browser.quit()
+
+
+def write_screens() -> None:
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ui"
+        subprocess.run([sys.executable, "-m", "flows.ui_check", "--out", str(out)], cwd=ROOT, check=True)
+        for name in ("prefect-flow-run.png", "mlflow-run.png"):
+            shutil.copy2(out / name, IMAGES / name)
+        plots = Path(tmp) / "plots"
+        subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "-o", str(plots)], cwd=ROOT, check=True)
+        screenshot_file(plots / "index.html", IMAGES / "dvc-plots.png")
+    print(f"screenshots: {', '.join(p.name for p in sorted(IMAGES.glob('*.png')))} in {IMAGES.relative_to(ROOT)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--screens", action="store_true", help="also the screenshots (runs flows.ui_check)")
+    args = parser.parse_args()
+    write_dag()
+    if args.screens:
+        write_screens()
+
+
+if __name__ == "__main__":
+    main()
