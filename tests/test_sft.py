@@ -131,3 +131,24 @@ def test_the_verifier_puts_its_loss_where_sft_did_unless_told(in_project):
     write_params(root, tiny_params(sft={"loss_on": "all"}, verifier={"loss_on": "completion"}))
     with pytest.raises(SFTDataError, match=r"^verifier.loss_on: completion trains on the assistant's messages only"):
         stages.verifier.main()
+
+
+@pytest.mark.slow
+def test_packed_sft_trains_with_trls_trainer_on_the_pretokenised_rows(base, tmp_path, mlflow_store):
+    """`trl.packing: true` (the default on a CUDA GPU): TRL's SFTTrainer packs the rows the
+    stage tokenised (input_ids and completion mask) into max_length rows, padding-free, and
+    trains: the loss is finite and the weights move."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from rlhf.training.methods.sft import train_sft
+
+    rows = {"prompt": [f"{a}+{a}\n" for a in range(24)], "completion": [f"{2 * a}" for a in range(24)]}
+    data = tmp_path / "sft.parquet"
+    pd.DataFrame(rows).to_parquet(data)
+    config = params(max_length=32, trl={"packing": True}, learning_rate=1e-2)
+    metrics, curve = train_sft(config, base, data, tmp_path / "out", tmp_path / "checkpoints")
+    assert metrics["packed"] is True and metrics["steps"] == 2 and math.isfinite(metrics["train_loss"])
+    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "out/model.safetensors")
+    assert any(not before[k].equal(after[k]) for k in before if k in after)

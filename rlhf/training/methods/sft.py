@@ -185,6 +185,7 @@ def train_sft(
         "processes": trainer.args.world_size,
         "train_seconds": time.perf_counter() - start,
         "resumed": bool(resumed),
+        "packed": bool(packed),
         **lost,
         **training_resources(trainer),
     }
