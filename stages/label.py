@@ -25,6 +25,7 @@ params.yaml is validated as by every stage, and its `compute` section places the
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 from pathlib import Path
 
@@ -105,7 +106,10 @@ def main(argv: list[str] | None = None) -> None:
         raise fail(str(error)) from None
     model = args.model or default_model()
     answers = list(table["answer"]) if "answer" in table.columns else None
-    allowed = [LOOPBACK, "localhost"] if args.host in (LOOPBACK, "localhost") else None
+    loopback = args.host in (LOOPBACK, "localhost")
+    allowed = [LOOPBACK, "localhost"] if loopback else None
+    # Beyond loopback anyone who reaches the address could label: a secret in the address.
+    access_token = None if loopback else secrets.token_urlsafe(24)
     try:
         app = create_app(
             model,
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.seed,
             trust_remote_code=params["policy"].trust_remote_code,
             allowed_hosts=allowed,
+            access_token=access_token,
         )
     except DataValidationError as error:  # the preference file exists and breaks the contract
         raise fail(str(error)) from None
@@ -131,9 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     shown = out.relative_to(root).as_posix()
     if out != (root / FEEDBACK_FILE).resolve():
         print(f"label: note: prepare reads {FEEDBACK_FILE}; name {shown} in prepare.files to train on it")
-    if args.host not in (LOOPBACK, "localhost"):
-        print(f"label: warning: bound to {args.host}: anyone who can reach it can label (the page has no login)")
-    print(f"label: http://{args.host}:{args.port}/ shows {model}'s completions; choices go to {shown}")
+    address = f"http://{args.host}:{args.port}/" + (f"?token={access_token}" if access_token else "")
+    if access_token:
+        print(f"label: bound to {args.host}: the page asks for the access token in this address; share it only "
+              "with the people who label")  # fmt: skip
+    print(f"label: {address} shows {model}'s completions; choices go to {shown}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

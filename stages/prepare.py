@@ -190,16 +190,35 @@ def kind_of(name: str) -> str:
 
 def read_feedback(path: str | Path = FEEDBACK_FILE):
     """The human feedback pairs in `path` (a preference JSONL file), validated; None when the
-    file is absent or has no rows."""
-    from rlhf.data.contracts import load_contract
+    file is absent or has no rows. Read under a shared lock: the labelling page appends
+    under an exclusive one, so no row lands while prepare reads; a file that changed anyway
+    (a writer that takes no lock) fails, rather than being recorded as read."""
+    import fcntl
+    import os
+
+    from rlhf.data.contracts import DataValidationError
 
     path = Path(path)
     # Opened here (not only by the contract's reader), so that an empty file is not an error.
     if not path.is_file():
         return None
-    with open(path, encoding="utf-8") as file:
+    with open(path, "rb") as file:
+        fcntl.flock(file, fcntl.LOCK_SH)
+        before = os.fstat(file.fileno())
         if not any(line.strip() for line in file):
             return None
+        frame = load_contract_of_feedback(path)
+        after = os.stat(path)
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise DataValidationError(
+            path, ["changed while prepare read it (written without the labelling page's lock); run prepare again"]
+        )
+    return frame
+
+
+def load_contract_of_feedback(path: Path):
+    from rlhf.data.contracts import load_contract
+
     return load_contract(path, "preference")
 
 

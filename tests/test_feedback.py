@@ -55,14 +55,24 @@ def client(micro_dir, tmp_path):
         yield test_client, app.state.session, out
 
 
+def token(http) -> str:
+    """The token of a freshly rendered page (each form carries one, taken once)."""
+    return re.search(r'name="token" value="([\w-]+)"', http.get("/").text).group(1)
+
+
+def choose(http, pair: str, choice: str, **kwargs):
+    return http.post("/choose", data={"pair": pair, "choice": choice, "token": token(http)}, **kwargs)
+
+
 def test_a_choice_appends_a_valid_row_with_the_texts_shown(client):
     http, session, out = client
     page = http.get("/").text
     prompt, a, b = shown(page, "prompt"), shown(page, "completion-a"), shown(page, "completion-b")
     assert prompt in PROMPTS and a != b and a.strip() and b.strip()
     pair = re.search(r'name="pair" value="(\w+)"', page).group(1)
+    page_token = re.search(r'name="token" value="([\w-]+)"', page).group(1)
 
-    response = http.post("/choose", data={"pair": pair, "choice": "a"}, follow_redirects=False)
+    response = http.post("/choose", data={"pair": pair, "choice": "a", "token": page_token}, follow_redirects=False)
     assert response.status_code == 303 and response.headers["location"] == "/?note=saved"
     assert rows(out) == [{"prompt": prompt, "chosen": a, "rejected": b}]
     assert len(load_contract(out, "preference")) == 1
@@ -70,7 +80,7 @@ def test_a_choice_appends_a_valid_row_with_the_texts_shown(client):
     page = http.get("/?note=saved").text
     assert "Saved." in page and shown(page, "prompt") != prompt, "the next prompt, not the same one again"
     second = session.pair()
-    http.post("/choose", data={"pair": second.id, "choice": "b"})
+    choose(http, second.id, "b")
     assert rows(out)[1] == {"prompt": second.prompt, "chosen": second.b, "rejected": second.a}
     assert http.get("/api/count").json() == {
         "labels": 2,
@@ -80,23 +90,26 @@ def test_a_choice_appends_a_valid_row_with_the_texts_shown(client):
         "remaining": 2,
     }
 
-    # A repeated submit of an answered pair (a double click, the back button) saves nothing.
-    response = http.post("/choose", data={"pair": pair, "choice": "b"}, follow_redirects=False)
-    assert response.headers["location"] == "/?note=stale" and len(rows(out)) == 2
+    # A repeated submit of an answered pair (a double click, the back button) saves nothing:
+    # its token was taken (403), and with a fresh one the pair is answered already (409).
+    again = http.post("/choose", data={"pair": pair, "choice": "b", "token": page_token}, follow_redirects=False)
+    assert again.status_code == 403 and len(rows(out)) == 2
+    response = choose(http, pair, "b", follow_redirects=False)
+    assert response.status_code == 409 and "already answered" in response.text and len(rows(out)) == 2
     third = session.pair()
-    http.post("/choose", data={"pair": third.id, "choice": "skip"})
+    choose(http, third.id, "skip")
     assert len(rows(out)) == 2 and session.counts()["skipped"] == 1
 
 
 def test_a_pair_the_contract_refuses_is_not_written_and_the_page_says_why(client):
     http, session, out = client
     session.current = Pair("f" * 32, PROMPTS[0], "3+4=7; answer 7", "3+4=7; answer 7")
-    response = http.post("/choose", data={"pair": "f" * 32, "choice": "a"})
+    response = choose(http, "f" * 32, "a")
     assert response.status_code == 422
     assert "Not saved: row 1: chosen and rejected are identical." in html.unescape(response.text)
     assert not out.exists(), "nothing written"
     assert 'id="completion-a"' in response.text, "the page goes on with the next pair"
-    bad = http.post("/choose", data={"pair": session.pair().id, "choice": "c"})
+    bad = choose(http, session.pair().id, "c")
     assert bad.status_code == 400 and not out.exists()
 
 

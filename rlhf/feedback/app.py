@@ -20,6 +20,17 @@ preference contract (`rlhf.data.contracts`) straight into the JSONL file the cal
   texts: what is saved is what the server showed, a stale or repeated submit (the back
   button, a double click) saves nothing, and a page of another site cannot post a label it
   has not seen. `allowed_hosts` turns away requests for other host names (DNS rebinding).
+* Hardened as a page on 127.0.0.1 must be, since any site the person visits can post to
+  it: every reply is escaped; a Content-Security-Policy allows only the page's own inline
+  style and key script, no framing (`frame-ancestors 'none'`) and forms posted to itself;
+  a POST whose Origin is another site's is refused (403), as is one without the token of a
+  page this app rendered (each render issues one, used once), or a body over 4 KB (413);
+  a second answer to one pair gets 409. `access_token` (required by `rlhf label` when the
+  page is bound beyond loopback) makes every request carry a secret first given in the
+  address (`?token=...`, then kept in a same-site cookie).
+* An append lands whole or not at all: a failed write (a full disk) is cut back to the
+  file's size before it, under the lock; a prompt another page labelled meanwhile is not
+  written twice (409).
 * ``GET /api/count``: how many labels the file holds, and how many prompts are left.
 * A file holds one format: prompts and rows of the other kind (messages for text, or a
   file of chosen/rejected conversations without a prompt column) are refused when the app
@@ -53,6 +64,10 @@ NOTES = {
     "skipped": "Skipped: nothing saved.",
     "stale": "That pair was already answered (or the page was old): nothing saved. Here is the current pair.",
 }
+
+
+class AlreadyLabelledError(RuntimeError):
+    """The prompt of a row was labelled (by another page) since this page showed it."""
 
 
 class OutsideProjectError(ValueError):
@@ -173,16 +188,24 @@ class PreferenceFile:
         frame = pd.DataFrame({key: pd.Series([value], dtype=object) for key, value in row.items()})
         validate_contract(frame, "preference", self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as file:
+        with open(self.path, "ab", buffering=0) as file:  # unbuffered: nothing left to flush at close
             fcntl.flock(file, fcntl.LOCK_EX)  # one writer at a time; released on close
             self.refresh()  # what another page appended meanwhile
             self.check_kind(row["prompt"], "this row")
+            if prompt_key(row["prompt"]) in self.prompts:
+                raise AlreadyLabelledError(f"{self.path}: this prompt was labelled meanwhile (another page)")
             line = json.dumps(row, ensure_ascii=False) + "\n"
             if not self._closed:  # edited by hand, no final newline
                 line = "\n" + line
-            file.write(line)
-            file.flush()
-            os.fsync(file.fileno())
+            size = os.fstat(file.fileno()).st_size
+            data = memoryview(line.encode("utf-8"))
+            try:
+                while data:  # a write may land in part
+                    data = data[os.write(file.fileno(), data) :]
+                os.fsync(file.fileno())
+            except OSError:  # a full disk, a quota: the file as it was, not half a line
+                os.ftruncate(file.fileno(), size)
+                raise
         self.refresh()
 
 
@@ -266,6 +289,10 @@ class LabellingSession:
                 self.out.append(preference_row(pair.prompt, chosen, rejected))
             except DataValidationError as error:
                 return 422, "Not saved: " + "; ".join(error.problems) + "."
+            except AlreadyLabelledError:
+                return 409, "Not saved: another page labelled this prompt meanwhile. Here is the next pair."
+            except OSError as error:
+                return 507, f"Not saved: the file could not be written ({error.strerror or error}); nothing was changed."
             return 200, "saved"
 
     def counts(self) -> dict:
@@ -330,7 +357,61 @@ def _show_prompt(prompt) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
-def render(session: LabellingSession, title: str, model: str, note: str | None = None, error: bool = False) -> str:
+def _source_hash(text: str) -> str:
+    """A CSP source for an inline script or style: the sha256 of its exact text."""
+    import base64
+    import hashlib
+
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+# Only the page's own inline style and key script run; no framing; forms post to the page.
+CSP = (
+    f"default-src 'none'; style-src {_source_hash(STYLE)}; script-src {_source_hash(KEYS)}; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",  # no-referrer would make the browser post `Origin: null`
+}
+MAX_BODY = 4096  # bytes of a POST: a form of two short fields and a token
+TOKEN_COOKIE = "rlhf_label_token"
+
+
+class PageTokens:
+    """One token per rendered page, each taken once by the POST of its form: a page of
+    another site cannot post a choice without a page this app rendered for the person."""
+
+    def __init__(self, keep: int = 256):
+        from collections import OrderedDict
+
+        self.issued: OrderedDict[str, None] = OrderedDict()
+        self.keep = keep
+        self.lock = threading.Lock()
+
+    def issue(self) -> str:
+        token = secrets.token_urlsafe(24)
+        with self.lock:
+            self.issued[token] = None
+            while len(self.issued) > self.keep:
+                self.issued.popitem(last=False)
+        return token
+
+    def take(self, token: str) -> bool:
+        with self.lock:
+            return self.issued.pop(token, False) is None
+
+
+def render(
+    session: LabellingSession,
+    title: str,
+    model: str,
+    note: str | None = None,
+    error: bool = False,
+    token: str = "",
+) -> str:
     pair = session.pair()
     counts = session.counts()
     esc = html.escape
@@ -353,6 +434,7 @@ def render(session: LabellingSession, title: str, model: str, note: str | None =
 </div>
 <form method="post" action="/choose">
   <input type="hidden" name="pair" value="{esc(pair.id)}">
+  <input type="hidden" name="token" value="{esc(token)}">
   <div class="buttons">
     <button id="choose-a" type="submit" name="choice" value="a">A is better</button>
     <button id="choose-b" type="submit" name="choice" value="b">B is better</button>
@@ -388,6 +470,7 @@ def create_app(
     max_tries: int = 3,
     trust_remote_code: bool = False,
     allowed_hosts: Sequence[str] | None = None,
+    access_token: str | None = None,
     title: str = "Which reply is better?",
 ):
     """The labelling app for the model in `model_dir` over `prompts` (text, or lists of
@@ -412,31 +495,77 @@ def create_app(
 
     app = FastAPI(title="rlhf labelling page", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.session = session
-    if allowed_hosts:
+    tokens = app.state.tokens = PageTokens()
+    no_store = {"Cache-Control": "no-store"}
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """The access token (when set), the Origin of a POST, its size; then the security
+        headers on every reply."""
+        refused = refusal(request, access_token)
+        response = refused or await call_next(request)
+        if access_token and not refused and request.query_params.get("token"):
+            response.set_cookie(TOKEN_COOKIE, access_token, httponly=True, samesite="strict")
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    if allowed_hosts:  # outermost: a request for another host name is turned away first
         from starlette.middleware.trustedhost import TrustedHostMiddleware
 
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
-    no_store = {"Cache-Control": "no-store"}
+
+    def page_html(note: str | None, error: bool = False) -> str:
+        return render(session, title, model_name, note, error, tokens.issue())
 
     @app.get("/", response_class=HTMLResponse)
     def page(note: str | None = None) -> HTMLResponse:
-        return HTMLResponse(render(session, title, model_name, NOTES.get(note or "")), headers=no_store)
+        return HTMLResponse(page_html(NOTES.get(note or "")), headers=no_store)
 
     @app.post("/choose")
     async def choose(request: Request):
-        # The form is parsed here: FastAPI's Form() needs python-multipart, for two fields.
-        fields = parse_qs((await request.body()).decode("utf-8", "replace"))
+        # The form is parsed here: FastAPI's Form() needs python-multipart, for three fields.
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            return plain(413, f"a choice is a small form; this request has {len(body)} bytes")
+        fields = parse_qs(body.decode("utf-8", "replace"))
         pair_id, choice = fields.get("pair", [""])[0], fields.get("choice", [""])[0]
+        if not tokens.take(fields.get("token", [""])[0]):
+            return plain(403, "this form was not rendered by this page (or was posted already): reload the page")
         if choice not in CHOICES:
-            return HTMLResponse(f"unknown choice {choice!r}; expected one of {CHOICES}", status_code=400)
+            return plain(400, f"unknown choice {choice[:40]!r}; expected one of {', '.join(CHOICES)}")
         status, note = await run_in_threadpool(session.choose, pair_id, choice)
-        if note in NOTES:  # saved, skipped or stale: Post/Redirect/Get, so a reload posts nothing
+        if status == 200:  # saved or skipped: Post/Redirect/Get, so a reload posts nothing
             return RedirectResponse(f"/?note={note}", status_code=303)
-        page_html = await run_in_threadpool(render, session, title, model_name, note, True)
-        return HTMLResponse(page_html, status_code=status, headers=no_store)
+        shown = NOTES.get(note, note)
+        return HTMLResponse(await run_in_threadpool(page_html, shown, True), status_code=status, headers=no_store)
 
     @app.get("/api/count")
     def count() -> JSONResponse:
         return JSONResponse(session.counts())
 
     return app
+
+
+def plain(status: int, text: str) -> HTMLResponse:
+    """A short refusal, its text escaped (it may echo what the request sent)."""
+    return HTMLResponse(f"<!doctype html><p>{html.escape(text)}</p>", status_code=status)
+
+
+def refusal(request: Request, access_token: str | None):
+    """Why a request is refused, as the reply; None when it may go on. With `access_token`,
+    the token must come in the address (`?token=`) or the cookie set from it. A POST must
+    come from this page's own origin (a browser sends the Origin of the page that posts)
+    and be small."""
+    if access_token:
+        given = request.query_params.get("token") or request.cookies.get(TOKEN_COOKIE) or ""
+        if not secrets.compare_digest(given.encode(), access_token.encode()):
+            return plain(401, "this labelling page needs its access token: open the address `rlhf label` printed")
+    if request.method == "POST":
+        origin = request.headers.get("origin")
+        own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+        if origin is not None and origin != own:
+            return plain(403, f"a choice is posted by the labelling page itself, not by {origin}")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY:
+            return plain(413, f"a choice is a small form; this request has {length} bytes")
+    return None
