@@ -9,7 +9,9 @@ errors: every section forbids extras.
 
 from __future__ import annotations
 
+import math
 import re
+from collections import abc
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -144,23 +146,59 @@ def _kinds(annotation) -> set:
     return set(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else {annotation}
 
 
-def flags_for_numbers(raw: Mapping, config: type[BaseModel], prefix: str) -> dict[str, bool]:
-    """The dotted keys given true/false for a number, in `raw` or the blocks nested in it,
-    with that value: pydantic reads `max_steps: true` as 1 step and `learning_rate: false`
-    as 0 without a word."""
-    flags = {}
-    for key, value in raw.items():
-        field = config.model_fields.get(key) if isinstance(key, str) else None
-        if field is None:
-            continue
-        kinds = _kinds(field.annotation)
-        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
-            flags[f"{prefix}.{key}"] = value
-        elif isinstance(value, Mapping):
-            for kind in kinds:
-                if isinstance(kind, type) and issubclass(kind, BaseModel):
-                    flags |= flags_for_numbers(value, kind, f"{prefix}.{key}")
-    return flags
+def _unwrapped(annotation):
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation
+
+
+def _expects_number(kinds: set) -> bool:
+    return bool(kinds & {int, float}) and bool not in kinds
+
+
+def number_problems(value, annotation, key: str) -> dict[str, object]:
+    """The dotted keys (list items as `key[i]`, mapping values as `key.name`) where a field
+    that takes numbers, anywhere in `value` (a params block, a list, a mapping), is given
+    true/false, NaN or infinity, with that value: pydantic reads `max_steps: true` as 1
+    step, `weights: [true, 1]` as [1.0, 1.0] and `.nan` as a threshold no value passes,
+    without a word."""
+    annotation = _unwrapped(annotation)
+    kinds = {_unwrapped(k) for k in _kinds(annotation)}
+    if isinstance(value, bool):
+        return {key: value} if _expects_number(kinds) else {}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {key: value} if kinds & {float} else {}
+    found: dict[str, object] = {}
+    for kind in kinds:
+        origin, args = get_origin(kind), get_args(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and isinstance(value, Mapping):
+            for name, item in value.items():
+                field = kind.model_fields.get(name) if isinstance(name, str) else None
+                if field is not None:
+                    found |= number_problems(item, field.annotation, f"{key}.{name}")
+        elif origin in (list, tuple, set, frozenset, abc.Sequence) and isinstance(value, list):
+            for i, item in enumerate(value):
+                if origin is tuple and args and args[-1] is not Ellipsis:
+                    element = args[i] if i < len(args) else None
+                else:
+                    element = args[0] if args else None
+                if element is not None:
+                    found |= number_problems(item, element, f"{key}[{i}]")
+        elif origin in (dict, abc.Mapping) and isinstance(value, Mapping) and len(args) == 2:
+            for name, item in value.items():
+                found |= number_problems(item, args[1], f"{key}.{name}")
+    return found
+
+
+def flags_for_numbers(raw: Mapping, config: type[BaseModel], prefix: str) -> dict[str, object]:
+    """`number_problems` of a params section."""
+    return number_problems(raw, config, prefix)
+
+
+def number_message(key: str, value) -> str:
+    if isinstance(value, bool):
+        return f"{key}: a number, not {str(value).lower()}"
+    return f"{key}: a finite number, not {value}"
 
 
 def validate_params(
@@ -181,11 +219,12 @@ def validate_params(
             problems.append(f"{section}: must be a mapping of keys, got {type(raw).__name__}")
             continue
         flags = flags_for_numbers(raw, config, section)
-        problems.extend(f"{key}: a number, not {str(value).lower()}" for key, value in flags.items())
+        problems.extend(number_message(key, value) for key, value in flags.items())
         try:
             validated[section] = config.model_validate(dict(raw))
         except ValidationError as error:  # a flagged key's own complaint is said once, above
-            problems.extend(p for p in format_validation_error(section, error) if p.split(":")[0] not in flags)
+            said = {key.split("[")[0] for key in flags} | set(flags)
+            problems.extend(p for p in format_validation_error(section, error) if p.split(":")[0] not in said)
     if problems:
         raise ParamsError(path, problems)
     return validated

@@ -569,3 +569,19 @@ def test_a_text_prompt_beside_conversations_that_hold_it_is_split_off_them(tmp_p
             "rejected": [{"role": "assistant", "content": "5"}],
         }
     ]
+
+
+def test_a_lone_surrogate_is_a_bad_row_named_by_row_and_field(tmp_path):
+    """JSON's "\\ud800" escape without its pair reads as a lone surrogate, which the contract
+    passed and Parquet then refused with a raw UnicodeEncodeError mid-prepare."""
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(
+        '{"prompt": "2+2?", "chosen": "4", "rejected": "5"}\n'
+        '{"prompt": "3+3?", "chosen": "6 \\ud800", "rejected": "7"}\n'
+        '{"prompt": [{"role": "user", "content": "x\\udfff"}], "chosen": "a", "rejected": "b"}\n'
+    )
+    with pytest.raises(DataValidationError) as error:
+        load_contract(path, "preference")
+    problems = error.value.problems
+    assert problems[0].startswith("row 2: 'chosen' is not valid Unicode text (a lone surrogate '\\ud800' at character 3")
+    assert any(p.startswith("row 3: 'prompt' message 0 content is not valid Unicode") for p in problems)

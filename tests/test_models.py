@@ -384,3 +384,23 @@ def test_generate_tells_a_completion_cut_by_the_budget_from_one_that_ended():
     model.generation_config.eos_token_id = list(range(len(tokenizer)))  # every token ends a completion
     drawn = generate(model, tokenizer, prompts, 5, do_sample=True, seed=0, details=True)
     assert all(drawn.finished) and all(len(text) <= 1 for text in drawn.texts) and drawn.tokens == [1] * 4
+
+
+def test_published_weights_cut_short_are_named_with_how_to_restore_them(tmp_path):
+    """A published model.safetensors cut short (a kill mid-copy, a full disk) failed inside
+    transformers with a bare SafetensorError; it is named before anything loads, with the
+    command that restores a pipeline output."""
+    import pytest
+
+    from rlhf.models.folders import UnusableModelError
+    from rlhf.models.loading import build_tiny_model, build_tokenizer, load_causal_lm, save_model
+
+    tokenizer = build_tokenizer()
+    folder = tmp_path / "models/sft"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(UnusableModelError) as error:
+        load_causal_lm(folder, what="models/sft")
+    message = str(error.value)
+    assert "model.safetensors" in message and "truncated" in message and f"dvc checkout {folder.as_posix()}" in message

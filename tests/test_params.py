@@ -448,3 +448,32 @@ def test_a_ppo_batch_the_processes_cannot_share_is_named_before_any_stage(tmp_pa
         "policy.ppo.rollout_batch_size: 9 is not a multiple of compute.processes (2): each process samples an "
         "equal share of the batch"
     ]
+
+
+def test_numbers_inside_lists_and_mappings_are_numbers():
+    """true/false, NaN and infinity where a list or mapping holds numbers (merge weights,
+    per-layer weights, the built-in task's table sizes, NoPE layers) fail naming the item:
+    pydantic read [true, 1] as [1.0, 1.0] and .nan as a weight."""
+    import math
+
+    import yaml
+
+    from rlhf.params import ParamsError, validate_params
+
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["merge"]["weights"] = [True, 1.0]
+    data["prepare"]["builtin"]["sizes"] = {"sft": math.nan}
+    data["base"]["nope_layers"] = [1, False]
+    data["merge"]["normalize"] = None
+    data["gate"]["confidence"] = math.inf
+    with pytest.raises(ParamsError) as error:
+        validate_params(data, stages.all_configs())
+    problems = error.value.problems
+    assert "merge.weights[0]: a number, not true" in problems
+    assert any(p.startswith("prepare.builtin.sizes.sft: ") and "finite number" in p for p in problems)
+    assert "base.nope_layers[1]: a number, not false" in problems
+    assert "gate.confidence: a finite number, not inf" in problems
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["merge"]["weights"] = [[1, 0.5], [0, True]]
+    with pytest.raises(ParamsError, match=r"merge\.weights\[1\]\[1\]: a number, not true"):
+        validate_params(data, stages.all_configs())

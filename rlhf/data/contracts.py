@@ -645,11 +645,24 @@ def _as_list(value):
     return value if isinstance(value, list) else None
 
 
+def _text_problem(text: str) -> str | None:
+    """Why a string cannot be written as UTF-8 (a lone surrogate: JSON's "\\ud800" escape
+    reads as one, and Parquet then fails on it), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (
+            f"is not valid Unicode text (a lone surrogate {text[error.start]!r} at character {error.start + 1}, "
+            "e.g. a JSON \\ud800 escape without its pair); fix or drop the character"
+        )
+    return None
+
+
 def _check_text_or_messages(value):
     if _is_missing(value):
         return value, "is missing"
     if isinstance(value, str) and not _written_messages(value):
-        return value, "is empty" if not value.strip() else None
+        return value, "is empty" if not value.strip() else _text_problem(value)
     return _check_messages(value)
 
 
@@ -682,6 +695,8 @@ def _check_messages(value):
             return messages, f"message {i} must be a {{'role', 'content'}} mapping, got {message!r:.60}"
         if not isinstance(message["content"], str):
             return messages, f"message {i} content must be a string"
+        if problem := _text_problem(message["content"]):
+            return messages, f"message {i} content {problem}"
         role = str(message["role"])
         if role not in ROLES:  # a chat template renders none of it, or fails on it
             hint = f" (ShareGPT's {role!r} is {SHAREGPT_ROLES[role]!r}: rename it)" if role in SHAREGPT_ROLES else ""
@@ -721,6 +736,9 @@ def _check_str_list(value):
     bad = [i for i, item in enumerate(items) if not isinstance(item, str) or not item.strip()]
     if bad:
         return items, f"has empty or non-string step(s) at {bad}"
+    for i, item in enumerate(items):
+        if problem := _text_problem(item):
+            return items, f"step {i} {problem}"
     return list(items), None
 
 
@@ -761,7 +779,7 @@ def _check_answer(value):
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     text = str(value).strip()
-    return text, "is empty" if not text else None
+    return text, "is empty" if not text else _text_problem(text)
 
 
 def missing_prepared(path: Path, stage: str) -> FileNotFoundError:

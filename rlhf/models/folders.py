@@ -74,12 +74,28 @@ def check_model_dir(path: str | Path, what: str = "model") -> Path:
         else:
             problems.append("no *.safetensors weights")
     problems += missing_shards(path)
+    damaged = damaged_weights(path)
     if not any(p.is_file() for pattern in _TOKENIZER_PATTERNS for p in path.glob(pattern)):
         problems.append("no tokenizer vocabulary (tokenizer.json, tokenizer.model, vocab.json or *.tiktoken)")
     if problems:
         found = f"Found: {present}"
         raise UnusableModelError(f"{what} directory {path} is not usable: {'; '.join(problems)}. {found}. {how}")
+    if damaged:
+        raise UnusableModelError(
+            f"{what} directory {path}: {'; '.join(damaged)}. A pipeline output is restored from DVC's cache with "
+            f"`dvc checkout {path.as_posix()}` (or rebuilt with `dvc repro --force <stage>`); a model of your own, "
+            "saved again with `save_pretrained`"
+        )
     return path
+
+
+def damaged_weights(path: Path) -> list[str]:
+    """The safetensors files of a model folder that are shorter than their header says (cut
+    short by a kill mid-write, a full disk or a partial copy): named before transformers
+    fails on them with a bare SafetensorError. Reads the headers only."""
+    from rlhf.training.checkpoints import safetensors_problem
+
+    return [problem for file in sorted(path.glob("*.safetensors")) if (problem := safetensors_problem(file))]
 
 
 # `owner/name` (or a bare legacy name such as `gpt2`): letters, digits, `-`, `_`, `.`.
