@@ -29,6 +29,39 @@ def _tmp_sibling(path: Path) -> Path:
 
 
 _STAGING_PART = re.compile(r"^\.(.+)\.tmp-\d+-[0-9a-f]{8}$")
+_STAGING_PID = re.compile(r"\.tmp-(\d+)-[0-9a-f]{8}$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_staging(path: Path) -> list[Path]:
+    """Remove the staging siblings of `path` (`.name.tmp-<pid>-<id>`) whose writer is dead: a
+    killed stage's half-built output, which nothing else removes. A live writer's (another
+    rank, another stage at work) stays. Returns what was removed."""
+    removed = []
+    if not path.parent.is_dir():
+        return removed
+    for sibling in path.parent.glob(f".{glob_escape(path.name)}.tmp-*"):
+        match = _STAGING_PID.search(sibling.name)
+        if match and not _alive(int(match.group(1))):
+            if sibling.is_dir() and not sibling.is_symlink():
+                shutil.rmtree(sibling, ignore_errors=True)
+            else:
+                sibling.unlink(missing_ok=True)
+            removed.append(sibling)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def published_path(path: str | Path) -> Path:
@@ -44,6 +77,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     On an exception the temporary directory is removed and `path` is left untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_staging(path)
     tmp = _tmp_sibling(path)
     tmp.mkdir()
     try:
@@ -74,6 +108,7 @@ def replace_path(src: Path, dst: Path) -> None:
 def atomic_file(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_staging(path)
     tmp = _tmp_sibling(path)
     try:
         yield tmp

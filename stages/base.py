@@ -31,6 +31,7 @@ the same pointer, and nothing after it reruns).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
@@ -72,6 +73,24 @@ class Config(StageConfig):
         "or a .jinja file (rlhf/models/templates.py)",
     )
     trust_remote_code: bool = Field(False, description="allow custom modelling code from the model directory")
+    trust_unpinned_code: bool = Field(
+        False,
+        description="with trust_remote_code and a Hub id: run its code from a branch or tag (which its owner can "
+        "change), not only from a pinned commit",
+    )
+
+    @model_validator(mode="after")
+    def _remote_code_from_a_pinned_commit(self):
+        hub = not self.model.startswith(BUILTIN_PREFIX) and not Path(self.model).exists()
+        pinned = self.revision is not None and re.fullmatch(r"[0-9a-f]{40}", self.revision) is not None
+        if self.trust_remote_code and hub and not pinned and not self.trust_unpinned_code:
+            moving = f"revision {self.revision!r}" if self.revision else "no revision (the default branch)"
+            raise ValueError(
+                f"trust_remote_code runs the Python code of the Hub model {self.model!r}, and {moving} can change "
+                "under you: pin base.revision to a commit (the 40-character hash on the model's page, Files and "
+                "versions), or set base.trust_unpinned_code: true"
+            )
+        return self
 
     @field_validator("chat_template")
     @classmethod

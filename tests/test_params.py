@@ -477,3 +477,19 @@ def test_numbers_inside_lists_and_mappings_are_numbers():
     data["merge"]["weights"] = [[1, 0.5], [0, True]]
     with pytest.raises(ParamsError, match=r"merge\.weights\[1\]\[1\]: a number, not true"):
         validate_params(data, stages.all_configs())
+
+
+def test_remote_code_from_the_hub_needs_a_pinned_commit_or_an_explicit_override():
+    """trust_remote_code with a Hub id runs its Python code; a branch or tag (or none: the
+    default branch) can change under a pipeline that reruns it."""
+    from pydantic import ValidationError
+
+    from stages.base import Config
+
+    with pytest.raises(ValidationError, match="pin base.revision to a commit"):
+        Config(model="someone/custom-model", trust_remote_code=True)
+    with pytest.raises(ValidationError, match="revision 'main' can change"):
+        Config(model="someone/custom-model", trust_remote_code=True, revision="main")
+    assert Config(model="someone/custom-model", trust_remote_code=True, revision="a" * 40)
+    assert Config(model="someone/custom-model", trust_remote_code=True, trust_unpinned_code=True)
+    assert Config(model="someone/plain-model", revision="main"), "no code run: a branch is fine"
