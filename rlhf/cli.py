@@ -35,8 +35,10 @@ COMMANDS = {
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    return "usage: rlhf <command> [options]\n\ncommands:\n" + "\n".join(lines) + (
-        "\n\n`rlhf <command> --help` shows a command's options."
+    return (
+        "usage: rlhf <command> [options]\n\ncommands:\n"
+        + "\n".join(lines)
+        + ("\n\n`rlhf <command> --help` shows a command's options.")
     )
 
 

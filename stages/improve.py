@@ -622,7 +622,8 @@ def main(argv: list[str] | None = None) -> None:
     import mlflow
 
     from rlhf.tasks import get_task
-    from rlhf.tracking.runs import numeric_metrics, stage_run
+    from rlhf.tracking.runs import numeric_metrics, stage_run, tracked
+    from rlhf.training.trainer_setup import discard_checkpoints
 
     argv = sys.argv[1:] if argv is None else argv
     params = load_model_stage()
@@ -639,10 +640,12 @@ def main(argv: list[str] | None = None) -> None:
                 write_json(
                     data / "absent.json", {"reason": f"round {name} drew no samples: {report.get('stop_reason')}"}
                 )
+        discard_checkpoints(CHECKPOINTS_DIR, f"round-{name}")  # published: no longer needed to resume
         summary = round_summary(report)
         write_json(ROUND_REPORTS / f"{name}.json", summary)
-        mlflow.log_metrics(numeric_metrics(summary))
-        mlflow.set_tags({"round.passed": str(report.get("passed")), "round.winner": str(report.get("winner"))})
+        with tracked("the round's summary"):
+            mlflow.log_metrics(numeric_metrics(summary))
+            mlflow.set_tags({"round.passed": str(report.get("passed")), "round.winner": str(report.get("winner"))})
         print(f"round {name}: " + ", ".join(f"{k} {v}" for k, v in summary.items() if not isinstance(v, dict)))
 
 

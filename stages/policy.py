@@ -171,8 +171,7 @@ def check_answer_rewards(params, method: str) -> None:
 
 
 def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
-    from rlhf.models.compute import is_main
-    from rlhf.training.trainer_setup import discard_checkpoints
+    """Train `method` into `out_dir`; its checkpoints stay until the caller has published it."""
     from rlhf.training.trl_training import TrainingJob
 
     stage = stage_name(method)
@@ -199,8 +198,6 @@ def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, l
     )
     start = time.perf_counter()
     metrics, curve = METHODS[method].train(job, params, out_dir)
-    if is_main():
-        discard_checkpoints(CHECKPOINTS_DIR, stage)
     return {**metrics, "method": method, "train_seconds": time.perf_counter() - start}, curve
 
 
@@ -208,7 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     import mlflow
 
     import rlhf.models.settings as model_settings
-    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
+    from rlhf.models.compute import is_main
+    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run, tracked
+    from rlhf.training.trainer_setup import discard_checkpoints
 
     argv = sys.argv[1:] if argv is None else argv
     params = load_model_stage()
@@ -222,14 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     with stage_run(stage_name(method), config.model_dump(include={"trust_remote_code", method})) as active:
         with atomic_dir(OUT_ROOT / method) as tmp:
             metrics, curve = run(config, task, method, tmp)
+        if is_main():  # published: the checkpoints are no longer needed to resume
+            discard_checkpoints(CHECKPOINTS_DIR, stage_name(method))
         if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
             return
         write_json(METRICS_ROOT / f"{method}.json", metrics)
         with atomic_dir(PLOTS_ROOT / method) as tmp:
             for quantity, rows in plotted_curves(curve).items():
                 write_csv(tmp / f"{quantity}.csv", rows)
-        mlflow.log_metrics(numeric_metrics(metrics))
-        mlflow.log_artifacts(str(PLOTS_ROOT / method), f"plots/{method}")
+        with tracked("the metrics and the curves"):
+            mlflow.log_metrics(numeric_metrics(metrics))
+            mlflow.log_artifacts(str(PLOTS_ROOT / method), f"plots/{method}")
         log_table(training_data(method), "training")
 
 

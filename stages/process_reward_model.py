@@ -164,7 +164,6 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     from rlhf.rewards.steps import prm_metrics
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
-        discard_checkpoints,
         final_weights,
         fingerprint,
         last_logged,
@@ -202,8 +201,7 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
         "resumed": bool(resumed),
         "processes": trainer.args.world_size,
     }
-    discard_checkpoints(CHECKPOINTS_DIR, stage)
-    return metrics, log_history_rows(history, CURVE_KEYS)
+    return metrics, log_history_rows(history, CURVE_KEYS)  # checkpoints stay until main has published
 
 
 def run_likelihood(
@@ -239,7 +237,9 @@ def run_likelihood(
 def main() -> None:
     import mlflow
 
-    from rlhf.tracking.runs import numeric_metrics, stage_run
+    from rlhf.models.compute import is_main
+    from rlhf.tracking.runs import numeric_metrics, stage_run, tracked
+    from rlhf.training.trainer_setup import discard_checkpoints
 
     params = load_model_stage(override=lambda p: p["prm"].model)
     config, task = params["prm"], get_task(params["task"])
@@ -251,12 +251,15 @@ def main() -> None:
                 return
             metrics, curve = run(config, task.step_separator, init_dir(config), rows, held_out, tmp)
             metrics.update(derived or {})
+        if is_main():  # published: the checkpoints are no longer needed to resume
+            discard_checkpoints(CHECKPOINTS_DIR, "prm")
         if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
             return
         write_json(METRICS, metrics)
         write_csv(PLOT, curve)
-        mlflow.log_metrics(numeric_metrics(metrics))
-        mlflow.log_artifact(str(PLOT))
+        with tracked("the metrics and the loss curve"):
+            mlflow.log_metrics(numeric_metrics(metrics))
+            mlflow.log_artifact(str(PLOT))
         shown = {k: "n/a" if metrics[k] is None else f"{metrics[k]:.3f}" for k in ("f1_bad", "first_error_accuracy")}
         untested = (
             " (warning: no held-out step is bad; the PRM's finding of bad steps is untested: give "

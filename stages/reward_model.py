@@ -225,7 +225,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
     from rlhf.rewards.likelihood_rm import pairs_dataset
-    from rlhf.training.trainer_setup import checkpoint_dir, discard_checkpoints, fingerprint, last_logged
+    from rlhf.training.trainer_setup import checkpoint_dir, fingerprint, last_logged
 
     stage = "rm"
     check_model_dir(resolve_model_dir(init), f"rm.init {config.init!r} ({init})")
@@ -281,14 +281,15 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
         **fit,
         "train_seconds": train_seconds,
     }
-    discard_checkpoints(CHECKPOINTS_DIR, stage)
-    return metrics, curve
+    return metrics, curve  # the checkpoints stay until main has published the ensemble
 
 
 def main() -> None:
     import mlflow
 
-    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
+    from rlhf.models.compute import is_main
+    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run, tracked
+    from rlhf.training.trainer_setup import discard_checkpoints
 
     params = load_model_stage(override=lambda p: p["rm"].model)
     config, task = params["rm"], get_task(params["task"])
@@ -300,6 +301,8 @@ def main() -> None:
                 drop_out("rm", tmp, reason, METRICS, PLOTS / f"{MEMBER_PREFIX}0.csv")
                 return
             metrics, curve = run(config, task, init_dir(config), DATA, EVAL_DATA, tmp)
+        if is_main():  # published: the checkpoints are no longer needed to resume
+            discard_checkpoints(CHECKPOINTS_DIR, "rm")
         if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
             return
         write_json(METRICS, metrics)
@@ -309,10 +312,11 @@ def main() -> None:
                     plots / f"{MEMBER_PREFIX}{index}.csv",
                     [{k: v for k, v in r.items() if k != "member"} for r in curve if r["member"] == index],
                 )
-        mlflow.log_metrics(numeric_metrics(metrics))
+        with tracked("the metrics and the members' curves"):
+            mlflow.log_metrics(numeric_metrics(metrics))
+            mlflow.log_artifacts(str(PLOTS), "plots")
         log_table(DATA, "training")
         log_table(EVAL_DATA, "evaluation")
-        mlflow.log_artifacts(str(PLOTS), "plots")
         print(f"rm: ensemble held-out pairwise accuracy {metrics['ensemble_accuracy']:.3f}")
 
 

@@ -52,7 +52,9 @@ def main(
     this with its own section and paths)."""
     import mlflow
 
-    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run
+    from rlhf.models.compute import is_main
+    from rlhf.tracking.runs import log_table, numeric_metrics, stage_run, tracked
+    from rlhf.training.trainer_setup import discard_checkpoints
 
     params = load_model_stage(override=lambda p: p[stage].model)
     config = params[stage]  # the verifier stage runs this trainer with its own section
@@ -61,12 +63,15 @@ def main(
     with stage_run(stage, config) as active:
         with atomic_dir(out_dir) as tmp:
             metrics, curve = run(config, init_dir, DATA, tmp, stage=stage)
+        if is_main():  # published: the checkpoints are no longer needed to resume
+            discard_checkpoints(CHECKPOINTS_DIR, stage)
         if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes
             return
         write_json(metrics_path, metrics)
         write_csv(plot, curve)
-        mlflow.log_metrics(numeric_metrics(metrics))
-        mlflow.log_artifact(str(plot))
+        with tracked("the metrics and the loss curve"):
+            mlflow.log_metrics(numeric_metrics(metrics))
+            mlflow.log_artifact(str(plot))
         log_table(DATA, "training")
 
 

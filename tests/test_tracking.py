@@ -15,11 +15,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from rlhf.training.methods.sft import SFTParams
+from tests.conftest import tiny_params
 
 END_BOUND_S = 5.0
 
@@ -158,14 +160,11 @@ def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, t
         monkeypatch.setattr(setup, "tracking_callbacks", lambda: [*original(), StopServer()])
         out = tmp_path / "out"
         start = time.perf_counter()
-        trained = False
-        # Closing the run on the stopped server fails; training must not (a warning only).
-        with caplog.at_level("WARNING", logger="rlhf.tracking"), pytest.raises(Exception) as ended:
+        # Closing the run on the stopped server fails too: a warning, not the stage's failure.
+        with caplog.at_level("WARNING", logger="rlhf.tracking"):
             with stage_run("sft", _params(4)):
                 train_sft(_params(4), base, data, out, tmp_path / "checkpoints", "sft")
-                trained = True
         seconds = time.perf_counter() - start
-        assert trained, f"training itself failed: {ended.value!r}"
     finally:
         server.kill()
         while mlflow.active_run():
@@ -173,8 +172,63 @@ def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, t
     assert (out / "model.safetensors").is_file(), "the trained model is saved"
     assert seconds < 120
     text = caplog.text
-    assert "MLflow did not log" in text and "loss" in text
+    assert "MLflow did not log" in text and "loss" in text and "the run's end" in text
     assert os.environ.get("MLFLOW_TRACKING_URI") == uri
+
+
+def start_mlflow_server(tmp_path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--workers", "1"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    for _ in range(120):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.5)
+    return server, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.slow
+def test_a_server_stopped_mid_stage_under_dvc_repro_costs_no_training(tmp_path):
+    """`dvc repro sft` against a real `mlflow server`, stopped once sft has written its first
+    checkpoint: the stage exits 0, publishes its model and metrics, removes its checkpoints
+    only then, and says what MLflow did not record; a second `dvc repro` has nothing to do."""
+    from tests.conftest import make_project, run
+
+    root = make_project(tmp_path / "project", tiny_params(sft={"max_steps": 40, "save_steps": 5, "logging_steps": 5}))
+    server, uri = start_mlflow_server(tmp_path)
+    env = {
+        "MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+        "RLHF_ARTIFACT_ROOT": "", "MLFLOW_EXPERIMENT_NAME": "server-stops",
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }  # fmt: skip
+    env = {k: v for k, v in env.items() if v}
+    try:
+        repro = subprocess.Popen(
+            [sys.executable, "-m", "dvc", "repro", "sft"], cwd=root, env={**os.environ, **env},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not list((root / "checkpoints").glob("sft/*/checkpoint-*")):
+            if repro.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"sft wrote no checkpoint:\n{repro.communicate()[0][-3000:]}")
+            time.sleep(0.2)
+        server.terminate()
+        server.wait(timeout=30)
+        output, _ = repro.communicate(timeout=600)
+    finally:
+        server.kill()
+    assert repro.returncode == 0, output[-3000:]
+    assert (root / "models/sft/model.safetensors").is_file()
+    assert json.loads((root / "metrics/sft.json").read_text())["steps"] == 40
+    assert not (root / "checkpoints/sft").exists(), "removed once the model was published"
+    assert "MLflow did not record" in output and "the metrics and the loss curve" in output
+    again = run([sys.executable, "-m", "dvc", "repro", "sft"], root, env=env)
+    assert "didn't change, skipping" in again.stdout and "Running stage 'sft'" not in again.stdout
 
 
 def test_tables_are_run_inputs_with_their_dvc_hash_and_models_carry_their_metrics(tmp_path, mlflow_store):

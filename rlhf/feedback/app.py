@@ -292,7 +292,10 @@ class LabellingSession:
             except AlreadyLabelledError:
                 return 409, "Not saved: another page labelled this prompt meanwhile. Here is the next pair."
             except OSError as error:
-                return 507, f"Not saved: the file could not be written ({error.strerror or error}); nothing was changed."
+                return (
+                    507,
+                    f"Not saved: the file could not be written ({error.strerror or error}); nothing was changed.",
+                )
             return 200, "saved"
 
     def counts(self) -> dict:

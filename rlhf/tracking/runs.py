@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -278,18 +279,43 @@ def stage_run(stage: str, config: Any, tags: Mapping[str, str] | None = None) ->
         yield run
 
 
+# What this process could not log after its work was done (`tracked`), said at the end.
+NOT_LOGGED: list[str] = []
+
+
+@contextmanager
+def tracked(what: str) -> Iterator[None]:
+    """Tracking calls made after a stage's work is done (its outputs published): a failure
+    (a tracking server gone away, a locked store) is a warning naming `what`, never the
+    stage's failure: the training is not lost to it, and the rerun finds the outputs."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - whatever the tracking client raises
+        NOT_LOGGED.append(what)
+        logger.warning("MLflow did not log %s: %s", what, str(error).splitlines()[0] if str(error) else error)
+
+
 @contextmanager
 def ending(run: mlflow.ActiveRun) -> Iterator[mlflow.ActiveRun]:
     """End the started `run` after the block: FAILED on an exception (which propagates),
-    else FINISHED, with the time the end took recorded (`record_wait`)."""
+    else FINISHED, with the time the end took recorded (`record_wait`). Ending the run is
+    tracked: a store gone away warns. What was not logged is said last."""
     try:
         yield run
     except BaseException:
-        mlflow.end_run("FAILED")
+        with tracked("the run's FAILED status"):
+            mlflow.end_run("FAILED")
         raise
     start = time.perf_counter()
-    mlflow.end_run()
+    with tracked("the run's end"):
+        mlflow.end_run()
     record_wait("end_run", time.perf_counter() - start)
+    if NOT_LOGGED:
+        print(
+            f"tracking: the stage's outputs are published; MLflow did not record {', '.join(NOT_LOGGED)} "
+            "(the tracking store was not reachable): `dvc metrics show` has the numbers",
+            file=sys.stderr,
+        )
 
 
 def lock_entry_hash(stage_address: str, lock_path: str | Path = "dvc.lock") -> str | None:

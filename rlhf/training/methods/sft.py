@@ -79,14 +79,12 @@ def train_sft(
     import rlhf.models.settings as model_settings
     from rlhf.data.contracts import read_prepared
     from rlhf.data.prepared import prepared_dataset
-    from rlhf.models.compute import is_main
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
     from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenized_rows
     from rlhf.training.trainer_setup import (
         adapters_without_casts,
         checkpoint_dir,
-        discard_checkpoints,
         fingerprint,
         last_logged,
         length_report,
@@ -175,9 +173,7 @@ def train_sft(
     resumed = train_resumable(trainer, stage, key)
     history = trainer.state.log_history
     penalty = consolidation.penalty() if consolidation is not None else None  # before LoRA is merged away
-    save_trained(trainer, tokenizer, out_dir, model_dir)
-    if is_main():  # the other processes of a multi-process launch trained the same weights
-        discard_checkpoints(checkpoints, stage)
+    save_trained(trainer, tokenizer, out_dir, model_dir)  # its checkpoints stay until the caller publishes it
     metrics = {
         "train_loss": last_logged(history, "loss"),
         "mean_token_accuracy": last_logged(history, "mean_token_accuracy"),
