@@ -182,6 +182,103 @@ def slot(address: str):
             yield threads
 
 
+class Stages:
+    """The stage processes this flow has running (each `dvc repro` in its own process group,
+    with the stage it starts), so that a signal to the flow reaches every one of them."""
+
+    def __init__(self):
+        self.running: dict[int, subprocess.Popen] = {}
+        self.lock = threading.Lock()
+        self.stopping: str | None = None  # the signal's name, once the flow is told to stop
+
+    def start(self, command: list[str], **kwargs) -> subprocess.Popen:
+        with self.lock:
+            if self.stopping:
+                raise RuntimeError(f"not started: the flow is stopping ({self.stopping})")
+            process = subprocess.Popen(command, start_new_session=True, **kwargs)
+            self.running[process.pid] = process
+        return process
+
+    def done(self, process: subprocess.Popen) -> None:
+        with self.lock:
+            self.running.pop(process.pid, None)
+
+    def stop(self, signum: int, grace: float) -> list[int]:
+        """SIGTERM (or SIGINT) to every running stage's process group, then wait for them for
+        up to `grace` seconds and SIGKILL what is left. Returns the pids it waited for."""
+        import signal
+
+        with self.lock:
+            self.stopping = signal.Signals(signum).name
+            processes = list(self.running.values())
+        for process in processes:
+            try:
+                os.killpg(process.pid, signum)
+            except ProcessLookupError:
+                pass
+        # Wait for each whole group (dvc, its shell and the stage: a stage may outlive dvc,
+        # ending its work), reaping dvc; at the deadline, kill what is left.
+        deadline = time.monotonic() + grace
+        alive = list(processes)
+        while alive and time.monotonic() < deadline:
+            for process in list(alive):
+                process.poll()  # reap dvc, so that its zombie does not count
+                if not group_alive(process.pid):
+                    alive.remove(process)
+            time.sleep(0.1)
+        for process in alive:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for process in processes:
+            process.wait()
+        return [process.pid for process in processes]
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+STAGES = Stages()
+STOP_GRACE_SECONDS = 60  # what a stage gets to end after SIGTERM before it is killed
+
+
+class FlowStopped(BaseException):
+    """The flow was told to stop (SIGTERM, SIGINT): its stages have ended."""
+
+
+@contextmanager
+def stop_on_signals():
+    """While the flow runs: SIGTERM or SIGINT reaches every running stage (its process group),
+    the flow waits for them (at most STOP_GRACE_SECONDS, then kills them), and only then
+    raises FlowStopped, so that the workspace lock is released after the stages are gone."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if STAGES.stopping:
+            return  # the second signal of a double Ctrl-C: the first is already stopping them
+        waited = STAGES.stop(signum, STOP_GRACE_SECONDS)
+        raise FlowStopped(f"{signal.Signals(signum).name}: {len(waited)} running stage(s) stopped")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 @task(name="dvc-stage", retries=0, task_run_name="{address}")
 def run_stage(address: str, parent_run_id: str | None, force: bool = False) -> dict:
     with slot(address) as threads:
@@ -197,7 +294,7 @@ def repro_stage(address: str, parent_run_id: str | None, force: bool, threads: i
         env["OMP_NUM_THREADS"] = str(threads)
         logger.info(f"{threads} thread(s) of {machine_cores()} cores: stages run side by side")
     start = time.perf_counter()
-    process = subprocess.Popen(
+    process = STAGES.start(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
     lines, last_progress = [], 0.0
@@ -214,7 +311,10 @@ def repro_stage(address: str, parent_run_id: str | None, force: bool, threads: i
             last_progress = time.monotonic()
         logger.info(text[-500:])
     code = process.wait()
+    STAGES.done(process)
     output = "".join(lines)
+    if STAGES.stopping:
+        raise RuntimeError(f"{address}: stopped ({STAGES.stopping} to the flow)")
     if code != 0:
         raise RuntimeError(f"`{' '.join(command)}` failed with exit code {code}:\n{output[-4000:]}")
     return {"stage": address, "status": parse_status(output, address), "seconds": time.perf_counter() - start}
@@ -318,8 +418,15 @@ def pipeline(
         ROOT = Path(root).resolve()
     os.chdir(ROOT)
     check_inputs(ROOT)
-    with workspace_lock(ROOT):
-        return run_pipeline(set(force or []), retries, pull, push, jobs or default_jobs(ROOT))
+    with workspace_lock(ROOT):  # released after the stages have ended, even when stopped
+        try:
+            with stop_on_signals():
+                return run_pipeline(set(force or []), retries, pull, push, jobs or default_jobs(ROOT))
+        except FlowStopped as stopped:
+            from prefect.states import Cancelled
+
+            print(f"flow stopped by {stopped}; the workspace is free again (a rerun resumes from checkpoints)")
+            return Cancelled(message=f"stopped by {stopped}")
 
 
 def check_inputs(root: Path) -> None:
@@ -515,7 +622,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         pipeline.serve(name="scheduled", cron=args.cron, parameters=parameters)
         return
-    pipeline(force=args.force or [], retries=args.retries, pull=args.pull, push=args.push, jobs=args.jobs)
+    from prefect.exceptions import CancelledRun
+
+    try:
+        pipeline(force=args.force or [], retries=args.retries, pull=args.pull, push=args.push, jobs=args.jobs)
+    except CancelledRun as cancelled:
+        print(f"flows.pipeline: {cancelled}", file=sys.stderr)
+        raise SystemExit(143) from None  # as a process ended by SIGTERM
 
 
 if __name__ == "__main__":

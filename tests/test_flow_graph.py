@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import run
+from tests.conftest import REPO, run
 
 pytestmark = pytest.mark.slow  # starts Prefect's test server
 
@@ -175,3 +175,73 @@ def test_jobs_run_independent_stages_side_by_side_with_a_share_of_the_cores(tmp_
     (b0, b_threads, b1), (c0, c_threads, c1) = in_turn["b"], in_turn["c"]
     assert min(b1, c1) <= max(b0, c0), f"jobs=1: one after the other: {in_turn}"
     assert b_threads == c_threads == "unset"
+
+
+STAGE_THAT_STOPS = """\
+import os, signal, sys, time
+def ended(signum, frame):
+    time.sleep(2)  # a stage that takes a moment to end (a checkpoint being written)
+    with open("a.log", "a") as log:
+        log.write(f"terminated {time.time()}\\n")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, ended)
+with open("a.log", "w") as log:
+    log.write(f"pid {os.getpid()}\\n")
+time.sleep(300)
+"""
+
+FLOW = """\
+import sys
+from prefect.testing.utilities import prefect_test_harness
+from flows.pipeline import pipeline
+with prefect_test_harness(server_startup_timeout=120):
+    state = pipeline(root=sys.argv[1], return_state=True)
+    print("STATE", state.type.value, state.message, flush=True)
+"""
+
+
+def test_sigterm_to_the_flow_stops_its_stages_and_then_frees_the_workspace(tmp_path):
+    """SIGTERM to a running flow reaches the stage it runs (in its own process group), the
+    flow waits for the stage to end, ends Cancelled, and only then frees the workspace; the
+    stage after it never starts."""
+    import fcntl
+    import subprocess
+    import time
+
+    from flows.pipeline import LOCK_FILE
+
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "stage_a.py").write_text(STAGE_THAT_STOPS)
+    stages = {
+        "a": {"cmd": f"{sys.executable} stage_a.py && echo a > a.txt", "deps": ["stage_a.py"], "outs": ["a.txt"]},
+        "b": {"cmd": "cat a.txt > b.txt", "deps": ["a.txt"], "outs": ["b.txt"]},
+    }
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
+    run(["git", "init", "-q"], root)
+    run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RLHF_"))}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    flow = subprocess.Popen(
+        [sys.executable, "-c", FLOW, str(root)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not (root / "a.log").exists():
+        assert flow.poll() is None and time.monotonic() < deadline, flow.communicate()[0][-3000:]
+        time.sleep(0.2)
+    stage_pid = int((root / "a.log").read_text().split()[1])
+    flow.send_signal(15)
+    output, _ = flow.communicate(timeout=120)
+    freed = time.time()
+    assert "STATE CANCELLED stopped by SIGTERM" in output, output[-3000:]
+    ended = float((root / "a.log").read_text().split("terminated ")[1])
+    assert ended <= freed, "the flow ended after its stage"
+    try:
+        os.kill(stage_pid, 0)
+        raise AssertionError(f"the stage (pid {stage_pid}) outlived the flow")
+    except ProcessLookupError:
+        pass
+    assert not (root / "b.txt").exists() and not (root / "a.txt").exists()
+    with open(root / LOCK_FILE, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: no BlockingIOError
