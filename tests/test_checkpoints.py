@@ -110,7 +110,7 @@ def test_a_length_error_names_the_published_file_not_the_staging_folder():
     assert published_path("models/.sft.tmp-7-0123abcd") == Path("models/sft")
     assert published_path("data/.hidden/x.tmp") == Path("data/.hidden/x.tmp")
     with pytest.raises(TrainingDataError, match=r" every prompt of data/rounds/r1/train.parquet fills it"):
-        length_report([(20, 25)], [False], 16, "improve.rounds.r1.train.max_length", staged)
+        length_report([20], [25], [False], 16, "improve.rounds.r1.train.max_length", staged)
 
 
 def test_offline_rows_cut_at_max_length_are_counted_and_pairs_cut_alike_are_named(tmp_path, capsys):

@@ -270,7 +270,8 @@ def _parquet_batches(path: Path, batch_rows: int) -> Iterator[pd.DataFrame]:
     import pyarrow.parquet as pq
 
     with open(path, "rb") as file:  # opened by Python: audit hooks see the read (read_prepared)
-        for batch in pq.ParquetFile(file).iter_batches(batch_size=batch_rows):
+        # Not pre-buffered: pyarrow's default keeps every row group it has read until the end.
+        for batch in pq.ParquetFile(file, pre_buffer=False).iter_batches(batch_size=batch_rows):
             yield _arrow_frame(pa.Table.from_batches([batch]))
 
 

@@ -108,7 +108,7 @@ def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_r
     import pyarrow.parquet as pq
 
     with open(path, "rb") as file:  # opened by Python: audit hooks see the read
-        parquet = pq.ParquetFile(file)
+        parquet = pq.ParquetFile(file, pre_buffer=False)  # pre-buffered reads keep every row group read
         if not parquet.metadata.num_rows:
             return
         for batch in parquet.iter_batches(batch_size=batch_rows or BATCH_ROWS, columns=columns):
@@ -133,6 +133,11 @@ def prepared_dataset(path: str | Path, stage: str):
     path = Path(path)
     if not path.exists():
         raise missing_prepared(path, stage)
+    import pyarrow.dataset as pds
+
     with open(path, "rb"):  # opened by Python as well, so that audit hooks see the read
         pass
-    return Dataset.from_parquet(str(path), split="train")
+    # Without pre-buffering: pyarrow's default reads ahead and keeps what it read, so that
+    # converting a 1.7 GB table peaked at 1.9 GB (benchmarks/README.md, data at size).
+    options = pds.ParquetFragmentScanOptions(pre_buffer=False)
+    return Dataset.from_parquet(str(path), split="train", fragment_scan_options=options)

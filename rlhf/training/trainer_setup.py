@@ -371,17 +371,22 @@ def last_logged(history: list[dict], key: str) -> float | None:
 
 
 def length_report(
-    lengths: list[tuple[int, int]], fits: list[bool], max_length: int, key: str, path: Path, room: int = 1
+    prompt_tokens, full_tokens, fits, max_length: int, key: str, path: Path, room: int = 1
 ) -> dict:
-    """{truncated_rows, dropped_rows} of a table against `max_length`, from each row's
-    (prompt tokens, prompt + completion tokens) and whether it is kept (`fits`: its prompt
-    leaves `room` completion tokens), printed when not 0; no row left is an error naming
-    `key`. SFT, the offline policy methods and PPO report their rows with it."""
+    """{truncated_rows, dropped_rows} of a table against `max_length`, from each row's prompt
+    tokens and prompt + completion tokens (sequences or numpy arrays: a large table's are
+    arrays, 8 bytes a row) and whether it is kept (`fits`: its prompt leaves `room`
+    completion tokens), printed when not 0; no row left is an error naming `key`. SFT, the
+    offline policy methods and PPO report their rows with it."""
+    import numpy as np
+
+    prompt_tokens, full_tokens = np.asarray(prompt_tokens), np.asarray(full_tokens)
+    fits = np.asarray(fits, dtype=bool)
     path = published_path(path)  # a round's training table is read from its staging folder
-    dropped = len(fits) - sum(fits)
-    truncated = sum(1 for (_, full), keep in zip(lengths, fits) if keep and full > max_length)
-    if not any(fits):
-        shortest = min(prompt for prompt, _ in lengths)
+    dropped = int(len(fits) - fits.sum())
+    truncated = int((fits & (full_tokens > max_length)).sum())
+    if not fits.any():
+        shortest = int(prompt_tokens.min())
         left = "no completion token" if room == 1 else f"fewer than the {room} tokens of a completion"
         raise TrainingDataError(
             f"{key} {max_length}: every prompt of {path} fills it (the shortest: {shortest} tokens), leaving {left} "
@@ -393,6 +398,6 @@ def length_report(
     if counted:
         print(
             f"{key} {max_length}: of {len(fits)} rows of {path}, {' and '.join(counted)}; raise {key} to keep them "
-            f"(the longest row: {max(full for _, full in lengths)} tokens)"
+            f"(the longest row: {int(full_tokens.max())} tokens)"
         )
     return {"truncated_rows": truncated, "dropped_rows": dropped}

@@ -209,11 +209,13 @@ def fitting_rows(dataset, tokenizer, max_length: int, key: str, path: Path, room
         remove_columns=dataset.column_names,
         desc="Counting tokens",
     )
-    prompt_tokens, full_tokens = measured["prompt_tokens"], measured["full_tokens"]
-    keep = np.array([n + room <= max_length for n in prompt_tokens], dtype=bool)
-    counts = length_report(list(zip(prompt_tokens, full_tokens)), keep.tolist(), max_length, key, path, room)
+    counted = ["prompt_tokens", "full_tokens", *(["indistinct"] if pairs else [])]
+    columns = measured.with_format("numpy", columns=counted)[:]  # arrays, not a Python int a row
+    prompt_tokens, full_tokens = columns["prompt_tokens"], columns["full_tokens"]
+    keep = prompt_tokens + room <= max_length
+    counts = length_report(prompt_tokens, full_tokens, keep, max_length, key, path, room)
     if pairs:
-        counts["indistinct_pairs"] = int(np.sum(keep & np.array(measured["indistinct"], dtype=bool)))
+        counts["indistinct_pairs"] = int(np.sum(keep & columns["indistinct"].astype(bool)))
         if counts["indistinct_pairs"]:
             print(
                 f"{key} {max_length}: {counts['indistinct_pairs']} pairs of {path} have chosen and rejected alike up "

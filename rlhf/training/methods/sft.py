@@ -111,9 +111,10 @@ def train_sft(
     else:  # tokenised here in batched calls, to the ids TRL would make row by row
         dataset = measured = dataset.map(tokenized_rows, batched=True, fn_kwargs={"tokenizer": tokenizer},
                                          remove_columns=dataset.column_names, desc="Tokenizing")  # fmt: skip
-    lengths = list(zip(measured["prompt_tokens"], measured["full_tokens"]))
-    fits = np.array([prompt < config.max_length for prompt, _ in lengths], dtype=bool)
-    lost = length_report(lengths, fits.tolist(), config.max_length, f"{section}.max_length", data)
+    columns = measured.with_format("numpy", columns=["prompt_tokens", "full_tokens"])[:]  # arrays, not ints
+    prompt_tokens, full_tokens = columns["prompt_tokens"], columns["full_tokens"]
+    fits = prompt_tokens < config.max_length
+    lost = length_report(prompt_tokens, full_tokens, fits, config.max_length, f"{section}.max_length", data)
     if not fits.all():
         dataset = dataset.select(np.flatnonzero(fits))
     dataset = dataset.remove_columns([c for c in ("prompt_tokens", "full_tokens") if c in dataset.column_names])
