@@ -9,9 +9,9 @@ docs/concepts/dag.md; GitHub and the site draw it.
 
 The screenshots (`--screens`, after `bash scripts/pipeline.sh`): `python -m flows.ui_check`
 runs the flow against a Prefect and an MLflow server on 127.0.0.1 and photographs the flow
-run's graph and the MLflow run (headless Chromium); `dvc plots show` is photographed the
-same way. They are copied to docs/images/ (dvc-plots.png, prefect-flow-run.png,
-mlflow-run.png).
+run's graph (headless Chromium); the MLflow UI's runs of the project's experiment are
+photographed too (mlflow-runs.png). DVC's plots page is not: it draws with Vega from a CDN,
+which a machine without internet cannot load. They are written to docs/images/.
 """
 
 from __future__ import annotations
@@ -52,19 +52,53 @@ def write_dag() -> None:
         print(f"{page.relative_to(ROOT)}: DAG picture written")
 
 
-def screenshot_file(html: Path, out: Path) -> None:
-    from rlhf.browser import headless_chromium
-
+def screenshot(url: str, out: Path, wait: float = 8.0) -> None:
+    """A headless Chromium's picture of `url`, after `wait` seconds for its scripts."""
     import time
 
+    from rlhf.browser import headless_chromium
+
     with tempfile.TemporaryDirectory() as profile:
-        browser = headless_chromium(profile, 1280, 900)
+        browser = headless_chromium(profile, 1600, 900)
         try:
-            browser.get(html.as_uri())
-            time.sleep(5)  # the plots are drawn by Vega after the page loads
+            browser.get(url)
+            time.sleep(wait)
             browser.save_screenshot(str(out))
         finally:
             browser.quit()
+
+
+def mlflow_runs(out: Path) -> None:
+    """The project's experiment in the MLflow UI, on its runs: `mlflow server` on the
+    project's store (mlflow.db), the experiment page in the UI's model-training view
+    (`?workflowType=machine_learning`: MLflow 3.17 opens the GenAI view otherwise)."""
+    import socket
+    import time
+
+    import mlflow
+
+    from flows.ui_check import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{ROOT / 'mlflow.db'}", "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(120):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        mlflow.set_tracking_uri(f"http://127.0.0.1:{port}")
+        experiment = mlflow.get_experiment_by_name("rlhf-pipeline")
+        url = f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+        screenshot(url, out)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def write_screens() -> None:
@@ -72,11 +106,8 @@ def write_screens() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ui"
         subprocess.run([sys.executable, "-m", "flows.ui_check", "--out", str(out)], cwd=ROOT, check=True)
-        for name in ("prefect-flow-run.png", "mlflow-run.png"):
-            shutil.copy2(out / name, IMAGES / name)
-        plots = Path(tmp) / "plots"
-        subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "-o", str(plots)], cwd=ROOT, check=True)
-        screenshot_file(plots / "index.html", IMAGES / "dvc-plots.png")
+        shutil.copy2(out / "prefect-flow-run.png", IMAGES / "prefect-flow-run.png")
+    mlflow_runs(IMAGES / "mlflow-runs.png")
     print(f"screenshots: {', '.join(p.name for p in sorted(IMAGES.glob('*.png')))} in {IMAGES.relative_to(ROOT)}")
 
 

@@ -115,12 +115,16 @@ def test_run_reads_back_what_prepare_wrote_with_missing_values_as_none(tmp_path)
 
 FINGERPRINT = """
 import sys
+import pandas as pd
 from rlhf.data.prepared import prepared_dataset
 from rlhf.models.loading import build_tokenizer
 from rlhf.training.trl_training import fitting_rows
 dataset = prepared_dataset(sys.argv[1], "policy@dpo")
 kept, counts = fitting_rows(dataset, build_tokenizer(), 40, "policy.dpo.max_length", sys.argv[1])
 print("FP", dataset._fingerprint, kept._fingerprint, len(kept), counts["dropped_rows"])
+if len(sys.argv) > 2:  # the file rewritten: new fingerprints
+    pd.DataFrame({"prompt": ["5+6\\n"], "chosen": ["a"], "rejected": ["b"]}).to_parquet(sys.argv[1])
+    print("FP", prepared_dataset(sys.argv[1], "policy@dpo")._fingerprint)
 """
 
 
@@ -131,23 +135,22 @@ def test_a_prepared_table_keeps_its_fingerprint_across_processes_while_its_file_
     new ones."""
     path = tmp_path / "prefs.parquet"
     long = "9+" * 30 + "1\n"
-    pd.DataFrame(
-        {"prompt": ["1+2\n", "3+4\n", long], "chosen": ["a", "b", "c"], "rejected": ["x", "y", "z"]}
-    ).to_parquet(path)
+    rows = {"prompt": ["1+2\n", "3+4\n", long], "chosen": ["a", "b", "c"], "rejected": ["x", "y", "z"]}
+    pd.DataFrame(rows).to_parquet(path)
     env = {"HF_DATASETS_CACHE": str(tmp_path / "cache"), "PATH": str(Path(sys.executable).parent)}
 
-    def fingerprints() -> list[str]:
+    def fingerprints(*rewrite: str) -> list[list[str]]:
         done = subprocess.run(
-            [sys.executable, "-c", FINGERPRINT, str(path)], cwd=REPO, capture_output=True, text=True, env=env
+            [sys.executable, "-c", FINGERPRINT, str(path), *rewrite], cwd=REPO, capture_output=True, text=True, env=env
         )
         assert done.returncode == 0, done.stderr[-2000:]
-        return next(line for line in done.stdout.splitlines() if line.startswith("FP ")).split()[1:]
+        return [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("FP ")]
 
-    first = fingerprints()
+    (first,) = fingerprints()
     assert first[2:] == ["2", "1"], "the prompt longer than max_length is left out, and counted"
-    assert fingerprints() == first
-    pd.DataFrame({"prompt": ["5+6\n"], "chosen": ["a"], "rejected": ["b"]}).to_parquet(path)
-    assert fingerprints()[0] != first[0]
+    again, rewritten = fingerprints("rewrite")
+    assert again == first
+    assert rewritten[0] != first[0]
 
 
 def test_sft_packs_on_a_gpu_by_default_and_as_trl_options_say():
