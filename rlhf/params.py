@@ -190,11 +190,6 @@ def number_problems(value, annotation, key: str) -> dict[str, object]:
     return found
 
 
-def flags_for_numbers(raw: Mapping, config: type[BaseModel], prefix: str) -> dict[str, object]:
-    """`number_problems` of a params section."""
-    return number_problems(raw, config, prefix)
-
-
 def number_message(key: str, value) -> str:
     if isinstance(value, bool):
         return f"{key}: a number, not {str(value).lower()}"
@@ -218,7 +213,7 @@ def validate_params(
         if not isinstance(raw, Mapping):
             problems.append(f"{section}: must be a mapping of keys, got {type(raw).__name__}")
             continue
-        flags = flags_for_numbers(raw, config, section)
+        flags = number_problems(raw, config, section)
         problems.extend(number_message(key, value) for key, value in flags.items())
         try:
             validated[section] = config.model_validate(dict(raw))

@@ -300,9 +300,6 @@ class Tables:
     def write(self, name: str, frame, origin: str) -> None:
         self.writer(name, origin).write(frame, origin)
 
-    def path(self, name: str) -> Path:
-        return self.writers[name].path
-
 
 def write_files(tables: Tables, config: Config, task) -> None:
     """Every user file, validated batch by batch and appended to its table; one

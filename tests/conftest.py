@@ -159,6 +159,27 @@ def call_main(command: list[str]) -> None:
     main(argv) if argv else main()
 
 
+def serve_app(app):
+    """`app` served by uvicorn on a free port of 127.0.0.1 in a thread: (server, thread, its
+    address). Stop it with `server.should_exit = True` and `thread.join()`."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from flows.ui_check import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
 def make_project(root: Path, params: dict | None = None) -> Path:
     """A fresh git + DVC repository holding the project's code and tiny params."""
     root.mkdir(parents=True, exist_ok=True)

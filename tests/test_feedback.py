@@ -14,8 +14,6 @@ from __future__ import annotations
 import html
 import json
 import re
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ from rlhf.feedback.app import (
     check_out_path,
     create_app,
 )
+from tests.conftest import serve_app
 
 PROMPTS = ["3+4\n", "12-5+1\n", "7+7-3\n", "20-9\n"]
 ANSWERS = ["7", "8", "11", "11"]
@@ -289,29 +288,19 @@ def test_a_person_labels_two_pairs_in_a_headless_browser(micro_dir, tmp_path):
     missing = missing_browser()
     if missing:
         pytest.skip(f"no headless browser ({', '.join(missing)} missing): {INSTALL_HINT}")
-    import uvicorn
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     out = tmp_path / "data/raw/feedback_prefs.jsonl"
     app = create_app(micro_dir, PROMPTS, out, max_new_tokens=16, allowed_hosts=["127.0.0.1", "localhost"])
-    from flows.ui_check import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
+    server, thread, url = serve_app(app)
 
     screenshot = tmp_path / "screenshots/labelling.png"
     screenshot.parent.mkdir()
     driver = headless_chromium(tmp_path / "chromium-profile")
     seen = []
     try:
-        driver.get(f"http://127.0.0.1:{port}/")
+        driver.get(f"{url}/")
         for _ in range(2):
             text = {
                 name: driver.find_element(By.ID, name).get_property("textContent")

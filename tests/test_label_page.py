@@ -20,32 +20,17 @@ import httpx
 import pytest
 
 from rlhf.feedback.app import LabellingSession, PreferenceFile, create_app
+from tests.conftest import serve_app
 
 PROMPTS = ["12+7\n", "3+4+5\n", "20-6\n", "9+9\n"]
 REPO = Path(__file__).resolve().parents[1]
-
-
-def serve(app):
-    import uvicorn
-
-    from flows.ui_check import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture
 def page(micro_dir, tmp_path):
     out = tmp_path / "data/raw/feedback_prefs.jsonl"
     app = create_app(micro_dir, PROMPTS, out, max_new_tokens=12, allowed_hosts=["127.0.0.1", "localhost"])
-    server, thread, url = serve(app)
+    server, thread, url = serve_app(app)
     with httpx.Client(base_url=url) as client:
         yield client, out, app
     server.should_exit = True
@@ -117,7 +102,7 @@ def test_two_pages_showing_one_prompt_save_it_once(tmp_path):
 def test_beyond_loopback_every_request_needs_the_access_token(micro_dir, tmp_path):
     out = tmp_path / "prefs.jsonl"
     app = create_app(micro_dir, PROMPTS, out, max_new_tokens=12, access_token="s3cret-token")
-    server, thread, url = serve(app)
+    server, thread, url = serve_app(app)
     try:
         with httpx.Client(base_url=url) as client:
             assert client.get("/").status_code == 401 and client.get("/api/count").status_code == 401
@@ -220,7 +205,7 @@ def test_a_form_on_another_site_cannot_post_a_label_in_a_browser(page, tmp_path)
         return HTMLResponse(f'<form id="f" method="post" action="{target}/choose">{inputs}</form>'
                             "<script>document.getElementById('f').submit()</script>")  # fmt: skip
 
-    server, thread, url = serve(hostile)
+    server, thread, url = serve_app(hostile)
     driver = headless_chromium(tmp_path / "profile")
     try:
         driver.get(url + "/")

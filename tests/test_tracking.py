@@ -125,20 +125,8 @@ def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, t
     from rlhf.tracking.runs import setup_experiment, stage_run
     from rlhf.training.methods.sft import train_sft
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--workers", "1"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server, uri = start_mlflow_server(tmp_path)
     try:
-        uri = f"http://127.0.0.1:{port}"
-        for _ in range(120):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
