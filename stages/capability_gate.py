@@ -160,17 +160,16 @@ def promote(config: Config, verdict: dict, outcomes: dict | None, run_id: str, r
     `registry` (what the verdict was held against: `ChampionMovedError`). Returns the new
     champion record."""
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     from rlhf.tracking.champion import CHAMPION_RECORD, install_champion, log_registered_model, moving_champion
-    from rlhf.tracking.runs import git_commit, tracking_uri
+    from rlhf.tracking.runs import git_commit
 
     name = verdict["promote"]
     source = candidate_dir(name)
     version = log_registered_model(
         source, config.registered_model, MODEL_ARTIFACT, {"candidate": name}, config.trust_remote_code
     )
-    client = MlflowClient(tracking_uri())
+    client = registry_client()
     record = {
         "candidate": name,
         "metrics": verdict["metrics"],
@@ -244,20 +243,26 @@ def held_back(
     return None
 
 
-def registry_state(config: Config):
-    """The registry's champion (rlhf.tracking.champion.registry_champion)."""
+def registry_client():
     from mlflow.tracking import MlflowClient
 
-    from rlhf.tracking.champion import registry_champion
     from rlhf.tracking.runs import tracking_uri
 
-    return registry_champion(MlflowClient(tracking_uri()), config.registered_model)
+    return MlflowClient(tracking_uri())
+
+
+def registry_state(config: Config):
+    """The registry's champion (rlhf.tracking.champion.registry_champion)."""
+    from rlhf.tracking.champion import registry_champion
+
+    return registry_champion(registry_client(), config.registered_model)
 
 
 def main() -> None:
     import mlflow
 
-    from rlhf.tracking.runs import project_root, stage_run
+    from rlhf.tracking.champion import recover_move
+    from rlhf.tracking.runs import project_root, stage_run, tracked
 
     params = load_all()
     config = resolved_config(params)
@@ -269,7 +274,14 @@ def main() -> None:
     workspace_champion = project_root() / CHAMPION_DIR
     temporary = workspace_champion.resolve() != CHAMPION_DIR.resolve()
     with stage_run("gate", config) as active:
+        # A promotion or rollback killed midway is finished or undone before anything reads
+        # the champion (the workspace's own gate does it: a queued experiment's copy has none).
+        recovered = None if temporary else recover_move(registry_client(), config.registered_model, CHAMPION_DIR)
+        if recovered is not None:
+            print(f"gate: {recovered.message}")
         verdict = run(config, report, outcomes, workspace_champion if temporary else CHAMPION_DIR, validation)
+        if recovered is not None:
+            verdict["recovered"] = recovered.message
         registry = registry_state(config)
         held = held_back(verdict, config, os.environ.get(EXPERIMENT_ENV), temporary, registry)
         record = None
@@ -293,10 +305,14 @@ def main() -> None:
             if not result["passed"]:
                 print(f"gate: rejected {name}: " + "; ".join(result["failures"]))
         verdict["promoted"] = verdict["promote"] is not None
-        mlflow.set_tags({"gate.promoted": str(verdict["promoted"]), "gate.champion": str(verdict["champion"])})
-        mlflow.log_metric("promoted", float(verdict["promoted"]))
+        # The verdict is written before the run's last tracking calls, which only warn: a
+        # tracking store gone away after a promotion never leaves a moved champion with a
+        # failed stage whose rerun would report "not promoted".
         write_json(VERDICT, verdict)
-        mlflow.log_artifact(str(VERDICT))
+        with tracked("the gate's verdict"):
+            mlflow.set_tags({"gate.promoted": str(verdict["promoted"]), "gate.champion": str(verdict["champion"])})
+            mlflow.log_metric("promoted", float(verdict["promoted"]))
+            mlflow.log_artifact(str(VERDICT))
 
 
 if __name__ == "__main__":

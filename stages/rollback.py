@@ -7,7 +7,8 @@
 
 Promotion backwards: version 2's weights, tokenizer and champion record (the one its gate
 logged) replace models/champion and the registry alias `champion` moves to version 2
-together (rlhf.tracking.champion.moving_champion: a failure leaves both where they were),
+together (rlhf.tracking.champion.moving_champion: a failure leaves both where they were,
+and a kill midway is finished or undone by the next gate or rollback command),
 and an MLflow run tagged `rlhf.stage=rollback` records who moved it from which version to
 which.
 
@@ -31,6 +32,18 @@ import time
 
 from rlhf.artifacts import atomic_dir
 from stages import CHAMPION_DIR, load_config
+
+
+def finish_interrupted_move(registered_model: str):
+    """Finish or undo a move of the champion that a killed gate or rollback left
+    (rlhf.tracking.champion.recover_move); None when there was none."""
+    from mlflow.tracking import MlflowClient
+
+    from rlhf.tracking.champion import recover_move
+    from rlhf.tracking.runs import setup_experiment, tracking_uri
+
+    setup_experiment()
+    return recover_move(MlflowClient(tracking_uri()), registered_model, CHAMPION_DIR)
 
 
 def list_versions(client, registered_model: str) -> list[dict]:
@@ -66,7 +79,7 @@ def rollback(version: str, registered_model: str) -> dict:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from rlhf.tracking.champion import CHAMPION_RECORD, moving_champion, read_champion, restore_version, set_pin
+    from rlhf.tracking.champion import CHAMPION_RECORD, moving_champion, read_champion, restore_version
     from rlhf.tracking.runs import setup_experiment, tracking_uri
 
     setup_experiment()
@@ -91,14 +104,15 @@ def rollback(version: str, registered_model: str) -> dict:
     if moved_from is None and previous:
         moved_from = previous.get("model_version")
     tags = {"rlhf.stage": "rollback", "rollback.from_version": str(moved_from), "rollback.to_version": version}
+    at = time.strftime("%Y-%m-%dT%H:%M:%S")
+    pin = f"rolled back from version {moved_from} to version {version} at {at}"
     with mlflow.start_run(run_name=f"rollback-to-v{version}", tags=tags):
-        with moving_champion(client, registered_model, version, CHAMPION_DIR) as staging:
+        # The registry's pin moves before the alias (no clone's gate promotes over it).
+        with moving_champion(client, registered_model, version, CHAMPION_DIR, pin=pin) as staging:
             record = restore_version(client, registered_model, version, staging)
-            at = time.strftime("%Y-%m-%dT%H:%M:%S")
             record["restored"] = {"from_version": moved_from, "at": at}
-            record["pinned"] = f"rolled back from version {moved_from} to version {version} at {at}"
+            record["pinned"] = pin
             (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        set_pin(client, registered_model, record["pinned"])
         mlflow.log_dict(record, CHAMPION_RECORD)
     return record
 
@@ -175,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     action.add_argument("--sync", action="store_true", help="models/champion to the registry's champion")
     args = parser.parse_args(argv)
     registered_model = load_config("gate").registered_model
+    recovered = finish_interrupted_move(registered_model)
+    if recovered is not None:
+        print(f"rollback: {recovered.message}")
     if args.unpin:
         record = unpin(registered_model)
         print(f"rollback: the champion ({record.get('candidate')}) is no longer pinned; the next gate may move it")

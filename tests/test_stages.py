@@ -465,31 +465,29 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     source = client.get_model_version("rlhf-policy", target).source
     by_hand = str(client.create_model_version("rlhf-policy", source).version)
     # Putting the folder in place fails after the alias moved: the alias moves back, unless
-    # another clone moved it in between (its move stands).
-    from contextlib import contextmanager
-
+    # another clone moved it in between (its move stands); nothing of the move is left.
     import rlhf.tracking.champion as champion_module
-    from rlhf.artifacts import atomic_dir
+
+    real_forward = champion_module._move_forward
 
     def failing_after(other_clone: str | None):
-        @contextmanager
-        def failing_dir(path):
-            with atomic_dir(path) as staging:
-                yield staging
-                if other_clone:
-                    client.set_registered_model_alias("rlhf-policy", "champion", other_clone)
-                raise OSError("no space left on device")
+        def forward(client_, intent, champion_dir):
+            champion_module.set_champion_alias(client_, intent["registered_model"], intent["to_version"])
+            if other_clone:
+                client.set_registered_model_alias("rlhf-policy", "champion", other_clone)
+            raise OSError("no space left on device")
 
-        return failing_dir
+        return forward
 
     for other_clone, expected in ((None, target), (by_hand, by_hand)):
-        monkeypatch.setattr(champion_module, "atomic_dir", failing_after(other_clone))
+        monkeypatch.setattr(champion_module, "_move_forward", failing_after(other_clone))
         with pytest.raises(OSError, match="no space left"):
             with moving_champion(client, "rlhf-policy", current, project / "models/champion") as staging:
                 (staging / "config.json").write_text("{}")
         assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == expected
         assert tree_digest(project / "models/champion") == before
-    monkeypatch.setattr(champion_module, "atomic_dir", atomic_dir)
+        assert not champion_module.move_dir(project / "models/champion").exists()
+    monkeypatch.setattr(champion_module, "_move_forward", real_forward)
     client.set_registered_model_alias("rlhf-policy", "champion", target)
 
     # The version registered by hand cannot become the champion: refused before any

@@ -21,13 +21,14 @@ every clone's gate holds back while it is pinned, not only the clone that rolled
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
-from rlhf.artifacts import atomic_dir
+from rlhf.artifacts import write_json
 from rlhf.params import InputError
 
 CHAMPION_RECORD = "champion.json"
@@ -128,41 +129,149 @@ def set_pin(client, registered_model: str, pin: str | None) -> None:
         client.set_registered_model_tag(registered_model, PIN_TAG, pin)
 
 
+class Recovered(NamedTuple):
+    """What `recover_move` did with a move that a killed process left: `finished` (the
+    folder and the alias are `version`) or not (undone: both stay at `version`, the one
+    before), and a sentence that says so."""
+
+    finished: bool
+    version: str | None
+    message: str
+
+
+def move_dir(champion_dir: Path) -> Path:
+    """Where a move of `champion_dir` works: its staging folder (the new champion, filled
+    before anything moves), its intent record, the previous folder while it is replaced."""
+    return champion_dir.with_name(f".{champion_dir.name}-move")
+
+
+INTENT = "intent.json"
+KEEP_PIN = object()  # `moving_champion(pin=)`: the registry's pin stays as it is
+
+
 @contextmanager
 def moving_champion(
-    client, registered_model: str, version: str, champion_dir: Path, expected: RegistryChampion | None = None
+    client,
+    registered_model: str,
+    version: str,
+    champion_dir: Path,
+    expected: RegistryChampion | None = None,
+    pin=KEEP_PIN,
 ) -> Iterator[Path]:
-    """An atomic_dir for `champion_dir` that also moves the registry alias to `version`:
-    the alias moves after the caller has filled the staging folder (a failure before leaves
-    both as they were), and moves back if putting the folder in place then fails. With
-    `expected` (the registry's champion the caller decided against), a registry whose
+    """A staging folder to fill with the new champion; after the block, `champion_dir` and
+    the registry alias move to `version` together, or neither does.
+
+    The two stores cannot move in one step, so the move is journaled: once the staging
+    folder is full, an intent record (from which version to which, the pin before and
+    after) is written beside it, and only then do the registry's pin (`pin`, a rollback's;
+    set before the alias), the alias and the folder move, in that order. An exception
+    undoes what moved; a process killed midway leaves the record, and the next gate,
+    rollback or `--sync` (`recover_move`) finishes the move or undoes it and says which.
+
+    With `expected` (the registry's champion the caller decided against), a registry whose
     champion or pin has changed since (another clone promoted or rolled back meanwhile:
-    logging a model takes seconds) raises `ChampionMovedError` before the alias moves,
-    leaving both as they were."""
-    previous = registry_champion(client, registered_model).version if expected is None else expected.version
-    moved = False
+    logging a model takes seconds) raises `ChampionMovedError` before anything moves."""
+    recovered = recover_move(client, registered_model, champion_dir)
+    if recovered is not None:
+        print(f"champion: {recovered.message}")
+    work = move_dir(champion_dir)
+    staging = work / "staging"
+    staging.mkdir(parents=True)
     try:
-        with atomic_dir(champion_dir) as staging:
-            yield staging
-            now = registry_champion(client, registered_model)
-            if expected is not None and (now.version, now.pin) != (expected.version, expected.pin):
-                raise ChampionMovedError(
-                    f"the registry's champion of {registered_model!r} moved while this ran (version "
-                    f"{expected.version} -> {now.version}{f', pinned: {now.pin}' if now.pin else ''}): version "
-                    f"{version} was registered but neither the alias nor {champion_dir} moved; `python -m "
-                    f"stages.rollback --sync` brings {champion_dir} to the registry's champion"
-                )
-            set_champion_alias(client, registered_model, version)
-            moved = True
+        yield staging
+        now = registry_champion(client, registered_model)
+        if expected is not None and (now.version, now.pin) != (expected.version, expected.pin):
+            raise ChampionMovedError(
+                f"the registry's champion of {registered_model!r} moved while this ran (version "
+                f"{expected.version} -> {now.version}{f', pinned: {now.pin}' if now.pin else ''}): version "
+                f"{version} was registered but neither the alias nor {champion_dir} moved; `rlhf rollback --sync` "
+                f"brings {champion_dir} to the registry's champion"
+            )
     except BaseException:
-        # Moved back only while the alias still names `version` (another clone may have
-        # moved it since: its move stands).
-        if moved and registry_champion(client, registered_model).version == str(version):
-            if previous is not None:
-                set_champion_alias(client, registered_model, previous)
-            else:
-                client.delete_registered_model_alias(registered_model, CHAMPION_ALIAS)
+        shutil.rmtree(work, ignore_errors=True)
         raise
+    intent = {
+        "registered_model": registered_model,
+        "from_version": now.version,
+        "to_version": str(version),
+        "from_pin": now.pin,
+        "to_pin": now.pin if pin is KEEP_PIN else pin,
+    }
+    write_json(work / INTENT, intent)
+    try:
+        _move_forward(client, intent, champion_dir)
+    except BaseException:
+        _undo_move(client, intent, champion_dir)
+        raise
+
+
+def _move_forward(client, intent: dict, champion_dir: Path) -> None:
+    """The journaled move's steps, each one safe to repeat after a kill at any point."""
+    work, name = move_dir(champion_dir), intent["registered_model"]
+    if intent["to_pin"] != intent["from_pin"]:
+        set_pin(client, name, intent["to_pin"])  # before the alias: no clone promotes over a rollback
+    set_champion_alias(client, name, intent["to_version"])
+    staging, previous = work / "staging", work / "previous"
+    if staging.is_dir():
+        if champion_dir.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            os.replace(champion_dir, previous)
+        os.replace(staging, champion_dir)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _undo_move(client, intent: dict, champion_dir: Path) -> None:
+    """Put back what a move changed: the previous folder, the alias and the pin (each only
+    while it is still the move's: another clone's later move stands)."""
+    work, name = move_dir(champion_dir), intent["registered_model"]
+    previous = work / "previous"
+    if previous.is_dir():
+        if champion_dir.exists():
+            os.replace(champion_dir, work / "undone")
+        os.replace(previous, champion_dir)
+    now = registry_champion(client, name)
+    if now.version == intent["to_version"]:
+        if intent["from_version"] is not None:
+            set_champion_alias(client, name, intent["from_version"])
+        else:
+            client.delete_registered_model_alias(name, CHAMPION_ALIAS)
+    if intent["to_pin"] != intent["from_pin"] and now.pin == intent["to_pin"]:
+        set_pin(client, name, intent["from_pin"])
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def recover_move(client, registered_model: str, champion_dir: Path) -> Recovered | None:
+    """Finish or undo a move of the champion that a killed process left (`moving_champion`);
+    None when there is none. A staging folder without an intent record is removed (nothing
+    had moved). With a record, the move is finished (pin, alias, folder) unless the
+    registry's champion is by now a third version (another clone moved it since): then it
+    is undone, and the folder and the alias stay where that left them."""
+    work = move_dir(champion_dir)
+    if not work.exists():
+        return None
+    record = work / INTENT
+    if not record.is_file():
+        shutil.rmtree(work, ignore_errors=True)
+        return Recovered(False, None, f"removed the staging folder of a move that had not started ({work})")
+    intent = json.loads(record.read_text())
+    before, after = intent["from_version"], intent["to_version"]
+    now = registry_champion(client, intent["registered_model"]).version
+    if now in (before, after):
+        _move_forward(client, intent, champion_dir)
+        return Recovered(
+            True,
+            after,
+            f"finished an interrupted move of the champion from version {before} to version {after}: "
+            f"{champion_dir} and the registry alias are version {after}",
+        )
+    _undo_move(client, intent, champion_dir)
+    return Recovered(
+        False,
+        before,
+        f"undid an interrupted move of the champion from version {before} to version {after} (the registry's "
+        f"champion is version {now} by now: another clone moved it); `rlhf rollback --sync` brings {champion_dir} "
+        "to it",
+    )
 
 
 def restore_version(client, registered_model: str, version: str, staging: Path) -> dict:
