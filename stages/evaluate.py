@@ -141,6 +141,7 @@ def run(
     reference stays loaded (for KL); candidates are loaded one at a time. Without a reward
     model (no preference data) reward and win-rate are null."""
     from rlhf.data.contracts import read_prepared
+    from rlhf.evaluation.suites import SUITE_COLUMNS
     from rlhf.models.folders import absent_reason
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble
@@ -154,7 +155,7 @@ def run(
                 f"evaluate.suites: {name!r} has no {path}; prepare writes one per eval suite "
                 f"(the built-in task: dev and test; files: prepare.files.eval_{name})"
             )
-        suites[name] = read_prepared(path, "evaluate")
+        suites[name] = read_prepared(path, "evaluate", SUITE_COLUMNS)
     workdir = tempfile.TemporaryDirectory() if config.harness else None
     if config.harness:  # suite tasks written and task names looked up before any model loads
         from rlhf.evaluation.harness import load_tasks

@@ -250,14 +250,14 @@ def evaluate_models(
     with KL to SFT (params `evaluate`; custom modelling code with its or the caller's
     `trust_remote_code`)."""
     from rlhf.data.contracts import read_prepared
-    from rlhf.evaluation.suites import evaluate_model, suite_identity
+    from rlhf.evaluation.suites import SUITE_COLUMNS, evaluate_model, suite_identity
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     config = params["evaluate"]
     trust = config.trust_remote_code or trust_remote_code
     tokenizer = load_tokenizer(SFT_DIR, trust)
     reference = load_causal_lm(SFT_DIR, trust, what="models/sft")
-    tables = {suite: read_prepared(EVAL_DIR / f"{suite}.parquet", "improve") for suite in suites}
+    tables = {suite: read_prepared(EVAL_DIR / f"{suite}.parquet", "improve", SUITE_COLUMNS) for suite in suites}
     identities = {suite: suite_identity(table) for suite, table in tables.items()}
     results: dict = {}
     for name, path in models.items():

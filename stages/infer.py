@@ -102,7 +102,7 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     path = eval_suite_path(suite_name)
     if not path.exists():
         raise FileNotFoundError(f"infer.suite {suite_name!r}: {path} not found; check prepare and infer.suite")
-    suite = read_prepared(path, "infer").head(config.limit)
+    suite = read_prepared(path, "infer", ["prompt", "answer"], config.limit)
     prompts = suite["prompt"].tolist()
     references = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
     candidate = model_dir(config.candidate)

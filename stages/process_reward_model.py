@@ -122,7 +122,9 @@ def load_labels(config: Config, task, data: Path, eval_data: Path, out_dir: Path
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.prm_labels import derive_step_labels
 
-    prompts = read_prepared(PROMPTS, "prm")
+    prompts = read_prepared(PROMPTS, "prm", ["prompt", "answer"])
+    if "answer" not in prompts:
+        prompts["answer"] = None
     prompts = prompts[prompts["answer"].notna()].head(config.derive.prompts)
     if not len(prompts):
         return None, None, f"no step labels: {PROMPTS} has no prompt with an answer to derive them from"

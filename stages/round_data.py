@@ -35,7 +35,8 @@ def eval_prompts(suites: list[str]) -> set[str]:
     from rlhf.data.contracts import prompt_key
     from stages import EVAL_DIR
 
-    return {prompt_key(p) for s in suites for p in pd.read_parquet(EVAL_DIR / f"{s}.parquet")["prompt"]}
+    tables = (pd.read_parquet(EVAL_DIR / f"{s}.parquet", columns=["prompt"]) for s in suites)
+    return {prompt_key(p) for table in tables for p in table["prompt"]}
 
 
 def round_problems(settings: Settings, task, params: dict, seed: int, exclude: set[str], key: str = "improve"):
@@ -48,6 +49,7 @@ def round_problems(settings: Settings, task, params: dict, seed: int, exclude: s
     import pandas as pd
 
     from rlhf.data.contracts import plain_messages, prompt_key
+    from rlhf.data.prepared import prepared_columns
 
     if settings.operands is not None:
         if operands_problem(task):
@@ -65,7 +67,8 @@ def round_problems(settings: Settings, task, params: dict, seed: int, exclude: s
             if len(problems) == settings.prompts:
                 break
         return [p.prompt for p in problems], [str(p.answer) for p in problems]
-    table = plain_messages(pd.read_parquet(PROMPTS))
+    columns = [c for c in prepared_columns(PROMPTS) if c in ("prompt", "answer")]
+    table = plain_messages(pd.read_parquet(PROMPTS, columns=columns))
     if "answer" not in table:
         table["answer"] = None
     table["answer"] = [a if isinstance(a, str) and a else None for a in table["answer"]]

@@ -162,3 +162,40 @@ def test_sft_packs_on_a_gpu_by_default_and_as_trl_options_say():
     assert packs(Params(trl={"packing": True}))
     assert packs(Params(trl={"padding_free": True}))
     assert not packs(Params(trl={"packing": False}))
+
+
+def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_path, monkeypatch):
+    """Evaluate, infer and the rounds read only the columns they use, and infer only its
+    first `limit` rows: the reader stops after the batch that holds them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import rlhf.data.prepared as prepared
+    from rlhf.data.contracts import read_prepared
+
+    path = tmp_path / "dev.parquet"
+    table = pd.DataFrame(
+        {
+            "prompt": [[{"role": "user", "content": f"{i}+1"}] for i in range(50)],
+            "answer": [str(i + 1) for i in range(50)],
+            "notes": ["x" * 100] * 50,
+        }
+    )
+    pq.write_table(pa.Table.from_pandas(table, preserve_index=False), path, row_group_size=10)
+    batches = []
+    real = prepared.prepared_batches
+
+    def counted(*args, **kwargs):
+        for frame in real(*args, **kwargs):
+            batches.append(len(frame))
+            yield frame
+
+    monkeypatch.setattr(prepared, "BATCH_ROWS", 10)
+    monkeypatch.setattr(prepared, "prepared_batches", counted)
+    first = read_prepared(path, "infer", ["prompt", "answer"], limit=12)
+    assert list(first.columns) == ["prompt", "answer"] and len(first) == 12 and batches == [10, 10]
+    assert first["prompt"].tolist() == [[{"role": "user", "content": f"{i}+1"}] for i in range(12)]
+    batches.clear()
+    whole = read_prepared(path, "evaluate", ["prompt", "answer", "difficulty"])
+    assert list(whole.columns) == ["prompt", "answer"] and len(whole) == 50 and batches == [10] * 5
+    assert whole["answer"].tolist() == table["answer"].tolist()

@@ -790,11 +790,30 @@ def missing_prepared(path: Path, stage: str) -> FileNotFoundError:
     )
 
 
-def read_prepared(path: str | Path, stage: str) -> pd.DataFrame:
-    """A table written by `prepare`, or an error that says how to provide it."""
+def read_prepared(
+    path: str | Path, stage: str, columns: list[str] | None = None, limit: int | None = None
+) -> pd.DataFrame:
+    """A table written by `prepare`, or an error that says how to provide it. With
+    `columns` (those the table has) or `limit` (its first rows), only those are read, a
+    batch at a time: a suite's other columns and rows never reach memory."""
     path = Path(path)
     if not path.exists():
         raise missing_prepared(path, stage)
+    if columns is not None or limit is not None:
+        from rlhf.data.prepared import prepared_batches, prepared_columns
+
+        kept = None if columns is None else [c for c in prepared_columns(path) if c in columns]
+        frames, rows = [], 0
+        for frame in prepared_batches(path, kept):
+            frames.append(frame)
+            rows += len(frame)
+            if limit is not None and rows >= limit:
+                break
+        if not frames:
+            with open(path, "rb") as file:
+                return pd.read_parquet(file, columns=kept)
+        table = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        return table.head(limit) if limit is not None else table
     # Opened here, not by pyarrow, so that Python's audit hooks see the read (the
     # end-to-end test checks every file a stage reads against its DVC deps).
     with open(path, "rb") as file:

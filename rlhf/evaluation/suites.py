@@ -75,6 +75,9 @@ def answer_difficulty(suite) -> list[str] | None:
     ]
 
 
+SUITE_COLUMNS = ["prompt", "answer", "difficulty"]  # what evaluation reads of a suite
+
+
 def suite_identity(suite) -> dict:
     """What pairs per-problem outcomes across models and runs: the suite's `digest` (its
     prompts and answers) and, when it has the column, each answered problem's `difficulty`."""

@@ -190,8 +190,9 @@ def tracking_callbacks() -> list[TrainerCallback]:
 
 def fingerprint(config: Any, inputs: list[str | Path], context: Any = None) -> str:
     """A key for checkpoints: the resolved config, how the model loads (params `model`), the
-    identity (size, mtime) of every input file, and `context` (other settings the run's steps depend on, e.g. the task a reward
-    reads answers with). A restarted run with the same key resumes; any change starts afresh."""
+    identity (size, mtime) of every input file, and `context` (other settings the run's steps
+    depend on, e.g. the task a reward reads answers with). A restarted run with the same key
+    resumes; any change starts afresh."""
     import rlhf.models.settings as model_settings
 
     digest = hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode())
@@ -370,9 +371,7 @@ def last_logged(history: list[dict], key: str) -> float | None:
     return float(values[-1]) if values else None
 
 
-def length_report(
-    prompt_tokens, full_tokens, fits, max_length: int, key: str, path: Path, room: int = 1
-) -> dict:
+def length_report(prompt_tokens, full_tokens, fits, max_length: int, key: str, path: Path, room: int = 1) -> dict:
     """{truncated_rows, dropped_rows} of a table against `max_length`, from each row's prompt
     tokens and prompt + completion tokens (sequences or numpy arrays: a large table's are
     arrays, 8 bytes a row) and whether it is kept (`fits`: its prompt leaves `room`
