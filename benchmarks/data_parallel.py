@@ -1,7 +1,7 @@
 """Data-parallel training speed: a training stage in 2 processes (`compute.launcher:
 torchrun`, gloo on CPUs) against 1 process, on the same global batch and number of steps.
 
-Both run `python -m stages.launch ...` as fresh processes in a scratch copy of the project
+Both run `python -m rlhf.cli.launch ...` as fresh processes in a scratch copy of the project
 (its inputs copied in): one process with the default batch, then 2 processes sharing it
 (sft and grpo: half of `per_device_train_batch_size` each; ppo: half of the
 `rollout_batch_size` prompts each, its own loop). Each process of the 2-process run gets
@@ -30,7 +30,7 @@ from scratch import ensure_outputs, scratch_project, timed, write_params
 STAGES = {
     "sft": (["stages.sft"], ("models/base", "data/prepared"), "models/sft", "metrics/sft.json"),
     **{
-        method: (["stages.policy", method], ("models/sft", "data/prepared"), f"models/policy/{method}",
+        method: (["stages.rl", method], ("models/sft", "data/prepared"), f"models/policy/{method}",
                  f"metrics/policy/{method}.json")
         for method in ("grpo", "ppo")
     },
@@ -72,7 +72,7 @@ def main() -> None:
                 shutil.rmtree(work / output, ignore_errors=True)
                 shutil.rmtree(work / "checkpoints", ignore_errors=True)
                 env = {"OMP_NUM_THREADS": str(max(1, cores // processes))}
-                total = timed([sys.executable, "-m", "stages.launch", *launch], work, env=env)
+                total = timed([sys.executable, "-m", "rlhf.cli.launch", *launch], work, env=env)
                 metrics = json.loads((work / metrics_file).read_text())
                 assert metrics["processes"] == processes, metrics
                 times[processes].append((metrics["train_seconds"], total))

@@ -149,8 +149,8 @@ def status_kib(pid: int, field: str) -> int:
 
 
 def stage_name(cmdline: list[str]) -> str:
-    """The stage a process runs (`python -m stages.launch stages.policy dpo`: policy@dpo)."""
-    modules = [i for i, token in enumerate(cmdline) if token.startswith("stages.") and token != "stages.launch"]
+    """The stage a process runs (`python -m rlhf.cli.launch stages.policy dpo`: policy@dpo)."""
+    modules = [i for i, token in enumerate(cmdline) if token.startswith("stages.") and token != "rlhf.cli.launch"]
     if modules:
         i = modules[-1]
         name = cmdline[i].split(".", 1)[1]

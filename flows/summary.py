@@ -109,7 +109,7 @@ def read_metrics(root: Path = ROOT, current: set[str] | None = None) -> dict:
 
     rounds = {}
     for address in stage_order(root) if (root / "reports/rounds").is_dir() else []:
-        if address.startswith("round@"):
+        if address.startswith("improve@"):
             name = address.split("@", 1)[1]
             rounds[name] = load(address, f"reports/rounds/{name}.json")
     metrics = {key: load(stage, path) for key, (stage, path) in REPORTS.items()}

@@ -2,7 +2,7 @@
 
 Every output is built under a temporary sibling path and renamed into place. A rename on
 one filesystem is atomic, so a reader (DVC, the next stage, a person) sees either the old
-artifact or the new one. Under a multi-process launch (stages.launch) only rank 0
+artifact or the new one. Under a multi-process launch (rlhf.cli.launch) only rank 0
 publishes: the other ranks' temporary paths are discarded, never renamed into place.
 """
 

@@ -12,7 +12,7 @@ In a scratch project (--work, default a temporary folder; this checkout is not t
 2. for each of --checks (one curriculum each: `answer`, the task's check against the
    answer key; `vote`, the samples' majority answer, no key; `prm`): rounds r1, r2, r3, on
    problems of 6, 7 and 8 numbers, each starting from the round before, run by the real
-   stage `round@<name>` (`python -m stages.improve`), which samples, keeps, trains, evaluates
+   stage `improve@<name>` (`python -m stages.improve`), which samples, keeps, trains, evaluates
    and gates (a gain on dev_long's problems of the round's own length and longer,
    `progress_difficulty`, and no loss on dev beyond `retention_margin`);
 3. the control: SFT continued on its own 3-5-number data for as many optimizer steps and
@@ -200,11 +200,11 @@ def main() -> None:
     if not (work / "models/sft/config.json").is_file():
         for name in ("stages.check_params", "stages.prepare", "stages.base"):
             run_module(env, name)
-        run_module(env, "stages.launch", "stages.sft")
+        run_module(env, "rlhf.cli.launch", "stages.sft")
         print("sft: trained", flush=True)
     if "prm" in args.checks and not (work / "models/prm").is_dir():
-        run_module(env, "stages.launch", "stages.verifier")
-        run_module(env, "stages.process_reward_model")
+        run_module(env, "rlhf.cli.launch", "stages.verifier")
+        run_module(env, "stages.prm")
 
     results: dict = {"settings": vars(args) | {"out": str(out), "work": str(work)}, "rounds": {}, "models": {}}
     for check in args.checks:

@@ -51,8 +51,8 @@ def run_seed(work: Path, seed: int) -> dict:
     env = no_habit_sft(work, seed)
     edit_params(work, lambda params: params["improve"].update(rounds={"fix5": ROUND}))
     if not (work / "models/prm").is_dir():
-        run_module(env, "stages.launch", "stages.verifier")
-        run_module(env, "stages.process_reward_model")
+        run_module(env, "rlhf.cli.launch", "stages.verifier")
+        run_module(env, "stages.prm")
     if not (work / "models/rounds/fix5/round.json").is_file():
         print(run_module(env, "stages.improve", "fix5").strip().splitlines()[-1][:300], flush=True)
     report = json.loads((work / "models/rounds/fix5/round.json").read_text())

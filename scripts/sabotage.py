@@ -14,7 +14,7 @@ candidates, all trained with rlhf.training.methods.sft from models/sft for --ste
 * rm_fooled: wrong solutions the reward model ranks highest: the SFT model samples
   --samples completions for each of --prompts problems of prompts.parquet, the RM ensemble
   scores them, and the candidate learns each problem's best-scored wrong sample;
-* rm_rl (with --rl-steps N > 0): the real `stages.policy grpo` for N steps with the reward
+* rm_rl (with --rl-steps N > 0): the real `stages.rl grpo` for N steps with the reward
   "RM ensemble score minus P x answer match" (P = --rl-penalty): reinforcement learning
   that pays for what the RM likes and charges for right answers.
 
@@ -24,7 +24,7 @@ every candidate is then trained against and scored by: an RM that can be fooled.
 
 Then, in the scratch project: `python -m stages.evaluate`-equivalent on the decision suite
 (stages.evaluate.run with the three candidates), `python -m stages.validate` and
-`python -m stages.capability_gate` (real stage processes, their own MLflow store). Results
+`python -m stages.gate` (real stage processes, their own MLflow store). Results
 (per candidate: the validator's failed checks, the gate's verdict, whether the targeted
 check is among the reasons; the champion folder and registry before and after) go to
 --out/results.json and stdout.
@@ -107,7 +107,7 @@ def train_weak_rm(work: Path, env: dict, steps: int) -> dict:
 
     edit_params(work, weak)
     shutil.rmtree(work / "models/rm")
-    stage("reward_model", env)
+    stage("rm", env)
     metrics = json.loads((work / "metrics/rm.json").read_text())
     return {"kind": "classifier", "members": 1, "steps": steps, "pair_accuracy": metrics.get("ensemble_accuracy")}
 
@@ -123,7 +123,7 @@ def train_rm_rl(work: Path, env: dict, steps: int, penalty: float) -> dict:
         policy["grpo"] = {**(policy.get("grpo") or {}), "max_steps": steps, "rewards": rewards}
 
     edit_params(work, against_rm)
-    print(stage("policy", env, "grpo")[-2000:], end="")
+    print(stage("rl", env, "grpo")[-2000:], end="")
     shutil.move(work / "models/policy/grpo", work / "models/policy/rm_rl")
     metrics = json.loads((work / "metrics/policy/grpo.json").read_text())
     return {"train_steps": steps, "penalty": penalty, "train_reward_last": metrics.get("reward")}
@@ -150,8 +150,7 @@ def main() -> None:
 
     from rlhf.artifacts import write_json
     from rlhf.tasks import get_task
-    from rlhf.training.methods.sft import SFTParams
-    from rlhf.training.methods.sft import train_sft
+    from rlhf.training.methods.sft import SFTParams, train_sft
     from stages import decision_suite, load_model_stage
     from stages import evaluate as evaluate_stage
 
@@ -189,7 +188,7 @@ def main() -> None:
 
     champion_before = read_champion(work / "models/champion")
     print(stage("validate", env), end="")
-    print(stage("capability_gate", env), end="")
+    print(stage("gate", env), end="")
     verdict = json.loads((work / "reports/gate.json").read_text())
 
     import mlflow

@@ -80,7 +80,7 @@ def no_habit_sft(work: Path, seed: int) -> dict:
     if fresh:
         for module in ("stages.check_params", "stages.prepare", "stages.base"):
             run_module(env, module)
-        run_module(env, "stages.launch", "stages.sft")
+        run_module(env, "rlhf.cli.launch", "stages.sft")
     return env
 
 

@@ -37,8 +37,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"habit": 0.75, "no_habit": 0.0}  # prepare.builtin.shortcut_rate
 MODELS = {"sft": "models/sft", "dpo": "models/policy/dpo", "grpo": "models/policy/grpo", "ppo": "models/policy/ppo"}
-STAGES = [["stages.prepare"], ["stages.base"], ["stages.sft"], ["stages.policy", "dpo"], ["stages.policy", "grpo"],
-          ["stages.policy", "ppo"]]  # fmt: skip
+STAGES = [["stages.prepare"], ["stages.base"], ["stages.sft"], ["stages.policy", "dpo"], ["stages.rl", "grpo"],
+          ["stages.rl", "ppo"]]  # fmt: skip
 
 
 def job_params(shortcut_rate: float, seed: int) -> dict:

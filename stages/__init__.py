@@ -46,13 +46,13 @@ SECTIONS = {
     "base": "stages.base:Config",
     "sft": "stages.sft:Config",
     "verifier": "stages.verifier:Config",
-    "rm": "stages.reward_model:Config",
-    "prm": "stages.process_reward_model:Config",
+    "rm": "stages.rm:Config",
+    "prm": "stages.prm:Config",
     "policy": "stages.policy:Config",
     "merge": "stages.merge:Config",
     "evaluate": "stages.evaluate:Config",
     "validate": "stages.validate:Config",
-    "gate": "stages.capability_gate:Config",
+    "gate": "stages.gate:Config",
     "infer": "stages.infer:Config",
     "improve": "stages.improve:Config",
 }
@@ -495,7 +495,7 @@ def input_problems(params: dict) -> list[str]:
             "gate.select_metric"
         )
     problems += difficulty_problems(params, lambda suite: builtin_difficulties(params, suite))
-    from stages.round_data import operands_problem
+    from rlhf.training.rounds import operands_problem
 
     if improve.rounds and not task.checks_answers:
         problems.append(

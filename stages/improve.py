@@ -1,4 +1,4 @@
-"""Stages `round@<name>`: self-improvement rounds, one DVC stage per entry of
+"""Stages `improve@<name>`: self-improvement rounds, one DVC stage per entry of
 `improve.rounds`.
 
 In:  models/<after> (the model the round starts from: models/sft, models/champion,
@@ -49,7 +49,7 @@ for easy-to-hard generalisation (Lee et al., 2025):
 6. the winner is the candidate if it passed, else the starting model, and the loop stops:
    every later round passes its start through unchanged and says where it stopped.
 
-Problems, checks and training rows: stages/round_data.py.
+Settings, problems, checks and training rows: rlhf/training/rounds.py.
 
 Changing one round's entry reruns that round and the rounds after it (their start
 changed); changing `improve.defaults` reruns them all.
@@ -63,16 +63,22 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
-from rlhf.evaluation.gate import CapabilityTest, DifficultyLabels
+from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import PARAMS_FILE, ParamsError, SafeName, StageConfig, format_validation_error
-from rlhf.training.methods.dpo import Params as DPOParams
-from rlhf.training.methods.sft import SFTParams as TrainingConfig
-from rlhf.training.params import EwcParams
+from rlhf.training.rounds import (
+    Settings,
+    eval_prompts,
+    judge_samples,
+    kept_rows,
+    majority,
+    preference_pairs,
+    round_problems,
+    sft_rows,
+)
 from stages import (
     CHECKPOINTS_DIR,
     DATA_DIR,
@@ -83,19 +89,11 @@ from stages import (
     REPORTS_DIR,
     SFT_DIR,
     difficulty_problems,
+    eval_suite_path,
     eval_suites,
     load_model_stage,
     round_key,
     table_difficulties,
-)
-from stages.round_data import (
-    eval_prompts,
-    judge_samples,
-    kept_rows,
-    majority,
-    preference_pairs,
-    round_problems,
-    sft_rows,
 )
 
 ROUNDS_DIR = MODELS_DIR / "rounds"
@@ -104,78 +102,12 @@ ROUND_REPORTS = REPORTS_DIR / "rounds"
 ROUND_FILE = "round.json"  # the round's report, beside the winner's weights
 KEPT_FILE = "kept.parquet"  # every self-generated row kept up to this round
 SFT_DATA = DATA_DIR / "sft.parquet"
+PROMPTS = DATA_DIR / "prompts.parquet"
 STARTS = ("sft", "champion", "merged")  # besides policy/<method> and rounds/<earlier round>
 # What a round's summary keeps of each suite's metrics.
 ACCURACY_KEYS = (
     "accuracy", "accuracy_low", "accuracy_high", "accuracy_by_difficulty", "accuracy_by_difficulty_interval",
 )  # fmt: skip
-
-
-def round_training() -> TrainingConfig:
-    return TrainingConfig(max_steps=200, learning_rate=1e-3, max_length=128, save_steps=50)
-
-
-def round_rpo() -> DPOParams:
-    """Pang et al.'s loss (DPO at beta 0.1, NLL weight 1) at the rounds' budget and lengths."""
-    return DPOParams(sft_weight=1.0, max_steps=200, learning_rate=1e-4, max_length=128, save_steps=50)
-
-
-class Settings(StageConfig):
-    """One round's settings: `improve.defaults`, with the round's own keys replacing them."""
-
-    prompts: int = Field(512, gt=0, description="problems per round")
-    operands: tuple[int, int] | None = Field(
-        None, description="built-in task: [fewest, most] numbers of the round's problems; null: prompts.parquet"
-    )
-    samples: int = Field(8, gt=0, description="completions sampled per problem")
-    temperature: float = Field(0.7, gt=0, description="sampling temperature")
-    max_new_tokens: int = Field(96, gt=0, description="new tokens per sample (one cut here is never kept)")
-    batch_size: int = Field(256, gt=0, description="sequences per generation batch")
-    checks: list[Literal["answer", "steps", "vote", "prm"]] = Field(
-        ["answer"], min_length=1, description="what a kept sample passes: answer | steps | vote | prm (all listed)"
-    )
-    min_vote_share: float = Field(0.5, gt=0, le=1, description="vote: the majority's least share of the samples")
-    prm_threshold: float = Field(0.5, gt=0, lt=1, description="prm: least P(good) of every step")
-    prefer: list[Literal["steps"]] = Field(
-        [],
-        description="among a problem's kept samples, those that pass these checks too are trained on first "
-        "(steps: every step right and in the problem's order); unlike `checks`, none is left out",
-    )
-    refine: bool = Field(False, description="repair rejected samples from their first bad step (PRM-guided)")
-    refine_attempts: int = Field(4, gt=0, description="continuations sampled per repair")
-    keep_per_prompt: int = Field(1, gt=0, description="most distinct kept samples per problem")
-    method: Literal["sft", "rpo"] = Field(
-        "sft",
-        description="how the candidate trains: sft (on kept samples) | rpo (DPO + NLL on kept-over-rejected pairs)",
-    )
-    replay: float = Field(0.5, ge=0, lt=1, description="sft: share of the training rows drawn from earlier data")
-    train: TrainingConfig = Field(default_factory=round_training, description="sft: the fine-tuning (sft's keys)")
-    ewc: EwcParams = Field(default_factory=EwcParams, description="sft: EWC towards the start, Fisher on earlier data")
-    rpo: DPOParams = Field(default_factory=round_rpo, description="rpo: policy.dpo's keys; reference: the start")
-    suites: list[str] | None = Field(None, min_length=1, description="eval suites of the round; null: every one")
-    progress_suite: str | None = Field(None, description="the gain the default tests ask for; null: dev_long or dev")
-    progress_difficulty: DifficultyLabels = Field(
-        None,
-        description="the gain is asked on the progress suite's problems of this difficulty (or these: a list) only, "
-        "by its `difficulty` column: a round of the curriculum, its own length and longer; null: every problem",
-    )
-    retention_suite: str | None = Field(None, description="what must not be lost; null: the decision suite (dev)")
-    retention_margin: float = Field(0.02, ge=0, lt=1, description="most accuracy the retention suite may lose vs SFT")
-    tests: list[CapabilityTest] | None = Field(None, description="the round's gate; null: progress and retention")
-    confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
-    bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
-    seed: int = Field(0, description="problem and sampling seed (each round adds a number from its name)")
-    trust_remote_code: bool = Field(
-        False, description="allow custom modelling code: sampling, the PRM, training and evaluation in the round"
-    )
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.operands and not 2 <= self.operands[0] <= self.operands[1] <= 12:
-            raise ValueError(f"operands {list(self.operands)}: want [fewest, most] with 2 <= fewest <= most <= 12")
-        if self.method == "rpo" and self.ewc.strength:
-            raise ValueError("ewc applies to method sft; with method rpo set rpo.ewc (Fisher on the SFT data)")
-        return self
 
 
 class Config(StageConfig):
@@ -395,8 +327,10 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     # No problem of any eval suite (not only those this round evaluates) is a training problem.
-    exclude = eval_prompts(eval_suites(params))
-    prompts, answers = round_problems(settings, task, params, seed, exclude, f"improve.rounds.{name}")
+    exclude = eval_prompts([eval_suite_path(suite) for suite in eval_suites(params)])
+    prompts, answers = round_problems(
+        settings, task, params, seed, exclude, f"improve.rounds.{name}", prompts_file=PROMPTS
+    )
     trust = settings.trust_remote_code
     prm = None
     if "prm" in settings.checks or settings.refine:  # before sampling: a missing PRM fails in a second
@@ -632,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"usage: python -m stages.improve ROUND, ROUND one of improve.rounds {list(config.rounds)}")
     name = argv[0]
     task = get_task(params["task"])
-    with stage_run(f"round@{name}", config.settings(name)):
+    with stage_run(f"improve@{name}", config.settings(name)):
         with atomic_dir(ROUNDS_DIR / name) as out, atomic_dir(ROUND_DATA / name) as data:
             report = run(name, config, params, task, out, data)
             write_json(out / ROUND_FILE, report)

@@ -1,5 +1,5 @@
-"""Stages `policy@<method>` and `rl@<method>`: policy optimisation of the SFT model, one DVC
-stage per method.
+"""Stage `policy@<method>` (and the job of stage `rl@<method>`, stages/rl.py): policy
+optimisation of the SFT model, one DVC stage per method.
 
 In:  models/sft (policy init and reference); offline methods (`policy.offline`, stages
      `policy@<method>`): data/prepared/prefs.parquet, or data/prepared/unpaired.parquet for
@@ -19,7 +19,8 @@ params section (`policy.<method>`): changing DPO's beta reruns DPO alone. The tw
 two templates because their inputs differ and a DVC dependency cannot follow a param: an
 offline method never reads a reward model, so retraining the RM leaves it up to date.
 
-    python -m stages.policy dpo        # any method listed in policy.offline or policy.online
+    python -m stages.policy dpo        # any method listed in policy.offline
+    python -m stages.rl grpo           # any method listed in policy.online
 """
 
 from __future__ import annotations
@@ -145,8 +146,7 @@ def check_answer_rewards(params, method: str) -> None:
     """An online method's reward that reads the prompts' answers, on prompts without any:
     it failed inside TRL's first training step (no `answer` column), or trained to the end
     on a reward of 0 for every completion (an empty column). Checked before any model loads."""
-    from rlhf.data.contracts import DataValidationError, missing_prepared
-    from rlhf.data.prepared import prepared_batches, prepared_columns
+    from rlhf.data.contracts import DataValidationError, missing_prepared, prepared_batches, prepared_columns
     from stages import ANSWER_REWARDS
 
     readers = [i for i, reward in enumerate(getattr(params, "rewards", [])) if reward.name in ANSWER_REWARDS]
@@ -201,7 +201,9 @@ def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, l
     return {**metrics, "method": method, "train_seconds": time.perf_counter() - start}, curve
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, family: str = "offline") -> None:
+    """Train the method `argv` names: one of `policy.<family>` (stage policy@: offline;
+    stage rl@, stages/rl.py: online)."""
     import mlflow
 
     import rlhf.models.settings as model_settings
@@ -212,10 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     params = load_model_stage()
     config, task = params["policy"], get_task(params["task"])
-    if len(argv) != 1 or argv[0] not in config.methods:
-        raise SystemExit(
-            f"usage: python -m stages.policy METHOD, with METHOD one of policy.offline + policy.online {config.methods}"
-        )
+    listed = getattr(config, family)
+    if len(argv) != 1 or argv[0] not in listed:
+        module = "stages.policy" if family == "offline" else "stages.rl"
+        raise SystemExit(f"usage: python -m {module} METHOD, with METHOD one of policy.{family} {listed}")
     method = argv[0]
     model_settings.configure(params["model"], getattr(config, method).model)
     with stage_run(stage_name(method), config.model_dump(include={"trust_remote_code", method})) as active:

@@ -30,7 +30,7 @@ derived here, and the manifest says which:
 With no preference file, prefs, prefs_eval and unpaired have no rows: the RM drops out
 and params that need it are errors (check_params names the key that would supply it).
 
-Human feedback. The labelling page (`python -m stages.label`, rlhf.feedback) appends the
+Human feedback. The labelling page (`rlhf label`, rlhf.feedback) appends the
 pairs a person chooses to data/raw/feedback_prefs.jsonl (in git, empty until then). When it
 has rows, prepare adds them to the training preference table `prefs` under either source
 (validated by the preference contract first; the manifest counts them under `feedback`), so
@@ -68,7 +68,7 @@ FILE_KINDS = {
 EVAL_PREFIX = "eval_"
 # What each file can be derived from (prepare itself, or stage prm for the step labels).
 DERIVED_FROM = {"prefs_eval": "prefs", "prm_eval": "prm", "unpaired": "prefs", "prompts": "sft"}
-# Pairs chosen on the labelling page (stages.label), added to prefs when the file has rows.
+# Pairs chosen on the labelling page (rlhf.cli.label), added to prefs when the file has rows.
 FEEDBACK_FILE = Path("data/raw/feedback_prefs.jsonl")
 
 
@@ -355,7 +355,8 @@ def eval_overlap(tables: Tables) -> dict:
     """Per eval suite, how many of its prompts each training table holds too (the model is
     then scored on what it was trained on), printed; {} when none. The manifest keeps it.
     The suites' prompt keys are held; the training tables are streamed."""
-    from rlhf.data.prepared import prepared_batches, prompt_hash, row_prompts
+    from rlhf.data.contracts import prepared_batches
+    from rlhf.data.prepared import prompt_hash, row_prompts
 
     suites = {}
     for name, writer in tables.writers.items():
@@ -501,8 +502,8 @@ def split_staged(tables: Tables, name: str, what: str, config: Config) -> None:
     (`held_out_keys`), streaming it."""
     import numpy as np
 
-    from rlhf.data.contracts import DataValidationError
-    from rlhf.data.prepared import TableWriter, prepared_batches
+    from rlhf.data.contracts import DataValidationError, prepared_batches
+    from rlhf.data.prepared import TableWriter
 
     staged = tables.writers[name]
     staged.close()
@@ -540,8 +541,7 @@ def derive(tables: Tables, task, config: Config) -> None:
     """Fill what the given tables imply (module docstring); leave the rest empty."""
     import pandas as pd
 
-    from rlhf.data.contracts import CONTRACTS
-    from rlhf.data.prepared import prepared_batches
+    from rlhf.data.contracts import CONTRACTS, prepared_batches
 
     for name, what in (("prefs", "pairs"), ("prm", "step-labelled solutions")):
         if name in tables.staged and name in tables.writers and tables.writers[name].rows:

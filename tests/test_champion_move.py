@@ -165,14 +165,14 @@ def test_a_move_overtaken_by_another_clone_is_undone(registry):
 
 def test_the_next_rollback_command_recovers_first_and_says_so(registry, tmp_path, monkeypatch, capsys):
     """`rlhf rollback --list` after a promotion killed midway finishes it first."""
-    import stages.rollback
+    import rlhf.cli.rollback
 
     uri, client, champion_dir = registry
     killed_move(uri, champion_dir, "alias")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"test-{tmp_path.name}")
-    monkeypatch.setattr(stages.rollback, "CHAMPION_DIR", champion_dir)
-    stages.rollback.main(["--list"])
+    monkeypatch.setattr(rlhf.cli.rollback, "CHAMPION_DIR", champion_dir)
+    rlhf.cli.rollback.main(["--list"])
     out = capsys.readouterr().out
     assert "rollback: finished an interrupted move of the champion from version 1 to version 2" in out
     assert "v2" in out and "<- champion" in out.splitlines()[-2]

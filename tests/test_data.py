@@ -583,5 +583,7 @@ def test_a_lone_surrogate_is_a_bad_row_named_by_row_and_field(tmp_path):
     with pytest.raises(DataValidationError) as error:
         load_contract(path, "preference")
     problems = error.value.problems
-    assert problems[0].startswith("row 2: 'chosen' is not valid Unicode text (a lone surrogate '\\ud800' at character 3")
+    assert problems[0].startswith(
+        "row 2: 'chosen' is not valid Unicode text (a lone surrogate '\\ud800' at character 3"
+    )
     assert any(p.startswith("row 3: 'prompt' message 0 content is not valid Unicode") for p in problems)

@@ -170,7 +170,6 @@ def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import rlhf.data.prepared as prepared
     from rlhf.data.contracts import read_prepared
 
     path = tmp_path / "dev.parquet"
@@ -183,15 +182,15 @@ def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_pat
     )
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), path, row_group_size=10)
     batches = []
-    real = prepared.prepared_batches
+    real = contracts.prepared_batches
 
     def counted(*args, **kwargs):
         for frame in real(*args, **kwargs):
             batches.append(len(frame))
             yield frame
 
-    monkeypatch.setattr(prepared, "BATCH_ROWS", 10)
-    monkeypatch.setattr(prepared, "prepared_batches", counted)
+    monkeypatch.setattr(contracts, "BATCH_ROWS", 10)
+    monkeypatch.setattr(contracts, "prepared_batches", counted)
     first = read_prepared(path, "infer", ["prompt", "answer"], limit=12)
     assert list(first.columns) == ["prompt", "answer"] and len(first) == 12 and batches == [10, 10]
     assert first["prompt"].tolist() == [[{"role": "user", "content": f"{i}+1"}] for i in range(12)]

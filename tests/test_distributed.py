@@ -1,4 +1,4 @@
-"""Training stages under several processes (stages/launch.py): the launch command params
+"""Training stages under several processes (rlhf/cli/launch.py): the launch command params
 choose, and a 2-process data-parallel run on CPUs (gloo) that trains what one process
 trains on the same global batch."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from stages.launch import command
+from rlhf.cli.launch import command
 from tests.conftest import call_main, tiny_params, write_params
 
 TOLERANCE = 1e-4  # |loss difference| per step allowed between 1 and 2 processes (float32 sums in another order)
@@ -92,12 +92,12 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 CASES = {
     # stage: (launch args, params section, its curve, its metrics, its output)
     "sft": (["stages.sft"], "sft", "plots/sft/loss.csv", "metrics/sft.json", "models/sft"),
-    "rm": (["stages.reward_model"], "rm", "plots/rm/member_0.csv", "metrics/rm.json", "models/rm"),
-    "prm": (["stages.process_reward_model"], "prm", "plots/prm/loss.csv", "metrics/prm.json", "models/prm"),
+    "rm": (["stages.rm"], "rm", "plots/rm/member_0.csv", "metrics/rm.json", "models/rm"),
+    "prm": (["stages.prm"], "prm", "plots/prm/loss.csv", "metrics/prm.json", "models/prm"),
     **{
-        f"policy@{m}": (
-            ["stages.policy", m], "policy", f"plots/policy/{m}/loss.csv", f"metrics/policy/{m}.json",
-            f"models/policy/{m}",
+        f"{'policy' if m == 'dpo' else 'rl'}@{m}": (
+            ["stages.policy" if m == "dpo" else "stages.rl", m], "policy", f"plots/policy/{m}/loss.csv",
+            f"metrics/policy/{m}.json", f"models/policy/{m}",
         )
         for m in ("dpo", "grpo", "ppo")
     },
@@ -115,13 +115,13 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
         params = tiny_params(prm={**steps, "kind": "classifier", "learning_rate": 1e-3})
     elif name == "rm":
         params = tiny_params(rm={**steps, "learning_rate": 1e-3})
-    elif name == "policy@grpo":
+    elif name == "rl@grpo":
         grpo = {
             **steps, "learning_rate": 1e-3, "num_generations": 4, "max_completion_length": 12, "temperature": 1.0,
             "keyed_sampling": True, "rewards": ONLINE_REWARDS,
         }  # fmt: skip
         params = tiny_params(policy={"offline": [], "online": ["grpo"], "grpo": grpo})
-    elif name == "policy@ppo":
+    elif name == "rl@ppo":
         # 8 prompts per iteration (4 per process) in mini-batches of 2: in most iterations
         # both rows of some mini-batch are on one process and the other holds none.
         ppo = {
@@ -150,14 +150,14 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
         ("rm", "torchrun"),
         ("prm", "torchrun"),
         ("policy@dpo", "torchrun"),
-        ("policy@grpo", "torchrun"),
-        ("policy@ppo", "torchrun"),
+        ("rl@grpo", "torchrun"),
+        ("rl@ppo", "torchrun"),
     ],  # fmt: skip
 )
 def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_project, name, launcher):
-    """One process with 8 rows per step (this one: `stages.launch` with one process only
+    """One process with 8 rows per step (this one: `rlhf.cli.launch` with one process only
     runs the module, and a new process would only add its imports), then `python -m
-    stages.launch ...` starting `torchrun` (or `accelerate launch` with
+    rlhf.cli.launch ...` starting `torchrun` (or `accelerate launch` with
     configs/accelerate/ddp.yaml) with 2 processes of 4 rows each. The loss curves agree
     step by step within TOLERANCE and so do the weights; rank 0 alone wrote the outputs and
     the one MLflow run of each launch."""
@@ -168,7 +168,7 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
 
     root = in_project
     args, _, curve, metrics, output = CASES[name]
-    online = name in ("policy@grpo", "policy@ppo")
+    online = name in ("rl@grpo", "rl@ppo")
     write_params(root, case_params(name, 8, 1))
     stages.prepare.main()
     stages.base.main()
@@ -185,13 +185,13 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
 
     def launch() -> None:
         done = subprocess.run(
-            [sys.executable, "-m", "stages.launch", *args], cwd=root, env=env, capture_output=True, text=True
+            [sys.executable, "-m", "rlhf.cli.launch", *args], cwd=root, env=env, capture_output=True, text=True
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     # An online method's loss is 0 whenever a group's completions have one length (its
     # advantages sum to 0): its reward curve (GRPO's reward, PPO's score) is compared too.
-    reward = {"policy@grpo": "reward", "policy@ppo": "score"}.get(name)
+    reward = {"rl@grpo": "reward", "rl@ppo": "score"}.get(name)
     curves = [(curve, "loss")] + ([(curve.replace("loss.csv", "reward.csv"), reward)] if reward else [])
 
     def read() -> tuple[list[list[float]], dict]:
@@ -217,7 +217,7 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
         torch.testing.assert_close(two_weights[key], tensor, atol=1e-4, rtol=1e-3, msg=key)
     from stages.policy import stage_name
 
-    tag = stage_name(args[1]) if args[0] == "stages.policy" else name
+    tag = stage_name(args[1]) if args[0] in ("stages.policy", "stages.rl") else name
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     runs = client.search_runs(
         [e.experiment_id for e in client.search_experiments()], filter_string=f"tags.`rlhf.stage` = '{tag}'"

@@ -50,22 +50,22 @@ PPO = {
     **REWARD,
 }  # fmt: skip
 
-FAULTS_STEPS = {f"policy@{m}": 2 * STEPS for m in ("grpo", "rloo", "ppo")}
+FAULTS_STEPS = {f"rl@{m}": 2 * STEPS for m in ("grpo", "rloo", "ppo")}
 # stage: (command, output folder, checkpoint glob, the params section that sets its steps)
 FAULTS = {
     "sft": (["stages.sft"], "models/sft", "checkpoints/sft/*/checkpoint-*"),
     "verifier": (["stages.verifier"], "models/verifier", "checkpoints/verifier/*/checkpoint-*"),
-    "rm": (["stages.reward_model"], "models/rm", "checkpoints/rm/*/member_1/checkpoint-*"),
-    "prm": (["stages.process_reward_model"], "models/prm", "checkpoints/prm/*/checkpoint-*"),
+    "rm": (["stages.rm"], "models/rm", "checkpoints/rm/*/member_1/checkpoint-*"),
+    "prm": (["stages.prm"], "models/prm", "checkpoints/prm/*/checkpoint-*"),
     **{
         f"policy@{m}": (["stages.policy", m], f"models/policy/{m}", f"checkpoints/policy-{m}/*/checkpoint-*")
         for m in ("dpo", "simpo", "orpo", "kto")
     },
     **{
-        f"policy@{m}": (["stages.policy", m], f"models/policy/{m}", f"checkpoints/rl-{m}/*/checkpoint-*")
+        f"rl@{m}": (["stages.rl", m], f"models/policy/{m}", f"checkpoints/rl-{m}/*/checkpoint-*")
         for m in ("grpo", "rloo")
     },
-    "policy@ppo": (["stages.policy", "ppo"], "models/policy/ppo", "checkpoints/rl-ppo/*/step-*"),
+    "rl@ppo": (["stages.rl", "ppo"], "models/policy/ppo", "checkpoints/rl-ppo/*/step-*"),
 }
 
 
@@ -174,7 +174,7 @@ def test_killed_stage_resumes_and_ends_where_an_uninterrupted_run_ends(project, 
     stage_here(project, command)  # uninterrupted: the reference (and the artifact a kill must not touch)
     reference, digest = tensors(project / output), tree_digest(project / output)
     assert reference and not list(project.glob(pattern)), "a finished stage leaves no checkpoint"
-    if name.startswith("policy@"):  # the weights to reproduce moved away from the start
+    if name.startswith(("policy@", "rl@")):  # the weights to reproduce moved away from the start
         start = tensors(project / "models/sft")
         assert any(not torch.equal(start[k], v) for k, v in reference.items() if k in start), name
 
@@ -186,8 +186,8 @@ def test_killed_stage_resumes_and_ends_where_an_uninterrupted_run_ends(project, 
     resumed = re.search(r"resuming from (\S+)", log)
     assert resumed and Path(resumed[1]).parent == checkpoint.relative_to(project).parent, log[-3000:]
     assert step(Path(resumed[1])) >= step(checkpoint)
-    metrics = project / ("metrics/sft.json" if name == "sft" else f"metrics/policy/{name[len('policy@') :]}.json")
-    if name == "sft" or name.startswith("policy@"):
+    metrics = project / ("metrics/sft.json" if name == "sft" else f"metrics/policy/{name.split('@')[-1]}.json")
+    if name == "sft" or name.startswith(("policy@", "rl@")):
         recorded = json.loads(metrics.read_text())
         assert recorded["resumed"] is True and recorded["steps"] == FAULTS_STEPS.get(name, STEPS), recorded
     assert_same_weights(tensors(project / output), reference, name)

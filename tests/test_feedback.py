@@ -1,4 +1,4 @@
-"""The human-feedback labelling page (rlhf.feedback.app, `python -m stages.label`) and the
+"""The human-feedback labelling page (rlhf.feedback.app, `rlhf label`) and the
 way its pairs reach training (stage prepare).
 
 The quick tests drive the app through FastAPI's TestClient on the untrained micro model:
@@ -183,7 +183,7 @@ def test_two_pages_on_one_file_do_not_ask_what_the_other_has_labelled(tmp_path):
 
 
 def test_the_preference_file_must_lie_inside_the_project(tmp_path, monkeypatch):
-    import stages.label
+    import rlhf.cli.label
 
     project = tmp_path / "project"
     project.mkdir()
@@ -197,12 +197,12 @@ def test_the_preference_file_must_lie_inside_the_project(tmp_path, monkeypatch):
 
     monkeypatch.chdir(project)
     with pytest.raises(SystemExit, match=r"^label: --out \.\./x\.jsonl is outside the project directory .*$"):
-        stages.label.main(["--out", "../x.jsonl"])
+        rlhf.cli.label.main(["--out", "../x.jsonl"])
     with pytest.raises(SystemExit, match="must be a .jsonl file"):
-        stages.label.main(["--out", "data/raw/x.csv"])
+        rlhf.cli.label.main(["--out", "data/raw/x.csv"])
     with pytest.raises(SystemExit, match="is an eval suite"):
-        stages.label.main(["--prompts", "data/prepared/eval/test.parquet"])
-    args = stages.label.parse_args([])
+        rlhf.cli.label.main(["--prompts", "data/prepared/eval/test.parquet"])
+    args = rlhf.cli.label.parse_args([])
     assert args.host == "127.0.0.1" and args.out == Path("data/raw/feedback_prefs.jsonl")
     import socket
 
@@ -211,7 +211,7 @@ def test_the_preference_file_must_lie_inside_the_project(tmp_path, monkeypatch):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit, match=rf"^label: --port {port}: cannot listen on 127.0.0.1:{port} \("):
-            stages.label.main(["--port", str(port)])
+            rlhf.cli.label.main(["--port", str(port)])
 
 
 # ----------------------------------------------------------------------------- prepare

@@ -13,8 +13,8 @@ import yaml
 
 from rlhf.params import ParamsError
 from rlhf.tasks.arithmetic import ArithmeticTask
+from rlhf.training.rounds import judge_samples, kept_rows, majority, preference_pairs, round_problems
 from stages.improve import Config, Settings, default_tests, gate, train_candidate
-from stages.round_data import judge_samples, kept_rows, majority, preference_pairs, round_problems
 from tests.conftest import REPO, assert_each_once, make_project, params_problems, run, tiny_params
 
 TASK = ArithmeticTask()
@@ -449,7 +449,7 @@ def test_rounds_as_dvc_stages(tmp_path):
     )
     root = make_project(tmp_path / "project", params)
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
-    run([sys.executable, "-m", "dvc", "repro", "round@r3", "round@fix", "round@pairs"], root, env=env)
+    run([sys.executable, "-m", "dvc", "repro", "improve@r3", "improve@fix", "improve@pairs"], root, env=env)
 
     reports = {r: json.loads((root / f"models/rounds/{r}/round.json").read_text()) for r in ("r1", "r2", "r3")}
     assert reports["r1"]["passed"] and reports["r1"]["winner"] == "r1" and reports["r1"]["data"]["new_rows"] > 0
@@ -478,16 +478,16 @@ def test_rounds_as_dvc_stages(tmp_path):
     params["improve"]["rounds"]["r3"]["samples"] = 3
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     status = run([sys.executable, "-m", "dvc", "status"], root, env=env).stdout
-    assert "round@r3" in status and "round@r1" not in status and "round@r2" not in status
-    out = run([sys.executable, "-m", "dvc", "repro", "round@r3"], root, env=env).stdout
-    assert "Running stage 'round@r3'" in out
-    assert "Running stage 'round@r1'" not in out and "Running stage 'round@r2'" not in out
+    assert "improve@r3" in status and "improve@r1" not in status and "improve@r2" not in status
+    out = run([sys.executable, "-m", "dvc", "repro", "improve@r3"], root, env=env).stdout
+    assert "Running stage 'improve@r3'" in out
+    assert "Running stage 'improve@r1'" not in out and "Running stage 'improve@r2'" not in out
 
     import mlflow
 
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     names = set(mlflow.search_runs(search_all_experiments=True)["tags.mlflow.runName"])
-    assert {"round@r1", "round@r2", "round@r3", "round@fix", "round@pairs"} <= names
+    assert {"improve@r1", "improve@r2", "improve@r3", "improve@fix", "improve@pairs"} <= names
 
 
 # ----------------------------------------------------------------------------- a user's own task
@@ -572,6 +572,9 @@ def test_a_rounds_suites_and_start_are_checked_before_compute(tmp_path, monkeypa
         check_start("r1", "champion", Path("models/champion"))
 
 
+PREPARED_PROMPTS = Path("data/prepared/prompts.parquet")
+
+
 def test_round_problems_of_a_user_table(tmp_path, monkeypatch):
     """prompts.parquet as a user's data makes it: distinct prompts, none from an eval suite,
     only answered ones for the answer check, chat prompts as messages; nothing left to sample
@@ -596,11 +599,16 @@ def test_round_problems_of_a_user_table(tmp_path, monkeypatch):
         ]
     )
     task, exclude = get_task(TaskConfig(kind="gsm8k")), {"What is 3 plus 3?"}
-    assert round_problems(Settings(checks=["answer"]), task, {}, 0, exclude) == (["What is 1 plus 1?"], ["2"])
-    prompts, answers = round_problems(Settings(checks=["vote"]), task, {}, 0, exclude)
+    assert round_problems(Settings(checks=["answer"]), task, {}, 0, exclude, prompts_file=PREPARED_PROMPTS) == (
+        ["What is 1 plus 1?"],
+        ["2"],
+    )
+    prompts, answers = round_problems(Settings(checks=["vote"]), task, {}, 0, exclude, prompts_file=PREPARED_PROMPTS)
     assert sorted(prompts) == ["Say hello.", "What is 1 plus 1?"], "no answer key: unanswered prompts count too"
     with pytest.raises(ValueError) as error:
-        round_problems(Settings(checks=["answer"]), task, {}, 0, exclude | {"What is 1 plus 1?"}, "r1")
+        round_problems(
+            Settings(checks=["answer"]), task, {}, 0, exclude | {"What is 1 plus 1?"}, "r1", PREPARED_PROMPTS
+        )
     assert str(error.value) == (
         "r1: no problem to sample: data/prepared/prompts.parquet has 4 prompts, 3 of them in an eval suite, 1 without "
         "an answer (the answer check needs one). Give prepare.files.prompts (prompt, answer) with prompts the eval "
@@ -610,11 +618,13 @@ def test_round_problems_of_a_user_table(tmp_path, monkeypatch):
         round_problems(Settings(operands=(6, 6)), task, {}, 0, set(), "r1")
     chat = [{"role": "user", "content": "What is 2 plus 2?"}]
     write([{"prompt": chat, "answer": "4"}])
-    assert round_problems(Settings(), task, {}, 0, set()) == ([chat], ["4"]), "a chat prompt: a list of messages"
+    assert round_problems(Settings(), task, {}, 0, set(), prompts_file=PREPARED_PROMPTS) == ([chat], ["4"]), (
+        "a chat prompt: a list of messages"
+    )
 
     # A conversation with a system turn in an eval suite file (Parquet reads it back as an
     # array of dicts) is that suite's problem, as prompts.parquet reads it too.
-    from stages.round_data import eval_prompts
+    from rlhf.training.rounds import eval_prompts
 
     system = [{"role": "system", "content": "Be brief."}, *chat]
     write([{"prompt": system, "answer": "4"}, {"prompt": chat, "answer": "4"}])
@@ -622,7 +632,8 @@ def test_round_problems_of_a_user_table(tmp_path, monkeypatch):
     pd.DataFrame({"prompt": pd.Series([system], dtype=object), "answer": ["4"]}).to_parquet(
         tmp_path / "data/prepared/eval/test.parquet"
     )
-    assert round_problems(Settings(), task, {}, 0, eval_prompts(["test"])) == ([chat], ["4"])
+    exclude = eval_prompts([Path("data/prepared/eval/test.parquet")])
+    assert round_problems(Settings(), task, {}, 0, exclude, prompts_file=PREPARED_PROMPTS) == ([chat], ["4"])
 
 
 def test_chat_prompts_train_on_assistant_messages_and_each_problem_pairs_alone(tmp_path):
@@ -630,7 +641,7 @@ def test_chat_prompts_train_on_assistant_messages_and_each_problem_pairs_alone(t
     prompt listed twice gives each listing its own pairs (not both problems' samples)."""
     import pandas as pd
 
-    from stages.round_data import sft_rows
+    from rlhf.training.rounds import sft_rows
 
     chat = [{"role": "user", "content": "2+2?"}]
     right, wrong = [{"completion": "4", "kept": True}], [{"completion": "5", "kept": False}]

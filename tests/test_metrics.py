@@ -193,9 +193,9 @@ def test_kl_prompts_zero_leaves_the_kl_unmeasured_not_zero(policy, reference, to
     from rlhf.evaluation.suites import evaluate_model
     from rlhf.tasks.arithmetic import ArithmeticTask
     from stages import load_all
-    from stages.capability_gate import Config as GateConfig
-    from stages.capability_gate import resolve, resolved_config
     from stages.evaluate import Config
+    from stages.gate import Config as GateConfig
+    from stages.gate import resolve, resolved_config
     from tests.conftest import params_problems, tiny_params
 
     suite = pd.DataFrame({"prompt": PROMPTS[:2], "answer": ["64", "8"]})

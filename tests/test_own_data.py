@@ -197,7 +197,7 @@ def test_user_files_and_model_run_prepare_to_infer(tmp_path, architecture):
     assert infer["suite"] == "heldout" and infer["strategies"]["greedy"]["accuracy"] is not None
 
     if architecture == "qwen2":
-        assert "round@r1" in ran
+        assert "improve@r1" in ran
         data = json.loads((root / "models/rounds/r1/round.json").read_text())["data"]
         assert (data["problems"], data["samples"]) == (8, 16)
         samples = pd.read_parquet(root / "data/rounds/r1/samples.parquet")

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # trains real models: the full suite runs it, the
 def sft_project(tmp_path_factory):
     import stages.base
     import stages.prepare
-    import stages.reward_model
+    import stages.rm
     import stages.sft
 
     root = make_project(tmp_path_factory.mktemp("methods") / "project")
@@ -31,7 +31,7 @@ def sft_project(tmp_path_factory):
         stages.prepare.main()
         stages.base.main()
         stages.sft.main()
-        stages.reward_model.main()
+        stages.rm.main()
     return root
 
 

@@ -212,7 +212,7 @@ def test_prefix_of_k_steps_scores_k_steps_and_batching_changes_nothing(micro_dir
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, micro_dir, lora):
-    import stages.process_reward_model as stage
+    import stages.prm as stage
 
     monkeypatch.chdir(tmp_path)
     write_prm_tables(tmp_path)
@@ -281,7 +281,7 @@ def test_a_resumed_run_reproduces_an_uninterrupted_one(tmp_path, monkeypatch, ml
 
 
 def test_bad_rows_fail_before_training_naming_file_and_row(tmp_path):
-    import stages.process_reward_model as stage
+    import stages.prm as stage
 
     data, eval_data = write_prm_tables(tmp_path, train_rows=4)
     frame = pd.read_parquet(data)
@@ -297,7 +297,7 @@ def test_likelihood_config_rejects_training_keys_and_classifier_accepts_them(kin
     """Kind likelihood (the default) fits a calibration and trains no weights: a training key
     such as max_steps is an error naming the key (all of them when several are set);
     kind classifier reads them. The step separator is no param: it is the task's."""
-    import stages.process_reward_model as stage
+    import stages.prm as stage
 
     chosen = {"kind": kind} if kind else {}
     with pytest.raises(ValidationError, match="max_steps: not read by kind likelihood.*remove it"):
@@ -365,7 +365,7 @@ def test_fit_logistic_separates_a_separable_feature():
 
 @pytest.mark.slow
 def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatch, mlflow_store, micro_dir):
-    import stages.process_reward_model as stage
+    import stages.prm as stage
     from rlhf.rewards.prm_likelihood import LikelihoodPRM
 
     monkeypatch.chdir(tmp_path)
@@ -385,7 +385,7 @@ def test_likelihood_stage_saves_a_prm_that_loads_and_scores(tmp_path, monkeypatc
 def test_a_missing_reader_model_fails_naming_the_param(tmp_path, monkeypatch, mlflow_store):
     """prm.init: verifier without models/verifier: one error naming the param and the path,
     before any model is loaded (no hub lookup)."""
-    import stages.process_reward_model as stage
+    import stages.prm as stage
 
     monkeypatch.chdir(tmp_path)
     data, eval_data = write_prm_tables(tmp_path)

@@ -25,25 +25,11 @@ import yaml
 from stages import SECTIONS, load_all
 
 REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = "rlhf/cli/launch.py"  # what dvc.yaml runs a stage through where it may use several processes
 INFRASTRUCTURE = {"rlhf/__init__.py", "rlhf/environment.py", "rlhf/params.py", "rlhf/tracking/runs.py"}
 MODULE_OF = {section: target.split(":")[0] for section, target in SECTIONS.items()}
-STAGE_MODULE = {
-    "check_params": "stages.check_params",
-    "prepare": "stages.prepare",
-    "base": "stages.base",
-    "sft": "stages.sft",
-    "verifier": "stages.verifier",
-    "rm": "stages.reward_model",
-    "prm": "stages.process_reward_model",
-    "policy": "stages.policy",
-    "rl": "stages.policy",
-    "merge": "stages.merge",
-    "evaluate": "stages.evaluate",
-    "validate": "stages.validate",
-    "gate": "stages.capability_gate",
-    "infer": "stages.infer",
-    "round": "stages.improve",
-}
+# Each stage runs the module of its name (test_stages_holds_exactly_the_dvc_stages...).
+STAGE_MODULE = {name: f"stages.{name}" for name in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -158,17 +144,17 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
             assert set(body["deps"]) == {"stages", "rlhf/tasks", "params.yaml", *files} and "params" not in body
             continue
         assert "reports/params.ok" in body["deps"], f"stage {name} must run after check_params"
-        launched, module = re.match(r"python -m (stages\.launch )?(stages\.\w+)", body["cmd"]).groups()
+        launched, module = re.match(r"python -m (rlhf\.cli\.launch )?(stages\.\w+)", body["cmd"]).groups()
         assert STAGE_MODULE[name] == module, f"stage {name} runs {module}"
         if launched:  # the launcher reads params `compute` and is the stage's code too
-            assert "stages/launch.py" in body["deps"] and "compute" in body.get("params", []), name
+            assert LAUNCHER in body["deps"] and "compute" in body.get("params", []), name
             assert "configs/accelerate" in body["deps"], f"stage {name}: its accelerate config decides how it runs"
         source = REPO / (module.replace(".", "/") + ".py")
         assert source.relative_to(REPO).as_posix() in body["deps"], f"stage {name} must depend on {source.name}"
         reused = {f for f in code_closure(source) if f.startswith("stages/") and f != "stages/__init__.py"}
         assert reused <= set(body["deps"]), f"stage {name} must depend on the stage modules it runs: {sorted(reused)}"
         listed = set().union(*(module_files(d) for d in body["deps"] if d.startswith("rlhf/")))
-        needed = rlhf_closure(source)
+        needed = rlhf_closure(source) | (rlhf_closure(REPO / LAUNCHER) | {LAUNCHER} if launched else set())
         assert listed == needed, f"stage {name}: rlhf deps listed {sorted(listed)} but imports {sorted(needed)}"
 
         params = body.get("params", [])
@@ -182,7 +168,7 @@ def test_each_stage_lists_its_module_params_and_rlhf_imports():
             prepare_keys = {p for p in params if p.startswith("prepare")}
             # ... and the rounds generate built-in problems as large as prepare's.
             allowed = {"prepare.source", "prepare.files"} | (
-                {"prepare.builtin.max_value"} if name == "round" else set()
+                {"prepare.builtin.max_value"} if name == "improve" else set()
             )
             assert prepare_keys in (set(), allowed), f"stage {name}: {prepare_keys}"
 
@@ -194,7 +180,7 @@ def test_every_listed_param_is_in_params_yaml():
     for name, stage in dvc_stages().items():
         body = stage.get("do", stage)
         items = [None]
-        if name == "round":  # one stage per entry of improve.rounds (a dict: `${key}`)
+        if name == "improve":  # one stage per entry of improve.rounds (a dict: `${key}`)
             items = list(params["improve"]["rounds"]) or ["<no round>"]
         elif "foreach" in stage:
             items = params["policy"]["offline" if name == "policy" else "online"] or [
@@ -226,15 +212,31 @@ def test_policy_templates_read_their_own_method_list():
 
 
 def test_layering_and_no_import_cycles():
+    """rlhf/ below stages/ below flows/; the `rlhf` command (rlhf/cli/) is the top, beside
+    flows/: it may read the stages' params and folders, and nothing else in rlhf/ imports it."""
+    cli = REPO / "rlhf/cli"
     for path in (REPO / "rlhf").rglob("*.py"):
-        bad = {m for m in imported_modules(path) if m.split(".")[0] in {"stages", "flows"}}
+        if cli in path.parents:
+            continue
+        bad = {m for m in imported_modules(path) if m.split(".")[0] in {"stages", "flows"} or m.startswith("rlhf.cli")}
         assert not bad, f"{path.relative_to(REPO)} imports {bad}"
     for path in (REPO / "stages").glob("*.py"):
         bad = {m for m in imported_modules(path) if m.split(".")[0] == "flows"}
         assert not bad, f"{path.name} imports {bad}"
-    for path in (REPO / "rlhf").rglob("*.py"):
+    for path in [*(REPO / "rlhf").rglob("*.py"), *(REPO / "stages").glob("*.py"), *(REPO / "flows").glob("*.py")]:
         rel = path.relative_to(REPO).as_posix()
         assert rel not in code_closure(path), f"{rel} imports itself through a cycle"
+
+
+def test_stages_holds_exactly_the_dvc_stages_named_as_dvc_names_them():
+    """`ls stages/` is `dvc stage list` (each foreach template once): one vocabulary for the
+    stage, its module and (where it has one) its params section."""
+    modules = {p.stem for p in (REPO / "stages").glob("*.py")} - {"__init__"}
+    assert modules == set(dvc_stages())
+    library = {"task", "compute", "model"}  # sections of the library's own Configs, read by every stage
+    assert {section: module for section, module in MODULE_OF.items() if section not in library} == {
+        section: f"stages.{section}" for section in set(SECTIONS) - library
+    }, "a stage's params section is defined by the stage module of its name"
 
 
 def test_the_suites_longest_modules_exist():

@@ -12,13 +12,13 @@ import pytest
 from rlhf.evaluation.gate import Paired, decide, paired_outcomes, run_test
 from rlhf.tasks.arithmetic import ArithmeticTask
 from rlhf.tracking.champion import install_champion, read_champion
-from stages import capability_gate
-from stages.capability_gate import Config, champion_outcomes, resolve
-from stages.capability_gate import run as run_gate
+from stages import gate
+from stages.gate import Config, champion_outcomes, resolve
+from stages.gate import run as run_gate
 
 
-def CapabilityTest(**fields) -> capability_gate.CapabilityTest:  # noqa: N802 (a test on suite dev by default)
-    return capability_gate.CapabilityTest(**{"suite": "dev", **fields})
+def CapabilityTest(**fields) -> gate.CapabilityTest:  # noqa: N802 (a test on suite dev by default)
+    return gate.CapabilityTest(**{"suite": "dev", **fields})
 
 
 def default_config() -> Config:
@@ -57,7 +57,7 @@ POINT = " (point estimates: no per-problem outcomes to pair)"
 
 
 def record(metrics: dict, candidate: str = "old", **fields) -> dict:
-    """A champion record as stages.capability_gate.promote writes it (metrics per suite)."""
+    """A champion record as stages.gate.promote writes it (metrics per suite)."""
     return {"candidate": candidate, "metrics": {"dev": metrics}, **fields}
 
 
@@ -599,7 +599,7 @@ def test_a_failed_paired_gate_keeps_the_champion_and_lists_every_reason():
 def test_a_promoted_record_pairs_the_next_gate(tmp_path):
     """The record promote() writes (champion_outcomes of the winner) is what the next gate
     pairs with: better is recorded with its dev outcomes and digest, installed with its
-    model files and read back unchanged; the next gate (stages.capability_gate.run) rejects
+    model files and read back unchanged; the next gate (stages.gate.run) rejects
     `same` (difference 0 to the champion) and promotes best (+0.10 over the champion), and
     names better as the previous champion. An empty folder has no champion record."""
     first = outcomes_file(better=BETTER_RIGHT)
@@ -677,11 +677,11 @@ def test_a_registry_champion_of_the_same_number_but_another_run_holds_the_gate_b
     folder holding version 2 of one store is not version 2 of another. The gate compares
     the run that logged the registry's champion with the record's and holds back (it moved
     a team's better champion to a worse candidate); the same run passes."""
-    from stages.capability_gate import held_back
+    from stages.gate import held_back
 
     verdict = {"promote": "dpo", "champion_record": {"model_version": "2", "gate_run_id": "run-a", "pinned": None}}
     reason = held_back(verdict, Config(), None, False, ("2", None, "run-b"))
     assert reason.startswith("dpo passed, but the registry's champion, version 2, is another model than ")
-    assert "(logged by run run-b, not run-a" in reason and "stages.rollback --sync" in reason
+    assert "(logged by run run-b, not run-a" in reason and "rlhf.cli.rollback --sync" in reason
     assert held_back(verdict, Config(), None, False, ("2", None, "run-a")) is None
     assert held_back(verdict, Config(), None, False, ("2", None)) is None  # a caller without the run

@@ -198,7 +198,7 @@ def test_the_head_runs_in_fp32_under_bf16_autocast(micro_dir):
 
 
 def test_centring_defaults_to_the_kind():
-    import stages.reward_model as stage
+    import stages.rm as stage
 
     assert stage.Config().center_rewards_coefficient is None
     assert stage.Config(kind="classifier").center_rewards_coefficient == 0.01
@@ -206,7 +206,7 @@ def test_centring_defaults_to_the_kind():
 
 
 def run_stage(tmp_path, monkeypatch, **config):
-    import stages.reward_model as stage
+    import stages.rm as stage
 
     monkeypatch.chdir(tmp_path)
     write_pairs(tmp_path)
@@ -256,7 +256,7 @@ def test_classifier_stage_trains_differing_score_heads(tmp_path, monkeypatch, ml
 def test_a_missing_init_model_fails_naming_the_param(tmp_path, monkeypatch, mlflow_store):
     """rm.init: verifier without models/verifier: one error naming the param and the path,
     before anything is loaded (no hub lookup)."""
-    import stages.reward_model as stage
+    import stages.rm as stage
 
     monkeypatch.chdir(tmp_path)
     data, eval_data = write_pairs(tmp_path)
@@ -274,7 +274,7 @@ def test_accuracy_by_flaw_groups_pairs_by_the_tasks_error_kind():
     right steps. Scores chosen/rejected 1/0 (win), 0/1 (loss), 2/2 (tie, 1/2):
     slip (1 + 1/2) / 2 = 0.75, answer 0. A task that names no errors (the base Task), or a
     prompt the built-in task cannot read, gives no groups."""
-    import stages.reward_model as stage
+    import stages.rm as stage
     from rlhf.tasks.base import Task
 
     pairs = pd.DataFrame(
@@ -342,7 +342,7 @@ def test_a_classifier_rm_on_an_architecture_without_a_sequence_head_fails_naming
     to use the likelihood kind before any training (it was transformers' raw error)."""
     from transformers import GraniteConfig, GraniteForCausalLM
 
-    import stages.reward_model as stage
+    import stages.rm as stage
     from rlhf.models.folders import UnusableModelError
     from rlhf.models.loading import build_tokenizer, save_model
 

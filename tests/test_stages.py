@@ -39,15 +39,15 @@ def project(tmp_path_factory):
     """A tiny project after running every stage's main() in order, with a temporary
     MLflow store."""
     import stages.base
-    import stages.capability_gate
     import stages.check_params
     import stages.evaluate
+    import stages.gate
     import stages.infer
     import stages.merge
     import stages.policy
     import stages.prepare
-    import stages.process_reward_model
-    import stages.reward_model
+    import stages.prm
+    import stages.rm
     import stages.sft
     import stages.validate
     import stages.verifier
@@ -64,13 +64,13 @@ def project(tmp_path_factory):
         stages.base.main()
         stages.sft.main()
         stages.verifier.main()
-        stages.reward_model.main()
-        stages.process_reward_model.main()
+        stages.rm.main()
+        stages.prm.main()
         stages.policy.main(["dpo"])
         stages.merge.main()
         stages.evaluate.main()
         stages.validate.main()
-        stages.capability_gate.main()
+        stages.gate.main()
         stages.infer.main()
     return root
 
@@ -197,7 +197,7 @@ def test_gate_rejects_a_worse_candidate_and_the_champion_stays(project):
     reason, models/champion is byte-for-byte the same, and the registry alias does not move."""
     import shutil
 
-    import stages.capability_gate
+    import stages.gate
     from tests.test_pipeline_e2e import tree_digest
 
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -230,7 +230,7 @@ def test_gate_rejects_a_worse_candidate_and_the_champion_stays(project):
         data["gate"]["tests"].append({"metric": "accuracy", "relative_to": "champion", "op": ">=", "threshold": 0.0})
         params.write_text(yaml.safe_dump(data))
         try:
-            stages.capability_gate.main()
+            stages.gate.main()
         finally:
             params.write_text(original)
 
@@ -268,7 +268,7 @@ def test_infer_reports_every_strategy(project):
 def test_gate_promotes_the_merged_candidate_when_it_is_best(project):
     """`merged` is a candidate like any policy: with the best dev accuracy it passes
     and is promoted, and models/champion holds models/merged's weights."""
-    import stages.capability_gate
+    import stages.gate
 
     report = json.loads((project / "reports/eval.json").read_text())
     dev = report["suites"]["dev"]
@@ -280,7 +280,7 @@ def test_gate_promotes_the_merged_candidate_when_it_is_best(project):
         mp.chdir(project)
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
         mp.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
-        stages.capability_gate.main()
+        stages.gate.main()
     verdict = json.loads((project / "reports/gate.json").read_text())
     assert verdict["promoted"] is True and verdict["promote"] == "merged" and verdict["champion"] == "merged"
     champion, merged = weights(project / "models/champion"), weights(project / "models/merged")
@@ -289,7 +289,7 @@ def test_gate_promotes_the_merged_candidate_when_it_is_best(project):
 
 def run_gate_on(project, report: dict, **env) -> dict:
     """Stage gate on a doctored eval report (the candidates' weights are the real ones)."""
-    import stages.capability_gate
+    import stages.gate
 
     (project / "reports/eval.json").write_text(json.dumps(report))
     with pytest.MonkeyPatch.context() as mp:
@@ -298,7 +298,7 @@ def run_gate_on(project, report: dict, **env) -> dict:
         mp.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
         for key, value in env.items():
             mp.setenv(key, value)
-        stages.capability_gate.main()
+        stages.gate.main()
     return json.loads((project / "reports/gate.json").read_text())
 
 
@@ -358,12 +358,12 @@ def test_a_dvc_experiment_does_not_move_the_champion(project):
 def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, tmp_path, monkeypatch):
     """Every promoted version is an MLflow transformers model: from another directory,
     `models:/rlhf-policy@champion` loads as a text-generation pipeline with the champion's
-    weights. `python -m stages.rollback --version V`, run in a second clone pointed at the
+    weights. `rlhf rollback --version V`, run in a second clone pointed at the
     same tracking store, brings version V back: that clone's models/champion holds its
     weights and record, the alias points at it, and a run records the move."""
     import mlflow
 
-    import stages.rollback
+    import rlhf.cli.rollback
 
     uri = f"sqlite:///{project / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -388,10 +388,10 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     monkeypatch.chdir(second)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
     with pytest.raises(SystemExit, match="has no version 99"):
-        stages.rollback.main(["--version", "99"])
+        rlhf.cli.rollback.main(["--version", "99"])
     with pytest.raises(SystemExit, match=f"version {current} is the champion already"):
-        stages.rollback.main(["--version", current])
-    stages.rollback.main(["--version", str(target)])
+        rlhf.cli.rollback.main(["--version", current])
+    rlhf.cli.rollback.main(["--version", str(target)])
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
     record = json.loads((second / "models/champion/champion.json").read_text())
     assert record["model_version"] == target and record["restored"]["from_version"] == current
@@ -405,7 +405,7 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     # --sync where the rollback ran has nothing to catch up: the same record, byte for byte
     # (its provenance kept), so nothing that starts from the champion reruns.
     rolled_back = (second / "models/champion/champion.json").read_bytes()
-    stages.rollback.main(["--sync"])
+    rlhf.cli.rollback.main(["--sync"])
     assert (second / "models/champion/champion.json").read_bytes() == rolled_back
     # Pinned: the next gate (a scheduled run, say) holds back even a better candidate,
     # until --unpin.
@@ -425,12 +425,12 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
         in (verdict["held_back"])
     )
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == target
-    stages.rollback.main(["--unpin"])
+    rlhf.cli.rollback.main(["--unpin"])
     assert "pinned" not in json.loads((second / "models/champion/champion.json").read_text())
     with pytest.raises(SystemExit, match="is not pinned"):
-        stages.rollback.main(["--unpin"])
+        rlhf.cli.rollback.main(["--unpin"])
     monkeypatch.chdir(project)
-    stages.rollback.main(["--sync"])  # the first workspace catches up: the registry's champion, its pin cleared
+    rlhf.cli.rollback.main(["--sync"])  # the first workspace catches up: the registry's champion, its pin cleared
     synced = json.loads((project / "models/champion/champion.json").read_text())
     assert synced["model_version"] == target and "pinned" not in synced
     assert not changed(champion, weights(project / "models/champion"))
@@ -493,7 +493,7 @@ def test_the_champion_loads_from_the_registry_anywhere_and_rolls_back(project, t
     # The version registered by hand cannot become the champion: refused before any
     # download (it failed after the weights came, on the missing record).
     with pytest.raises(SystemExit, match=rf"version {by_hand} of 'rlhf-policy' was not promoted by the gate"):
-        stages.rollback.main(["--version", by_hand])
+        rlhf.cli.rollback.main(["--version", by_hand])
     assert tree_digest(project / "models/champion") == before
 
 

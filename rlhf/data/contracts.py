@@ -790,6 +790,28 @@ def missing_prepared(path: Path, stage: str) -> FileNotFoundError:
     )
 
 
+def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_rows: int | None = None) -> Iterator:
+    """A prepared table's rows as frames of at most `batch_rows` (conversations as lists of
+    message dicts, as `read_prepared` gives them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as file:  # opened by Python: audit hooks see the read
+        parquet = pq.ParquetFile(file, pre_buffer=False)  # pre-buffered reads keep every row group read
+        if not parquet.metadata.num_rows:
+            return
+        for batch in parquet.iter_batches(batch_size=batch_rows or BATCH_ROWS, columns=columns):
+            yield plain_messages(pa.Table.from_batches([batch]).to_pandas(integer_object_nulls=True))
+
+
+def prepared_columns(path: str | Path) -> list[str]:
+    """The column names of a prepared table (read from its footer)."""
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as file:
+        return pq.ParquetFile(file).schema_arrow.names
+
+
 def read_prepared(
     path: str | Path, stage: str, columns: list[str] | None = None, limit: int | None = None
 ) -> pd.DataFrame:
@@ -800,8 +822,6 @@ def read_prepared(
     if not path.exists():
         raise missing_prepared(path, stage)
     if columns is not None or limit is not None:
-        from rlhf.data.prepared import prepared_batches, prepared_columns
-
         kept = None if columns is None else [c for c in prepared_columns(path) if c in columns]
         frames, rows = [], 0
         for frame in prepared_batches(path, kept):

@@ -12,19 +12,18 @@ converted once into an Arrow file in the datasets cache and then memory-mapped, 
 holds the pages it reads, not the table, and the dataset's fingerprint is the same while
 the file is (same path, same modification time): every `map` over it, TRL's tokenisation
 included, and TRL's precomputed reference log-probs are found in the cache on the next run.
-`prepared_batches` streams a table's rows as frames (the derivations, small readers).
+`prepared_batches` (rlhf.data.contracts) streams a table's rows as frames (the derivations, small readers).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from rlhf.data.contracts import BATCH_ROWS, DataValidationError, plain_messages, prompt_key, value_format
+from rlhf.data.contracts import DataValidationError, prompt_key, value_format
 
 
 def prompt_hash(prompt) -> int:
@@ -99,28 +98,6 @@ class TableWriter:
 
     def all_keys(self) -> np.ndarray:
         return np.concatenate(self.keys) if self.keys else np.zeros(0, np.uint64)
-
-
-def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_rows: int | None = None) -> Iterator:
-    """A prepared table's rows as frames of at most `batch_rows` (conversations as lists of
-    message dicts, as `read_prepared` gives them)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    with open(path, "rb") as file:  # opened by Python: audit hooks see the read
-        parquet = pq.ParquetFile(file, pre_buffer=False)  # pre-buffered reads keep every row group read
-        if not parquet.metadata.num_rows:
-            return
-        for batch in parquet.iter_batches(batch_size=batch_rows or BATCH_ROWS, columns=columns):
-            yield plain_messages(pa.Table.from_batches([batch]).to_pandas(integer_object_nulls=True))
-
-
-def prepared_columns(path: str | Path) -> list[str]:
-    """The column names of a prepared table (read from its footer)."""
-    import pyarrow.parquet as pq
-
-    with open(path, "rb") as file:
-        return pq.ParquetFile(file).schema_arrow.names
 
 
 def prepared_dataset(path: str | Path, stage: str):

@@ -10,7 +10,7 @@ a GPU, or to bfloat16, in one place:
   else float16. `bfloat16` on a CPU trains in bf16 autocast (worth it on CPUs with bf16
   instructions: AVX512-BF16, AMX).
 * `launcher`, `processes`, `accelerate_config`: how the training stages start
-  (stages.launch): one process, or `processes` data-parallel ones under `torchrun` or
+  (rlhf.cli.launch): one process, or `processes` data-parallel ones under `torchrun` or
   `accelerate launch`. Rank 0 publishes (`is_main`): outputs, metrics, the MLflow run.
 
 Inference (evaluate, infer, the reward models and PRM, the greedy soup) loads weights in
@@ -48,7 +48,7 @@ class ComputeConfig(StageConfig):
         "auto", description="inference weights, training mixed precision (auto: float32 on CPU, bf16/fp16 on GPU)"
     )
     launcher: Literal["python", "torchrun", "accelerate"] = Field(
-        "python", description="how training stages start (stages.launch): one process, or `processes` of them"
+        "python", description="how training stages start (rlhf.cli.launch): one process, or `processes` of them"
     )
     processes: int = Field(1, ge=1, description="training processes on this machine (torchrun / accelerate launch)")
     accelerate_config: str | None = Field(

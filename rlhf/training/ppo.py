@@ -19,7 +19,7 @@ response starts at column Q. The logits at position p predict token p+1, so resp
 output at that same position Q+t-1: the state *before* the token is emitted. The reward and
 advantage of token t belong to the action "emit token t" from the state valued V_t.
 
-Several processes (`torchrun`/`accelerate launch`, stages/launch.py): each process takes a
+Several processes (`torchrun`/`accelerate launch`, rlhf/cli/launch.py): each process takes a
 contiguous slice of the iteration's prompts and samples, scores and values its own rows;
 what spans the batch is summed across processes (`Ranks`): the whitening statistics, each
 mini-batch's token count (a mini-batch is a set of rows of the whole batch, in an order

@@ -10,7 +10,7 @@ preparation. Nothing here loads the whole model before the trainer does: the LoR
 check reads an empty (meta-device) model.
 
 It reads no params file and knows no pipeline folder: its callers (stages policy@<method>,
-rl@<method>, round@<name>) describe the job (`TrainingJob`) and pass their own blocks.
+rl@<method>, improve@<name>) describe the job (`TrainingJob`) and pass their own blocks.
 """
 
 from __future__ import annotations

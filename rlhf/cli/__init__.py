@@ -7,9 +7,15 @@
     rlhf label [--port 8765] ...                   the labelling page (human feedback pairs)
     rlhf generate --model models/champion "2+3"    sample from a saved model
     rlhf recipes list | apply <name>               params overlays for real models
+    rlhf launch stages.sft                         a stage in the processes params `compute` asks
 
 Each subcommand is the module it names below with its own options (`rlhf <command>
---help`); dvc.yaml keeps running the stages as `python -m stages.<name>`.
+--help`); dvc.yaml runs the stages as `python -m stages.<name>`, through
+`python -m rlhf.cli.launch` where a stage may train in several processes.
+
+This package is the top of the library: the commands (rollback, label, launch) read the
+pipeline's params and folders from `stages`, which no other part of `rlhf` imports; nothing
+in `rlhf` imports `rlhf.cli`.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ COMMANDS = {
     "run": ("flows.pipeline", "run the pipeline: the Prefect flow over `dvc repro` (serve or deploy it on a schedule)"),
     "check": ("stages.check_params", "validate params.yaml and the data files it names, before any compute"),
     "status": ("rlhf.cli", "what `dvc repro` would redo, the champion and its registry version, the last verdict"),
-    "rollback": ("stages.rollback", "list registry versions, move the champion back, unpin, or sync models/champion"),
-    "label": ("stages.label", "serve the labelling page: a person picks the better of two completions"),
+    "rollback": ("rlhf.cli.rollback", "list registry versions, move the champion back, unpin, or sync models/champion"),
+    "label": ("rlhf.cli.label", "serve the labelling page: a person picks the better of two completions"),
     "generate": ("rlhf.inference.generate", "sample completions from a saved model"),
     "recipes": ("rlhf.recipes", "list or apply the params overlays for real models (configs/recipes)"),
+    "launch": ("rlhf.cli.launch", "run a stage in as many processes as params `compute` says (what dvc.yaml runs)"),
 }
 
 
@@ -94,7 +101,3 @@ def status(argv: list[str]) -> None:
         print(f"last verdict: {outcome}; passed: {', '.join(passed) or 'none'} (reports/gate.json)")
     else:
         print("last verdict: none (the gate has not run)")
-
-
-if __name__ == "__main__":
-    main()

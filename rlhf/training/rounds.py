@@ -1,18 +1,88 @@
-"""What a self-improvement round (stages/improve.py) trains on: its problems, the checks
+"""A self-improvement round (stage improve@<name>, stages/improve.py): its settings (the
+`improve.defaults` block, and each round's own keys over them), its problems, the checks
 that keep a sample, and the training rows (kept samples for fine-tuning, preference pairs
-for RPO, SFT rows for replay), in the training format of the prompts (text or chat)."""
+for RPO, SFT rows for replay), in the training format of the prompts (text or chat). The
+stage names the files (the prompts table, the eval suites, the SFT table)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Literal
 
-from stages import DATA_DIR
+from pydantic import Field, model_validator
 
-if TYPE_CHECKING:
-    from stages.improve import Settings
+from rlhf.evaluation.gate import CapabilityTest, DifficultyLabels
+from rlhf.params import StageConfig
+from rlhf.training.methods.dpo import Params as DPOParams
+from rlhf.training.methods.sft import SFTParams as TrainingConfig
+from rlhf.training.params import EwcParams
 
-PROMPTS = DATA_DIR / "prompts.parquet"
+
+def round_training() -> TrainingConfig:
+    return TrainingConfig(max_steps=200, learning_rate=1e-3, max_length=128, save_steps=50)
+
+
+def round_rpo() -> DPOParams:
+    """Pang et al.'s loss (DPO at beta 0.1, NLL weight 1) at the rounds' budget and lengths."""
+    return DPOParams(sft_weight=1.0, max_steps=200, learning_rate=1e-4, max_length=128, save_steps=50)
+
+
+class Settings(StageConfig):
+    """One round's settings: `improve.defaults`, with the round's own keys replacing them."""
+
+    prompts: int = Field(512, gt=0, description="problems per round")
+    operands: tuple[int, int] | None = Field(
+        None, description="built-in task: [fewest, most] numbers of the round's problems; null: prompts.parquet"
+    )
+    samples: int = Field(8, gt=0, description="completions sampled per problem")
+    temperature: float = Field(0.7, gt=0, description="sampling temperature")
+    max_new_tokens: int = Field(96, gt=0, description="new tokens per sample (one cut here is never kept)")
+    batch_size: int = Field(256, gt=0, description="sequences per generation batch")
+    checks: list[Literal["answer", "steps", "vote", "prm"]] = Field(
+        ["answer"], min_length=1, description="what a kept sample passes: answer | steps | vote | prm (all listed)"
+    )
+    min_vote_share: float = Field(0.5, gt=0, le=1, description="vote: the majority's least share of the samples")
+    prm_threshold: float = Field(0.5, gt=0, lt=1, description="prm: least P(good) of every step")
+    prefer: list[Literal["steps"]] = Field(
+        [],
+        description="among a problem's kept samples, those that pass these checks too are trained on first "
+        "(steps: every step right and in the problem's order); unlike `checks`, none is left out",
+    )
+    refine: bool = Field(False, description="repair rejected samples from their first bad step (PRM-guided)")
+    refine_attempts: int = Field(4, gt=0, description="continuations sampled per repair")
+    keep_per_prompt: int = Field(1, gt=0, description="most distinct kept samples per problem")
+    method: Literal["sft", "rpo"] = Field(
+        "sft",
+        description="how the candidate trains: sft (on kept samples) | rpo (DPO + NLL on kept-over-rejected pairs)",
+    )
+    replay: float = Field(0.5, ge=0, lt=1, description="sft: share of the training rows drawn from earlier data")
+    train: TrainingConfig = Field(default_factory=round_training, description="sft: the fine-tuning (sft's keys)")
+    ewc: EwcParams = Field(default_factory=EwcParams, description="sft: EWC towards the start, Fisher on earlier data")
+    rpo: DPOParams = Field(default_factory=round_rpo, description="rpo: policy.dpo's keys; reference: the start")
+    suites: list[str] | None = Field(None, min_length=1, description="eval suites of the round; null: every one")
+    progress_suite: str | None = Field(None, description="the gain the default tests ask for; null: dev_long or dev")
+    progress_difficulty: DifficultyLabels = Field(
+        None,
+        description="the gain is asked on the progress suite's problems of this difficulty (or these: a list) only, "
+        "by its `difficulty` column: a round of the curriculum, its own length and longer; null: every problem",
+    )
+    retention_suite: str | None = Field(None, description="what must not be lost; null: the decision suite (dev)")
+    retention_margin: float = Field(0.02, ge=0, lt=1, description="most accuracy the retention suite may lose vs SFT")
+    tests: list[CapabilityTest] | None = Field(None, description="the round's gate; null: progress and retention")
+    confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
+    bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
+    seed: int = Field(0, description="problem and sampling seed (each round adds a number from its name)")
+    trust_remote_code: bool = Field(
+        False, description="allow custom modelling code: sampling, the PRM, training and evaluation in the round"
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.operands and not 2 <= self.operands[0] <= self.operands[1] <= 12:
+            raise ValueError(f"operands {list(self.operands)}: want [fewest, most] with 2 <= fewest <= most <= 12")
+        if self.method == "rpo" and self.ewc.strength:
+            raise ValueError("ewc applies to method sft; with method rpo set rpo.ewc (Fisher on the SFT data)")
+        return self
 
 
 def operands_problem(task) -> str | None:
@@ -21,35 +91,41 @@ def operands_problem(task) -> str | None:
         return None
     return (
         f"generates built-in problems, but task.kind is {task.name!r}, whose problems come from "
-        f"{PROMPTS.as_posix()}: set it to null"
+        "data/prepared/prompts.parquet: set it to null"
     )
 
 
 # ----------------------------------------------------------------------------- problems
 
 
-def eval_prompts(suites: list[str]) -> set[str]:
-    """The `prompt_key` of every prompt of the eval suites `suites` (data/prepared/eval)."""
+def eval_prompts(suite_files: list[Path]) -> set[str]:
+    """The `prompt_key` of every prompt of the eval suites in `suite_files`."""
     import pandas as pd
 
     from rlhf.data.contracts import prompt_key
-    from stages import EVAL_DIR
 
-    tables = (pd.read_parquet(EVAL_DIR / f"{s}.parquet", columns=["prompt"]) for s in suites)
+    tables = (pd.read_parquet(path, columns=["prompt"]) for path in suite_files)
     return {prompt_key(p) for table in tables for p in table["prompt"]}
 
 
-def round_problems(settings: Settings, task, params: dict, seed: int, exclude: set[str], key: str = "improve"):
+def round_problems(
+    settings: Settings,
+    task,
+    params: dict,
+    seed: int,
+    exclude: set[str],
+    key: str = "improve",
+    prompts_file: Path | None = None,
+):
     """(prompts, answers) of a round: generated by the built-in task when `operands` is set,
-    else drawn from prompts.parquet (answers None where the table has none): distinct
+    else drawn from `prompts_file` (answers None where the table has none): distinct
     prompts, none whose `prompt_key` is in `exclude` (the eval suites'), and with the answer
     check only answered ones. Conversational prompts come back as lists of messages."""
     import random
 
     import pandas as pd
 
-    from rlhf.data.contracts import plain_messages, prompt_key
-    from rlhf.data.prepared import prepared_columns
+    from rlhf.data.contracts import plain_messages, prepared_columns, prompt_key
 
     if settings.operands is not None:
         if operands_problem(task):
@@ -67,8 +143,10 @@ def round_problems(settings: Settings, task, params: dict, seed: int, exclude: s
             if len(problems) == settings.prompts:
                 break
         return [p.prompt for p in problems], [str(p.answer) for p in problems]
-    columns = [c for c in prepared_columns(PROMPTS) if c in ("prompt", "answer")]
-    table = plain_messages(pd.read_parquet(PROMPTS, columns=columns))
+    if prompts_file is None:
+        raise ValueError(f"{key}: a round without operands draws its problems from a prompts table: name it")
+    columns = [c for c in prepared_columns(prompts_file) if c in ("prompt", "answer")]
+    table = plain_messages(pd.read_parquet(prompts_file, columns=columns))
     if "answer" not in table:
         table["answer"] = None
     table["answer"] = [a if isinstance(a, str) and a else None for a in table["answer"]]
@@ -84,7 +162,7 @@ def round_problems(settings: Settings, task, params: dict, seed: int, exclude: s
         if "answer" in settings.checks:
             need = f", {int(unanswered.sum())} without an answer (the answer check needs one)"
         raise ValueError(
-            f"{key}: no problem to sample: {PROMPTS} has {len(text)} prompts, {int(in_eval.sum())} of them in an "
+            f"{key}: no problem to sample: {prompts_file} has {len(text)} prompts, {int(in_eval.sum())} of them in an "
             f"eval suite{need}. Give prepare.files.prompts (prompt, answer) with prompts the eval suites do not hold"
         )
     if len(table) > settings.prompts:

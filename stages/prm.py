@@ -27,7 +27,7 @@ Metrics on the held-out rows: step accuracy, F1 of the bad and of the good steps
 the headline), first-error accuracy, and outcome accuracy of each aggregation (min, prod,
 last).
 
-    python -m stages.process_reward_model
+    python -m stages.prm
 """
 
 from __future__ import annotations

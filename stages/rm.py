@@ -22,7 +22,7 @@ Members are trained one after another to bound memory. A finished member is kept
 checkpoints/rm/<fingerprint>/ until the stage completes, so a killed run resumes at the
 member (and the checkpoint) it had reached.
 
-    python -m stages.reward_model
+    python -m stages.rm
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def held_out_scores(ensemble, task: Task, eval_data: Path):
     """The ensemble's scores of the held-out pairs' chosen and rejected responses (each an
     `EnsembleScores` over all pairs), and each pair's kind of mistake (`accuracy_by_flaw`),
     read a batch at a time: only the scores are held."""
-    from rlhf.data.prepared import prepared_batches
+    from rlhf.data.contracts import prepared_batches
     from rlhf.rewards.ensemble import EnsembleScores
 
     chosen, rejected, kinds = [], [], []

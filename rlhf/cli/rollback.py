@@ -1,9 +1,9 @@
 """Command `rollback`: move the champion back to an earlier registry version (not a DVC stage).
 
-    python -m stages.rollback --list           # the versions, their candidates, the alias
-    python -m stages.rollback --version 2      # models/champion and the alias back to version 2
-    python -m stages.rollback --unpin          # let the gate move the champion again
-    python -m stages.rollback --sync           # models/champion to the registry's champion
+    rlhf rollback --list           # the versions, their candidates, the alias
+    rlhf rollback --version 2      # models/champion and the alias back to version 2
+    rlhf rollback --unpin          # let the gate move the champion again
+    rlhf rollback --sync           # models/champion to the registry's champion
 
 Promotion backwards: version 2's weights, tokenizer and champion record (the one its gate
 logged) replace models/champion and the registry alias `champion` moves to version 2
@@ -94,8 +94,7 @@ def rollback(version: str, registered_model: str) -> dict:
         raise SystemExit(not_promoted(registered_model, version))
     if known[version]["champion"]:
         raise SystemExit(
-            f"rollback: version {version} is the champion already (`python -m stages.rollback --sync` brings "
-            f"{CHAMPION_DIR} to it)"
+            f"rollback: version {version} is the champion already (`rlhf rollback --sync` brings {CHAMPION_DIR} to it)"
         )
     # Where the alias points now: the registry is the record, whichever clone this runs in
     # (a fresh clone has no models/champion of its own).
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     record = rollback(str(args.version), registered_model)
     print(
         f"rollback: the champion is version {args.version} ({record['candidate']}) again, pinned until "
-        "`python -m stages.rollback --unpin`"
+        "`rlhf rollback --unpin`"
     )
 
 

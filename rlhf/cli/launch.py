@@ -1,4 +1,4 @@
-"""Start a training stage in one process or in several: `python -m stages.launch MODULE [ARGS]`.
+"""Start a training stage in one process or in several: `python -m rlhf.cli.launch MODULE [ARGS]`.
 
 dvc.yaml runs the training stages through this, so that params.yaml `compute` decides
 how they start without a change to dvc.yaml:
@@ -29,7 +29,7 @@ import os
 import sys
 
 DEFAULT_ACCELERATE_CONFIG = "configs/accelerate/ddp.yaml"  # plain data parallelism (gloo without a GPU)
-MULTI_PROCESS = {"stages.sft", "stages.verifier", "stages.policy", "stages.reward_model", "stages.process_reward_model"}
+MULTI_PROCESS = {"stages.sft", "stages.verifier", "stages.policy", "stages.rl", "stages.rm", "stages.prm"}
 
 
 def command(module: str, args: list[str], config) -> list[str]:
@@ -38,7 +38,9 @@ def command(module: str, args: list[str], config) -> list[str]:
     if config.launcher == "python" or config.processes == 1:
         return single
     if module not in MULTI_PROCESS:
-        print(f"stages.launch: {module} trains in one process (compute.processes={config.processes} is not used by it)")
+        print(
+            f"rlhf.cli.launch: {module} trains in one process (compute.processes={config.processes} is not used by it)"
+        )
         return single
     if config.launcher == "torchrun":
         return [
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        raise SystemExit("usage: python -m stages.launch MODULE [ARGS], e.g. python -m stages.launch stages.sft")
+        raise SystemExit("usage: python -m rlhf.cli.launch MODULE [ARGS], e.g. python -m rlhf.cli.launch stages.sft")
     cmd = command(argv[0], argv[1:], load_config("compute"))
     sys.stdout.flush()
     os.execv(cmd[0], cmd)

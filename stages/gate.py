@@ -17,7 +17,7 @@ configured confidence. The champion is state, not a function of this run's input
 models/champion is a persistent, uncached DVC output: DVC never deletes or restores it, and
 a failed gate leaves it exactly where it was.
 
-    python -m stages.capability_gate
+    python -m stages.gate
 """
 
 from __future__ import annotations
@@ -224,21 +224,20 @@ def held_back(
         holds = f"version {local}" if local else "no champion"
         return (
             f"{name} passed, but the registry's champion is version {version} and {CHAMPION_DIR} holds {holds} "
-            f"(another clone moved it): `python -m stages.rollback --sync` brings {CHAMPION_DIR} to version "
+            f"(another clone moved it): `rlhf rollback --sync` brings {CHAMPION_DIR} to version "
             f"{version}; then {again}"
         )
     if version is not None and registry_run and local_run and registry_run != local_run:
         return (
             f"{name} passed, but the registry's champion, version {version}, is another model than {CHAMPION_DIR}'s "
             f"version {local} (logged by run {registry_run}, not {local_run}: a tracking store or registered model "
-            f"other than the one this champion was promoted in): `python -m stages.rollback --sync` brings "
+            f"other than the one this champion was promoted in): `rlhf rollback --sync` brings "
             f"{CHAMPION_DIR} to the registry's champion; then {again}"
         )
     pinned = record.get("pinned") or registry_pin
     if pinned:
         return (
-            f"{name} passed, but the champion is pinned: {pinned}; `python -m stages.rollback --unpin` lets the gate "
-            "move it again"
+            f"{name} passed, but the champion is pinned: {pinned}; `rlhf rollback --unpin` lets the gate move it again"
         )
     return None
 

@@ -1,7 +1,7 @@
 """Command `label`: the human-feedback labelling page (a command, not a DVC stage).
 
-    python -m stages.label                         # http://127.0.0.1:8765
-    python -m stages.label --model models/sft --port 8766
+    rlhf label                         # http://127.0.0.1:8765
+    rlhf label --model models/sft --port 8766
 
 Shows a prompt and two completions the model samples for it (A and B); "A is better" or
 "B is better" appends ``{"prompt", "chosen", "rejected"}``, validated by the preference

@@ -1,0 +1,5 @@
+"""`python -m rlhf.cli`: the `rlhf` command without its console script."""
+
+from rlhf.cli import main
+
+main()
