@@ -7,7 +7,7 @@ The DAG: `dvc dag --mermaid`, without check_params (every stage depends on it), 
 between the `<!-- dag -->` and `<!-- /dag -->` markers of README.md and
 docs/concepts/dag.md; GitHub and the site draw it.
 
-The screenshots (`--screens`, after `bash scripts/pipeline.sh`): `python -m flows.ui_check`
+The screenshots (`--screens`, after `bash scripts/pipeline.sh`): `python -m tests.ui_check`
 runs the flow against a Prefect and an MLflow server on 127.0.0.1 and photographs the flow
 run's graph (headless Chromium); the MLflow UI's runs of the project's experiment are
 photographed too (mlflow-runs.png). DVC's plots page is not: it draws with Vega from a CDN,
@@ -56,7 +56,7 @@ def screenshot(url: str, out: Path, wait: float = 8.0) -> None:
     """A headless Chromium's picture of `url`, after `wait` seconds for its scripts."""
     import time
 
-    from rlhf.browser import headless_chromium
+    from tests.browser import headless_chromium
 
     with tempfile.TemporaryDirectory() as profile:
         browser = headless_chromium(profile, 1600, 900)
@@ -77,7 +77,7 @@ def mlflow_runs(out: Path) -> None:
 
     import mlflow
 
-    from flows.ui_check import free_port
+    from tests.ui_check import free_port
 
     port = free_port()
     server = subprocess.Popen(
@@ -105,7 +105,7 @@ def write_screens() -> None:
     IMAGES.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ui"
-        subprocess.run([sys.executable, "-m", "flows.ui_check", "--out", str(out)], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "tests.ui_check", "--out", str(out)], cwd=ROOT, check=True)
         shutil.copy2(out / "prefect-flow-run.png", IMAGES / "prefect-flow-run.png")
     mlflow_runs(IMAGES / "mlflow-runs.png")
     print(f"screenshots: {', '.join(p.name for p in sorted(IMAGES.glob('*.png')))} in {IMAGES.relative_to(ROOT)}")
@@ -113,7 +113,7 @@ def write_screens() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--screens", action="store_true", help="also the screenshots (runs flows.ui_check)")
+    parser.add_argument("--screens", action="store_true", help="also the screenshots (runs tests.ui_check)")
     args = parser.parse_args()
     write_dag()
     if args.screens:

@@ -148,7 +148,6 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
         ("sft", "torchrun"),
         ("sft", "accelerate"),
         ("rm", "torchrun"),
-        ("prm", "torchrun"),
         ("policy@dpo", "torchrun"),
         ("rl@grpo", "torchrun"),
         ("rl@ppo", "torchrun"),

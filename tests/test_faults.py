@@ -1,8 +1,10 @@
 """The fault table (docs/reference/faults.md): every training stage killed with SIGKILL after
 its first checkpoint, then run again.
 
-For each of sft, verifier, rm (killed during its second member), prm and every policy
-method (dpo, simpo, orpo, kto, grpo, rloo, ppo):
+For each way a stage trains: sft (the verifier trains with the same function), rm (killed
+during its second member), prm, policy@dpo (simpo, orpo and kto resume through the same
+TRL trainer setup, `trainer_setup.train_resumable`), rl@grpo (rloo likewise) and rl@ppo
+(our loop):
 
 * the stage first runs uninterrupted; its output is the reference;
 * the same stage is started again and killed (`kill -9`) once a checkpoint is on disk: the
@@ -50,31 +52,24 @@ PPO = {
     **REWARD,
 }  # fmt: skip
 
-FAULTS_STEPS = {f"rl@{m}": 2 * STEPS for m in ("grpo", "rloo", "ppo")}
+FAULTS_STEPS = {f"rl@{m}": 2 * STEPS for m in ("grpo", "ppo")}
 # stage: (command, output folder, checkpoint glob, the params section that sets its steps)
 FAULTS = {
     "sft": (["stages.sft"], "models/sft", "checkpoints/sft/*/checkpoint-*"),
-    "verifier": (["stages.verifier"], "models/verifier", "checkpoints/verifier/*/checkpoint-*"),
     "rm": (["stages.rm"], "models/rm", "checkpoints/rm/*/member_1/checkpoint-*"),
     "prm": (["stages.prm"], "models/prm", "checkpoints/prm/*/checkpoint-*"),
-    **{
-        f"policy@{m}": (["stages.policy", m], f"models/policy/{m}", f"checkpoints/policy-{m}/*/checkpoint-*")
-        for m in ("dpo", "simpo", "orpo", "kto")
-    },
-    **{
-        f"rl@{m}": (["stages.rl", m], f"models/policy/{m}", f"checkpoints/rl-{m}/*/checkpoint-*")
-        for m in ("grpo", "rloo")
-    },
+    "policy@dpo": (["stages.policy", "dpo"], "models/policy/dpo", "checkpoints/policy-dpo/*/checkpoint-*"),
+    "rl@grpo": (["stages.rl", "grpo"], "models/policy/grpo", "checkpoints/rl-grpo/*/checkpoint-*"),
     "rl@ppo": (["stages.rl", "ppo"], "models/policy/ppo", "checkpoints/rl-ppo/*/step-*"),
 }
 
 
 def fault_params() -> dict:
     policy = {
-        "offline": ["dpo", "simpo", "orpo", "kto"],
-        "online": ["grpo", "rloo", "ppo"],
-        **{m: {**TRAINER, "per_device_train_batch_size": 4} for m in ("dpo", "simpo", "orpo", "kto")},
-        **{m: {**TRAINER, **ONLINE} for m in ("grpo", "rloo")},
+        "offline": ["dpo"],
+        "online": ["grpo", "ppo"],
+        "dpo": {**TRAINER, "per_device_train_batch_size": 4},
+        "grpo": {**TRAINER, **ONLINE},
         "ppo": PPO,
     }
     return tiny_params(
@@ -91,7 +86,15 @@ def project(tmp_path_factory):
     from tests.conftest import make_project
 
     root = make_project(tmp_path_factory.mktemp("faults") / "project", fault_params())
-    for command in (["stages.prepare"], ["stages.base"], *(FAULTS[s][0] for s in ("sft", "verifier", "rm", "prm"))):
+    setup = (
+        ["stages.prepare"],
+        ["stages.base"],
+        FAULTS["sft"][0],
+        ["stages.verifier"],
+        FAULTS["rm"][0],
+        FAULTS["prm"][0],
+    )
+    for command in setup:
         stage_here(root, command)
     return root
 

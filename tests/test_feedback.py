@@ -283,7 +283,7 @@ def test_the_feedback_file_is_in_git_and_a_dep_of_prepare():
 
 @pytest.mark.slow
 def test_a_person_labels_two_pairs_in_a_headless_browser(micro_dir, tmp_path):
-    from rlhf.browser import INSTALL_HINT, headless_chromium, missing_browser
+    from tests.browser import INSTALL_HINT, headless_chromium, missing_browser
 
     missing = missing_browser()
     if missing:

@@ -186,7 +186,7 @@ def test_a_form_on_another_site_cannot_post_a_label_in_a_browser(page, tmp_path)
     """A page of another origin (another port of 127.0.0.1) posts a choice to the labelling
     page when it loads, as a hostile site would: the browser sends its Origin, and nothing
     is saved."""
-    from rlhf.browser import INSTALL_HINT, headless_chromium, missing_browser
+    from tests.browser import INSTALL_HINT, headless_chromium, missing_browser
 
     missing = missing_browser()
     if missing:

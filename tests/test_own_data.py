@@ -136,18 +136,17 @@ def dvc_repro(root: Path) -> str:
     return run([sys.executable, "-m", "dvc", "repro"], root, env=env).stdout
 
 
-@pytest.mark.parametrize("architecture", ["gpt2", "qwen2"])
-def test_user_files_and_model_run_prepare_to_infer(tmp_path, architecture):
+def test_user_files_and_model_run_prepare_to_infer(tmp_path):
+    """A Qwen2 model through the whole DAG on the user's files, with the eval suite also run
+    as an lm-evaluation-harness task (and gated on), and a self-improvement round on the
+    prompts the gsm8k task derived."""
+    architecture = "qwen2"
     model_dir = tmp_path / f"my-{architecture}"
     build_model(architecture, model_dir)
     root = tmp_path / "project"
-    # GPT-2 also runs the eval suite as an lm-evaluation-harness task, and gates on it.
-    harness = HARNESS if architecture == "gpt2" else {}
-    # Qwen2 also runs a self-improvement round on the prompts the gsm8k task derived.
     train = {"max_steps": 2, "save_steps": 2, "per_device_train_batch_size": 4}
     rounds = {"r1": {"after": "sft", "prompts": 8, "samples": 2, "max_new_tokens": 24, "train": train}}
-    improve = {"improve": {"rounds": rounds}} if architecture == "qwen2" else {}
-    make_project(root, user_params(USER_FILES, model_dir, **harness, **improve))
+    make_project(root, user_params(USER_FILES, model_dir, **HARNESS, improve={"rounds": rounds}))
     write_user_files(root)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     os.environ["MLFLOW_TRACKING_URI"] = uri  # the dvc subprocesses log here
@@ -187,25 +186,48 @@ def test_user_files_and_model_run_prepare_to_infer(tmp_path, architecture):
         checks = {t["name"] for t in result["tests"]} - {t["name"] for t in declared}
         assert {"validator:perplexity", "validator:reward_hacking"} <= checks, "the validator's checks are tests"
         assert all(t["reason"] for t in result["tests"])
-    if architecture == "gpt2":
-        # The harness scores the same greedy completions with the same task: the same accuracy.
-        for model, metrics in report["suites"]["harness/rlhf_heldout"].items():
-            assert metrics["accuracy"] == pytest.approx(report["suites"]["heldout"][model]["accuracy"]), model
-        suites = {t["suite"] for r in verdict["candidates"].values() for t in r["tests"]}  # validator: heldout
-        assert suites == {"heldout", "harness/rlhf_heldout"}
+    # The harness scores the same greedy completions with the same task: the same accuracy.
+    for model, metrics in report["suites"]["harness/rlhf_heldout"].items():
+        assert metrics["accuracy"] == pytest.approx(report["suites"]["heldout"][model]["accuracy"]), model
+    suites = {t["suite"] for r in verdict["candidates"].values() for t in r["tests"]}  # validator: heldout
+    assert suites == {"heldout", "harness/rlhf_heldout"}
     infer = json.loads((root / "reports/infer.json").read_text())
     assert infer["suite"] == "heldout" and infer["strategies"]["greedy"]["accuracy"] is not None
 
-    if architecture == "qwen2":
-        assert "improve@r1" in ran
-        data = json.loads((root / "models/rounds/r1/round.json").read_text())["data"]
-        assert (data["problems"], data["samples"]) == (8, 16)
-        samples = pd.read_parquet(root / "data/rounds/r1/samples.parquet")
-        heldout = set(pd.read_parquet(root / "data/prepared/eval/heldout.parquet")["prompt"])
-        assert samples["prompt"].nunique() == 8 and not set(samples["prompt"]) & heldout, "no eval problem"
-        assert samples["correct"].notna().all(), "every sampled answer checked by the gsm8k task"
+    assert "improve@r1" in ran
+    data = json.loads((root / "models/rounds/r1/round.json").read_text())["data"]
+    assert (data["problems"], data["samples"]) == (8, 16)
+    samples = pd.read_parquet(root / "data/rounds/r1/samples.parquet")
+    heldout = set(pd.read_parquet(root / "data/prepared/eval/heldout.parquet")["prompt"])
+    assert samples["prompt"].nunique() == 8 and not set(samples["prompt"]) & heldout, "no eval problem"
+    assert samples["correct"].notna().all(), "every sampled answer checked by the gsm8k task"
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("rlhf-pipeline")
     stages = {r.data.tags.get("rlhf.stage") for r in client.search_runs([experiment.experiment_id])}
     assert {"prepare", "sft", "rm", "prm", "policy@dpo", "evaluate", "gate", "infer"} <= stages
+
+
+def test_a_gpt2_model_trains_sft_and_dpo_on_the_users_files(tmp_path):
+    """The other architecture family (GPT-2: Conv1D projections, learned positions) through
+    the training stages on the same files: sft and policy@dpo train it, save it as a plain
+    model, and a second `dvc repro` has nothing to do."""
+    import torch
+    from safetensors.torch import load_file
+
+    model_dir = tmp_path / "my-gpt2"
+    build_model("gpt2", model_dir)
+    root = tmp_path / "project"
+    make_project(root, user_params(USER_FILES, model_dir, sft={"max_steps": 20, "save_steps": 20}))
+    write_user_files(root)
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
+    output = run([sys.executable, "-m", "dvc", "repro", "policy@dpo"], root, env=env).stdout
+    assert re.findall(r"Running stage '([^']+)'", output)[-3:] == ["base", "sft", "policy@dpo"], output[-3000:]
+    again = run([sys.executable, "-m", "dvc", "repro", "policy@dpo"], root, env=env).stdout
+    assert not re.findall(r"Running stage", again), "a second dvc repro runs nothing"
+    start = load_file(model_dir / "model.safetensors")
+    sft, dpo = (load_file(root / m / "model.safetensors") for m in ("models/sft", "models/policy/dpo"))
+    assert json.loads((root / "models/sft/config.json").read_text())["model_type"] == "gpt2"
+    assert any(not torch.equal(start[k], sft[k]) for k in start), "sft trained"
+    assert any(not torch.equal(sft[k], dpo[k]) for k in sft), "dpo trained"

@@ -261,7 +261,7 @@ def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, tmp_path
     work pool with the cron schedule and one run at a time; a run triggered with the CLI is
     picked up by `prefect worker start`, which runs the flow in the project (nothing is
     stale, so no stage trains) to COMPLETED with its pipeline-summary artifact."""
-    from flows.ui_check import get_json, servers
+    from tests.ui_check import get_json, servers
 
     root, _, _ = flow_run
     prefect = str(Path(sys.executable).parent / "prefect")
@@ -389,7 +389,7 @@ def covered(path: str, folders: list[str]) -> bool:
 
 def test_every_file_a_stage_reads_is_a_dep(flow_run):
     """The traced reads of the first run: each file under data/, models/ or reports/ that a
-    stage opened (its own outputs and their temporary siblings aside) is one of its deps or
+    stage opened (its own outputs and their temporary siblings or journal aside) is one of its deps or
     inside one; and each data, model or report dep is read, but for those a param decides."""
     root, _, _ = flow_run
     reads: dict[str, set[str]] = {}
@@ -397,7 +397,8 @@ def test_every_file_a_stage_reads_is_a_dep(flow_run):
         stage, path = line.split("\t")
         relative = Path(path).resolve().relative_to(root.resolve()) if Path(path).is_relative_to(root) else None
         if relative is not None and relative.parts[0] in ("data", "models", "reports"):
-            if not any(part.startswith(".") and ".tmp-" in part for part in relative.parts):
+            # Staging siblings (`.X.tmp-*`) and the champion's move journal (`.champion-move`).
+            if not any(part.startswith(".") and (".tmp-" in part or part.endswith("-move")) for part in relative.parts):
                 reads.setdefault(stage, set()).add(relative.as_posix())
     files = stage_files(root)
     # check_params reads params and code; prepare and base read no data in the built-in run.

@@ -1,5 +1,5 @@
 """A headless Chromium driven by Selenium: what the labelling page's browser test and the
-UI check (`python -m flows.ui_check`) look at pages with.
+UI check (`python -m tests.ui_check`) look at pages with.
 
 The browser is the system's (Debian's `chromium` and `chromium-driver`, which
 scripts/setup.sh installs with apt when it runs as root); selenium comes with the `test`

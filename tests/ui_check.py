@@ -1,8 +1,8 @@
 """Look at pipeline runs as a user does: a Prefect server and an MLflow server on
 127.0.0.1, the flow run against both, their APIs checked and their pages photographed.
 
-    python -m flows.ui_check                                  # this project, one flow run
-    python -m flows.ui_check --vary policy.dpo.beta=0.2       # and a second run to compare
+    python -m tests.ui_check                                  # this project, one flow run
+    python -m tests.ui_check --vary policy.dpo.beta=0.2       # and a second run to compare
 
 It starts `prefect server start --host 127.0.0.1` and `mlflow server --host 127.0.0.1` on
 free ports, with their state under `<out>/servers/` (its own Prefect home and sqlite
@@ -21,7 +21,7 @@ project against both, and checks through their APIs what their pages show:
   (exactly KEY) and the metrics that moved. params.yaml is then restored and `dvc repro`
   brings the first run's outputs back from DVC's run-cache.
 
-Headless Chromium (rlhf.browser) then saves `<out>/prefect-flow-run.png` (the run graph),
+Headless Chromium (tests.browser) then saves `<out>/prefect-flow-run.png` (the run graph),
 `<out>/mlflow-run.png` (the parent run) and, with --vary, `<out>/mlflow-compare.png`;
 `<out>/check.json` has the results and the pages' addresses. The servers stop at the end;
 to browse again: `PREFECT_HOME=<out>/servers/prefect prefect server start --host 127.0.0.1`
@@ -222,7 +222,7 @@ def screenshot(driver, url: str, path: Path, expect: str, timeout: float = 60.0)
 
 
 def take_screenshots(out: Path, urls: dict, flow_run: dict, runs: list) -> dict:
-    from rlhf.browser import INSTALL_HINT, headless_chromium, missing_browser
+    from tests.browser import INSTALL_HINT, headless_chromium, missing_browser
 
     missing = missing_browser()
     if missing:
@@ -312,9 +312,17 @@ def registry_elsewhere(project: Path, urls: dict, out: Path) -> dict:
     return report
 
 
-def check(project: Path, out: Path, vary: str | None = None, ports: tuple = (None, None), shots: bool = True) -> dict:
-    """Run the flow (twice with `vary`) against fresh servers and check both UIs' APIs;
-    write `<out>/check.json` and the screenshots. Returns the report."""
+def check(
+    project: Path,
+    out: Path,
+    vary: str | None = None,
+    ports: tuple = (None, None),
+    shots: bool = True,
+    restore: bool = True,
+) -> dict:
+    """Run the flow (twice with `vary`, then `dvc repro` with the first params again unless
+    not `restore`) against fresh servers and check both UIs' APIs; write `<out>/check.json`
+    and the screenshots. Returns the report."""
     project, out = project.resolve(), out.resolve()
     if (out / "servers").exists():
         shutil.rmtree(out / "servers")
@@ -337,14 +345,15 @@ def check(project: Path, out: Path, vary: str | None = None, ports: tuple = (Non
                 run_flow(project, urls, out / "flow-2.log")
             finally:
                 (project / "params.yaml").write_text(original)
+        if vary and restore:
             # Against the servers too: a stage that reruns (the gate) logs there, not in your store.
             env = {**stage_environment(None), "MLFLOW_TRACKING_URI": urls["mlflow"]}
-            restore = subprocess.run(
+            restored = subprocess.run(
                 [sys.executable, "-m", "dvc", "repro"], cwd=project, env=env, capture_output=True, text=True
             )
-            report["restored_first_run"] = restore.returncode == 0
-            if restore.returncode:
-                report["restore_error"] = (restore.stdout + restore.stderr)[-2000:]
+            report["restored_first_run"] = restored.returncode == 0
+            if restored.returncode:
+                report["restore_error"] = (restored.stdout + restored.stderr)[-2000:]
         runs = pipeline_runs(urls["mlflow"])
         newest = runs[0]
         flow_run_id = newest.data.tags["prefect.flow_run_id"]
@@ -383,7 +392,8 @@ def check(project: Path, out: Path, vary: str | None = None, ports: tuple = (Non
             changed = set(report["compare"]["params_changed"])
             checks["compare shows exactly the varied param"] = changed == {key}
             checks["compare shows metrics that moved"] = bool(report["compare"]["metrics_moved"])
-            checks["first run restored from the run-cache"] = report["restored_first_run"]
+            if restore:
+                checks["first run restored from the run-cache"] = report["restored_first_run"]
         if shots:
             report["screenshots"] = take_screenshots(
                 out, urls, {"id": flow_run_id, "name": flow_run["name"]}, runs[:2] if vary else runs[:1]
