@@ -18,81 +18,22 @@ from __future__ import annotations
 
 import ast
 import re
+from functools import partial
 from pathlib import Path
 
 import yaml
 
+from rlhf.cli import dvc_deps
+from rlhf.cli.dvc_deps import LAUNCHER, imported_modules
 from stages import SECTIONS, load_all
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCHER = "rlhf/cli/launch.py"  # what dvc.yaml runs a stage through where it may use several processes
-INFRASTRUCTURE = {"rlhf/__init__.py", "rlhf/environment.py", "rlhf/params.py", "rlhf/tracking/runs.py"}
+code_closure = partial(dvc_deps.code_closure, REPO)
+module_files = partial(dvc_deps.module_files, REPO)
+rlhf_closure = partial(dvc_deps.rlhf_closure, REPO)
 MODULE_OF = {section: target.split(":")[0] for section, target in SECTIONS.items()}
 # Each stage runs the module of its name (test_stages_holds_exactly_the_dvc_stages...).
 STAGE_MODULE = {name: f"stages.{name}" for name in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]}
-
-
-def imported_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
-
-
-def module_file(name: str) -> Path | None:
-    base = REPO / name.replace(".", "/")
-    if base.with_suffix(".py").exists():
-        return base.with_suffix(".py")
-    if (base / "__init__.py").exists():
-        return base / "__init__.py"
-    return None
-
-
-def docstring_only(path: Path) -> bool:
-    body = ast.parse(path.read_text()).body
-    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
-
-
-def code_closure(path: Path) -> set[str]:
-    """rlhf/ and stages/ module files imported by `path`, transitively (the `stages`
-    package itself, which validates params and names folders, excluded)."""
-    seen: set[str] = set()
-    todo = [path]
-    while todo:
-        for name in imported_modules(todo.pop()):
-            if name.startswith(("rlhf.", "stages.")):
-                file = module_file(name)
-                if file is None:
-                    continue
-                rel = file.relative_to(REPO).as_posix()
-                if rel not in seen:
-                    seen.add(rel)
-                    todo.append(file)
-    return seen
-
-
-def module_files(dep: str) -> set[str]:
-    """The module files a dep names: itself, or the modules of a listed folder."""
-    path = REPO / dep
-    if path.is_dir():
-        return {
-            p.relative_to(REPO).as_posix()
-            for p in path.rglob("*.py")
-            if p.relative_to(REPO).as_posix() not in INFRASTRUCTURE and not docstring_only(p)
-        }
-    return {dep}
-
-
-def rlhf_closure(path: Path) -> set[str]:
-    return {
-        f
-        for f in code_closure(path)
-        if f.startswith("rlhf/") and f not in INFRASTRUCTURE and not docstring_only(REPO / f)
-    }
 
 
 # Helpers of the `stages` package and the sections they read.
@@ -246,3 +187,33 @@ def test_the_suites_longest_modules_exist():
 
     missing = [name for name in LONGEST_MODULES if not (REPO / "tests" / f"{name}.py").is_file()]
     assert not missing
+
+
+def test_dvc_yaml_lists_what_rlhf_dvc_deps_writes_and_the_command_repairs_a_stage():
+    """The committed dvc.yaml is what `rlhf dvc-deps` writes; with a dep removed from one
+    stage and a module it does not import added to another, it puts back the one, drops the
+    other, says which, and leaves every other line as it was."""
+    text = (REPO / "dvc.yaml").read_text()
+    assert dvc_deps.rewritten(REPO, text) == (text, {})
+    sft = yaml.safe_load(text)["stages"]["sft"]["deps"]
+    removed = next(d for d in sft if d.startswith("rlhf/training/"))
+    lines = text.split("\n")
+    start = lines.index("  sft:")
+    gone = next(i for i in range(start, len(lines)) if lines[i].strip() == f"- {removed}")
+    del lines[gone]
+    infer = lines.index("  infer:")
+    stage_line = next(i for i in range(infer, len(lines)) if lines[i].strip() == "- stages/infer.py")
+    lines.insert(stage_line + 1, "      - rlhf/training/ppo.py")
+    broken = "\n".join(lines)
+    repaired, changes = dvc_deps.rewritten(REPO, broken)
+    assert changes == {"sft": ([removed], []), "infer": ([], ["rlhf/training/ppo.py"])}
+
+    def sorted_deps(dvc: str) -> dict:  # where a put-back dep goes in its list does not matter
+        stages = yaml.safe_load(dvc)["stages"]
+        for stage in stages.values():
+            body = stage.get("do", stage)
+            body["deps"] = sorted(body["deps"])
+        return stages
+
+    assert sorted_deps(repaired) == sorted_deps(text)
+    assert dvc_deps.rewritten(REPO, repaired)[1] == {}

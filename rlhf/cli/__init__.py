@@ -8,6 +8,7 @@
     rlhf generate --model models/champion "2+3"    sample from a saved model
     rlhf recipes list | apply <name>               params overlays for real models
     rlhf launch stages.sft                         a stage in the processes params `compute` asks
+    rlhf dvc-deps [--check]                        dvc.yaml's code deps from the stages' imports
 
 Each subcommand is the module it names below with its own options (`rlhf <command>
 --help`); dvc.yaml runs the stages as `python -m stages.<name>`, through
@@ -36,6 +37,10 @@ COMMANDS = {
     "generate": ("rlhf.inference.generate", "sample completions from a saved model"),
     "recipes": ("rlhf.recipes", "list or apply the params overlays for real models (configs/recipes)"),
     "launch": ("rlhf.cli.launch", "run a stage in as many processes as params `compute` says (what dvc.yaml runs)"),
+    "dvc-deps": (
+        "rlhf.cli.dvc_deps",
+        "rewrite each dvc.yaml stage's code deps from its imports (--check: only compare)",
+    ),
 }
 
 

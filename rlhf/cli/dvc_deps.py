@@ -1,0 +1,175 @@
+"""`rlhf dvc-deps`: each dvc.yaml stage's code deps, computed from its imports.
+
+    rlhf dvc-deps            # rewrite the rlhf/ deps of every stage in dvc.yaml
+    rlhf dvc-deps --check    # exit 1, naming each stage whose deps differ, and change nothing
+
+A stage reruns when its code changes only if dvc.yaml lists the code: its module, the stage
+modules it reuses, the launcher when dvc.yaml starts it through one, and every rlhf/ module
+it imports, transitively (lazy imports inside functions included), except the
+infrastructure that cannot change an output (INFRASTRUCTURE: the environment, params
+validation, MLflow tracking; docstring-only package files). This command computes that set
+from the source (Python's `ast`, nothing imported) and rewrites the `- rlhf/...` lines of
+each stage's `deps`, keeping a listed folder whose every module the stage imports, and
+every other line (comments, data deps, params) as written. The test suite checks that the
+committed dvc.yaml is what this command writes (tests/test_project_shape.py).
+
+Why our own: DVC has no notion of a Python import graph (its deps are paths), and the
+import-graph tools on the package index (pydeps, modulegraph) draw or bundle rather than
+answer "which files can change this stage's output"; the 100 lines here do that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+from pathlib import Path
+
+INFRASTRUCTURE = {"rlhf/__init__.py", "rlhf/environment.py", "rlhf/params.py", "rlhf/tracking/runs.py"}
+LAUNCHER = "rlhf/cli/launch.py"  # what dvc.yaml starts a stage through where it may use several processes
+COMMAND = re.compile(r"python -m (rlhf\.cli\.launch )?(stages\.\w+)")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at its top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def module_file(root: Path, name: str) -> Path | None:
+    base = root / name.replace(".", "/")
+    if base.with_suffix(".py").exists():
+        return base.with_suffix(".py")
+    if (base / "__init__.py").exists():
+        return base / "__init__.py"
+    return None
+
+
+def docstring_only(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
+
+
+def code_closure(root: Path, path: Path) -> set[str]:
+    """rlhf/ and stages/ module files imported by `path`, transitively (the `stages`
+    package itself, which validates params and names folders, excluded)."""
+    seen: set[str] = set()
+    todo = [path]
+    while todo:
+        for name in imported_modules(todo.pop()):
+            if name.startswith(("rlhf.", "stages.")) and (file := module_file(root, name)) is not None:
+                rel = file.relative_to(root).as_posix()
+                if rel not in seen:
+                    seen.add(rel)
+                    todo.append(file)
+    return seen
+
+
+def module_files(root: Path, dep: str) -> set[str]:
+    """The module files a dep names: itself, or the modules of a listed folder."""
+    path = root / dep
+    if path.is_dir():
+        return {
+            p.relative_to(root).as_posix()
+            for p in path.rglob("*.py")
+            if p.relative_to(root).as_posix() not in INFRASTRUCTURE and not docstring_only(p)
+        }
+    return {dep}
+
+
+def rlhf_closure(root: Path, path: Path) -> set[str]:
+    return {
+        f
+        for f in code_closure(root, path)
+        if f.startswith("rlhf/") and f not in INFRASTRUCTURE and not docstring_only(root / f)
+    }
+
+
+def stage_code(root: Path, cmd: str) -> tuple[bool, Path, set[str]]:
+    """(launched, the stage module's file, the rlhf/ files its output can depend on) of a
+    stage whose command is `cmd`."""
+    match = COMMAND.match(cmd)
+    if match is None:
+        raise ValueError(f"{cmd!r} runs no stages.<name> module")
+    launched, module = bool(match.group(1)), match.group(2)
+    source = root / (module.replace(".", "/") + ".py")
+    needed = rlhf_closure(root, source)
+    if launched:
+        needed |= rlhf_closure(root, root / LAUNCHER) | {LAUNCHER}
+    return launched, source, needed
+
+
+def rewritten(root: Path, text: str) -> tuple[str, dict[str, tuple[list[str], list[str]]]]:
+    """dvc.yaml's `text` with each stage's rlhf/ deps made its imports (the module
+    docstring), and {stage: (added, dropped)} for those that changed."""
+    import yaml
+
+    stages = yaml.safe_load(text)["stages"]
+    lines = text.split("\n")
+    starts = [(i, m.group(1)) for i, line in enumerate(lines) if (m := re.match(r"^  ([a-z_]+):\s*$", line))]
+    ends = [i for i, _ in starts[1:]] + [len(lines)]
+    changes = {}
+    for (start, name), end in sorted(zip(starts, ends), reverse=True):
+        body = stages[name].get("do", stages[name])
+        if not COMMAND.match(body["cmd"]) or "stages" in body.get("deps", []):
+            continue  # check_params: it lists whole packages (it validates with every stage's Config)
+        _, _, needed = stage_code(root, body["cmd"])
+        block = lines[start:end]
+        listed = [(j, line.strip()[2:].split("#")[0].strip()) for j, line in enumerate(block)]
+        listed = [(j, dep) for j, dep in listed if re.match(r"^\s+- rlhf/", block[j])]
+        keep = [j for j, dep in listed if module_files(root, dep) <= needed]
+        covered = set().union(*(module_files(root, dep) for j, dep in listed if j in keep))
+        missing = sorted(needed - covered)
+        dropped = [dep for j, dep in listed if j not in keep]
+        if not missing and not dropped:
+            continue
+        changes[name] = (missing, dropped)
+        indent = re.match(r"^(\s+)- ", block[listed[0][0]]).group(1) if listed else " " * 8
+        after = max(keep) if keep else next(j for j, line in enumerate(block) if line.strip().startswith("- stages/"))
+        new_block = []
+        for j, line in enumerate(block):
+            if j not in {k for k, _ in listed} - set(keep):
+                new_block.append(line)
+            if j == after:
+                new_block += [f"{indent}- {dep}" for dep in missing]
+        lines[start:end] = new_block
+    return "\n".join(lines), changes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlhf dvc-deps", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a stage's deps differ")
+    parser.add_argument("--file", type=Path, default=Path("dvc.yaml"))
+    args = parser.parse_args(argv)
+    if not args.file.is_file():
+        raise SystemExit(f"rlhf dvc-deps: no {args.file} here; run it in the project's root")
+    root = args.file.resolve().parent
+    text, changes = rewritten(root, args.file.read_text())
+    for name, (added, dropped) in sorted(changes.items()):
+        print(
+            f"{name}: "
+            + "; ".join(p for p in (f"add {added}" if added else "", f"drop {dropped}" if dropped else "") if p)
+        )
+    if args.check:
+        if changes:
+            raise SystemExit(
+                f"rlhf dvc-deps: {len(changes)} stage(s) list other code than they import: run `rlhf dvc-deps`"
+            )
+        print(f"rlhf dvc-deps: every stage of {args.file} lists the code it imports")
+        return
+    if changes:
+        from rlhf.artifacts import atomic_file
+
+        with atomic_file(args.file) as tmp:
+            tmp.write_text(text)
+    print(f"rlhf dvc-deps: {len(changes)} stage(s) rewritten in {args.file}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
