@@ -3,7 +3,7 @@
 * reference/params.md: every params key, from the Configs (rlhf.reference);
 * reference/cli.md: `rlhf --help` and each subcommand's help;
 * architecture.md, results/benchmarks.md, results/curriculum.md: the repository's own
-  ARCHITECTURE.md, benchmarks/README.md and experiments/CURRICULUM.md (kept where the
+  ARCHITECTURE.md, benchmarks/README.md and studies/curriculum/SETTINGS.md (kept where the
   code they describe lives), with their links to repository files pointed at the pages.
 """
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 INCLUDED = {
     "architecture.md": "ARCHITECTURE.md",
     "results/benchmarks.md": "benchmarks/README.md",
-    "results/curriculum.md": "experiments/CURRICULUM.md",
+    "results/curriculum.md": "studies/curriculum/SETTINGS.md",
 }
 # Links in the included files to files that are pages of the site.
 PAGE_LINKS = {"ARCHITECTURE.md": "architecture.md", "README.md": "index.md"}

@@ -1,6 +1,6 @@
 """The easy-to-hard curriculum of the self-improvement rounds, measured end to end.
 
-    .venv/bin/python scripts/curriculum.py --out experiments/curriculum
+    .venv/bin/python studies/curriculum/run.py --out studies/curriculum/runs/curriculum
 
 In a scratch project (--work, default a temporary folder; this checkout is not touched):
 
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scratch import copy_code, edit_params, enter, run_module  # noqa: E402  (scripts/scratch.py)
+from studies.scratch import copy_code, edit_params, enter, run_module  # noqa: E402
 
 ROUNDS = {"r1": (6, 6), "r2": (7, 7), "r3": (8, 8)}
 LONGEST = 8  # the longest problems of dev_long and test_long
@@ -173,7 +173,7 @@ def table(results: dict, split: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments/curriculum")
+    parser.add_argument("--out", type=Path, default=ROOT / "studies/curriculum/runs/curriculum")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--sft-steps", type=int, default=2500)
     parser.add_argument("--nope-layers", type=int, nargs="*", default=[1, 3], help="base.nope_layers")

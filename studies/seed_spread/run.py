@@ -1,8 +1,8 @@
-"""The headline table (README, docs/results/policy-over-seeds.md): SFT, DPO, GRPO and PPO on the built-in task, over seeds,
-with and without the planted shortcut habit, scored on the test split only.
+"""The headline table (README, docs/results/policy-over-seeds.md): SFT, DPO, GRPO and PPO on
+the built-in task, over seeds, with and without the planted shortcut habit, scored on the test split only.
 
-    .venv/bin/python scripts/seed_spread.py                        # 3 seeds x 2 settings
-    .venv/bin/python scripts/seed_spread.py --seeds 0 --settings habit --workers 1
+    .venv/bin/python studies/seed_spread/run.py                        # 3 seeds x 2 settings
+    .venv/bin/python studies/seed_spread/run.py --seeds 0 --settings habit --workers 1
 
 Each (setting, seed) runs the real stages (`python -m stages.<name>`, params from this
 checkout's params.yaml) in its own folder under --out: prepare, base, sft, policy dpo, grpo
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"habit": 0.75, "no_habit": 0.0}  # prepare.builtin.shortcut_rate
 MODELS = {"sft": "models/sft", "dpo": "models/policy/dpo", "grpo": "models/policy/grpo", "ppo": "models/policy/ppo"}
 STAGES = [["stages.prepare"], ["stages.base"], ["stages.sft"], ["stages.policy", "dpo"], ["stages.rl", "grpo"],
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--workers", type=int, default=2, help="jobs at once (each with 2 / workers threads)")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments/seed_spread")
+    parser.add_argument("--out", type=Path, default=ROOT / "studies/seed_spread")
     parser.add_argument("--score", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.score:

@@ -1,11 +1,11 @@
 """PRM-guided repair (critique and refine) in a round, measured: the share of wrong samples
 the process reward model finds and the model repairs.
 
-    .venv/bin/python scripts/prm_repair.py --out experiments/prm_repair      # 3 seeds, ~10 min a seed
-    .venv/bin/python scripts/prm_repair.py --work /tmp/ewc-shift             # reuse scripts/ewc_shift.py's SFT models
+    .venv/bin/python studies/prm_repair/run.py --out studies/prm_repair      # 3 seeds, ~10 min a seed
+    .venv/bin/python studies/prm_repair/run.py --work /tmp/ewc-shift   # reuse ewc_shift's SFT models
 
-For each seed, in a scratch project of its own (scripts/scratch.py; this checkout is not
-touched; a --work folder that scripts/ewc_shift.py used keeps its SFT models):
+For each seed, in a scratch project of its own (studies/scratch.py; this checkout is not
+touched; a --work folder that studies/ewc_shift/run.py used keeps its SFT models):
 
 1. the built-in task with no planted habit (`shortcut_rate: 0`), the default model and SFT
    on problems of 3-5 numbers (the real stages prepare, base, sft), every seed set to the
@@ -34,10 +34,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scratch import edit_params, no_habit_sft, run_module, write_results  # noqa: E402  (scripts/scratch.py)
+from studies.scratch import edit_params, no_habit_sft, run_module, write_results  # noqa: E402
 
 ROUND = {"after": "sft", "operands": [5, 5], "prompts": 256, "samples": 4, "refine": True, "suites": ["dev"]}
 COLUMNS = (  # (column, key of the repair report)
@@ -77,7 +77,7 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments/prm_repair")
+    parser.add_argument("--out", type=Path, default=ROOT / "studies/prm_repair")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (a project per seed under it)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()

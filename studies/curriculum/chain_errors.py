@@ -6,9 +6,9 @@ completions on an eval suite, each sorted into one of
 * wrong, a number skipped or used twice (the chain lost its place in the problem);
 * wrong, every number once (an arithmetic slip, or a wrong answer line).
 
-    .venv/bin/python scripts/chain_errors.py --work W --model models/rounds_answer/r3
+    .venv/bin/python studies/curriculum/chain_errors.py --work W --model models/rounds_answer/r3
 
-W is a scratch project of scripts/curriculum.py (its data/prepared/eval and its models).
+W is a scratch project of studies/curriculum/run.py (its data/prepared/eval and its models).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 KINDS = ("right, in order", "right, another order", "wrong, skipped or repeated", "wrong, every number once")

@@ -1,4 +1,4 @@
-"""Scratch projects for the experiment scripts (scripts/sabotage.py, curriculum.py,
+"""Scratch projects for the experiment scripts (studies/sabotage/run.py, curriculum.py,
 ewc_shift.py, prm_repair.py): a copy of this checkout's code in another folder, where the
 real stages run as processes against their own MLflow store, so that an experiment never
 touches the checkout's outputs.

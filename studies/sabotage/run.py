@@ -2,7 +2,7 @@
 one of the adversarial validator's checks, go through the real evaluate, validate and gate
 stages, which must reject each for the right reason and leave the champion where it was.
 
-    .venv/bin/python scripts/sabotage.py --project PROJECT --out experiments/sabotage
+    .venv/bin/python studies/sabotage/run.py --project PROJECT --out studies/sabotage
 
 PROJECT is a checkout whose pipeline has run up to models/sft, models/rm and
 data/prepared (e.g. after `dvc repro rm`). Its outputs are copied into a scratch project
@@ -42,10 +42,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scratch import copy_code, edit_params, enter, run_module  # noqa: E402  (scripts/scratch.py)
+from studies.scratch import copy_code, edit_params, enter, run_module  # noqa: E402
 
 FILLER = " (each step carries the running total on to the next number, and the total was checked once more)"
 TARGET = {
@@ -132,7 +132,7 @@ def train_rm_rl(work: Path, env: dict, steps: int, penalty: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--project", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments/sabotage")
+    parser.add_argument("--out", type=Path, default=ROOT / "studies/sabotage")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--prompts", type=int, default=1000)

@@ -1,10 +1,10 @@
 """Elastic weight consolidation on a shift, measured: what a round that trains on long
 problems only forgets of the short ones, with and without EWC.
 
-    .venv/bin/python scripts/ewc_shift.py --out experiments/ewc_shift      # 3 seeds, ~32 min on 2 cores
-    .venv/bin/python scripts/ewc_shift.py --seeds 0 --strengths 0 1e4 --out /tmp/ewc
+    .venv/bin/python studies/ewc_shift/run.py --out studies/ewc_shift      # 3 seeds, ~32 min on 2 cores
+    .venv/bin/python studies/ewc_shift/run.py --seeds 0 --strengths 0 1e4 --out /tmp/ewc
 
-For each seed, in a scratch project of its own (scripts/scratch.py; this checkout is not
+For each seed, in a scratch project of its own (studies/scratch.py; this checkout is not
 touched), every seed of the run (data, initialisation, data order, the round's problems and
 samples) set to it:
 
@@ -35,10 +35,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scratch import edit_params, no_habit_sft, run_module, write_results  # noqa: E402  (scripts/scratch.py)
+from studies.scratch import edit_params, no_habit_sft, run_module, write_results  # noqa: E402
 
 SHIFT = {"after": "sft", "operands": [5, 5], "replay": 0.0, "suites": ["dev"]}  # the round `shift`
 SUITES = ("dev", "test")
@@ -126,7 +126,7 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments/ewc_shift")
+    parser.add_argument("--out", type=Path, default=ROOT / "studies/ewc_shift")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (a project per seed under it)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--strengths", type=float, nargs="+", default=list(STRENGTHS), help="ewc.strength values")
