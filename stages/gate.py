@@ -29,7 +29,7 @@ from pydantic import Field, field_validator
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
-from rlhf.params import StageConfig
+from rlhf.params import InputError, StageConfig
 from rlhf.tracking.champion import ChampionMovedError, RegistryChampion
 from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, decision_suite, load_all
 
@@ -242,6 +242,37 @@ def held_back(
     return None
 
 
+def pending(verdict: dict) -> dict:
+    """The verdict as written before the registry is read: nothing promoted yet."""
+    waiting = {"promoted": False, "champion": verdict["previous_champion"]}
+    if verdict["promote"]:
+        waiting["pending"] = (
+            f"{verdict['promote']} passed; the registry decides whether it is promoted, after this verdict "
+            "was written (a gate that could not reach the tracking store failed here: rerun `dvc repro`)"
+        )
+    return {**verdict, **waiting}
+
+
+def check_tracking_answers() -> None:
+    """One message instead of the client's traceback when the tracking store does not
+    answer: it holds the registry the champion moves in, so such a gate fails (its verdict
+    on disk, nothing moved) and the next `dvc repro` runs it again."""
+    from rlhf.tracking.runs import tracking_uri
+
+    try:
+        registry_client().search_experiments(max_results=1)
+    except Exception as error:  # noqa: BLE001 - whatever the client raises for a store it cannot reach
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TrackingUnreachableError(
+            f"gate: the tracking store at {tracking_uri()} (the model registry) did not answer ({first[:300]}); "
+            f"the verdict is in {VERDICT} and nothing was promoted: `dvc repro` runs the gate again once it answers"
+        ) from error
+
+
+class TrackingUnreachableError(InputError, RuntimeError):
+    """The gate's tracking store (the registry) cannot be reached."""
+
+
 def registry_client():
     from mlflow.tracking import MlflowClient
 
@@ -272,14 +303,20 @@ def main() -> None:
     # (models/ is not in git): it is judged against the workspace's.
     workspace_champion = project_root() / CHAMPION_DIR
     temporary = workspace_champion.resolve() != CHAMPION_DIR.resolve()
+    champion_dir = workspace_champion if temporary else CHAMPION_DIR
+    # The verdict first, from the files alone, before any tracking call: a tracking store
+    # that cannot be reached below fails the stage with this verdict on disk (nothing
+    # promoted yet), and the next `dvc repro` reruns the gate, which promotes and logs.
+    verdict = run(config, report, outcomes, champion_dir, validation)
+    write_json(VERDICT, pending(verdict))
+    check_tracking_answers()
     with stage_run("gate", config) as active:
-        # A promotion or rollback killed midway is finished or undone before anything reads
-        # the champion (the workspace's own gate does it: a queued experiment's copy has none).
+        # A promotion or rollback killed midway is finished or undone before the verdict is
+        # final (the workspace's own gate does it: a queued experiment's copy has none).
         recovered = None if temporary else recover_move(registry_client(), config.registered_model, CHAMPION_DIR)
         if recovered is not None:
             print(f"gate: {recovered.message}")
-        verdict = run(config, report, outcomes, workspace_champion if temporary else CHAMPION_DIR, validation)
-        if recovered is not None:
+            verdict = run(config, report, outcomes, champion_dir, validation)  # against the champion now
             verdict["recovered"] = recovered.message
         registry = registry_state(config)
         held = held_back(verdict, config, os.environ.get(EXPERIMENT_ENV), temporary, registry)

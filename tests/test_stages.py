@@ -313,6 +313,25 @@ def report_where_best(project, name: str) -> dict:
     return report
 
 
+def test_a_gate_that_cannot_reach_the_tracking_store_writes_its_verdict_first(project):
+    """The verdict is written before any tracking call: with the tracking store down the
+    gate fails with one message, its verdict on disk and nothing promoted; once the store
+    answers, the next run decides the promotion."""
+    import stages.gate
+    from rlhf.tracking.champion import registry_champion
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    before = registry_champion(client, "rlhf-policy")
+    down = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    with pytest.raises(stages.gate.TrackingUnreachableError, match=r"tracking store at http://127.0.0.1:9"):
+        run_gate_on(project, report_where_best(project, "dpo"), **down)
+    verdict = json.loads((project / "reports/gate.json").read_text())
+    assert verdict["promote"] == "dpo" and verdict["promoted"] is False and "rerun `dvc repro`" in verdict["pending"]
+    assert registry_champion(client, "rlhf-policy") == before
+    verdict = run_gate_on(project, report_where_best(project, "dpo"))
+    assert "pending" not in verdict and (verdict["promoted"] or verdict["held_back"])
+
+
 def test_a_queued_experiment_is_judged_against_the_workspaces_champion(project, tmp_path):
     """`dvc exp run --queue` runs the stages in a temporary copy without models/champion
     (models/ is not in git; DVC_ROOT names the workspace). Its gate compares with the
