@@ -59,6 +59,7 @@ SECTIONS = {
 
 DATA_DIR = Path("data/prepared")
 EVAL_DIR = DATA_DIR / "eval"  # one <suite>.parquet per eval suite
+EVAL_PREFIX = "eval_"  # prepare.files.eval_<suite>: the user's file of eval suite <suite>
 MODELS_DIR = Path("models")
 SFT_DIR = MODELS_DIR / "sft"
 RM_DIR = MODELS_DIR / "rm"
@@ -101,8 +102,6 @@ def load_all(path: str = PARAMS_FILE) -> dict:
 
 def eval_suites(params: dict) -> list[str]:
     """The eval suites prepare writes, from params `prepare`."""
-    from stages.prepare import EVAL_PREFIX
-
     return sorted(name[len(EVAL_PREFIX) :] for name in params["prepare"].given() if name.startswith(EVAL_PREFIX))
 
 
@@ -211,8 +210,6 @@ def difficulty_problems(params: dict, difficulties, rounds: list[str] | None = N
     """The gate's and the rounds' tests (or those of `rounds` only) that name a difficulty
     their suite lacks, each with the key to change. `difficulties(suite)` gives a suite's
     labels, or None where they are not known here (that suite is not checked)."""
-    from stages.improve import round_tests
-
     gate, improve = params["gate"], params["improve"]
     tested = []
     if rounds is None:
@@ -220,7 +217,7 @@ def difficulty_problems(params: dict, difficulties, rounds: list[str] | None = N
     for name in improve.rounds if rounds is None else rounds:
         settings = improve.settings(name)
         key = round_key(improve, name, "tests" if settings.tests else "progress_difficulty")
-        tested += [(key, t.suite, t) for t in round_tests(settings, params)[1]]
+        tested += [(key, t.suite, t) for t in improve.round_tests(settings, params)[1]]
     problems, known = [], {}
     for key, suite, test in tested:
         if test.difficulty is None:
@@ -446,10 +443,8 @@ def input_problems(params: dict) -> list[str]:
             f"evaluate.harness.suites: a suite run as a harness task is scored by its answers; task.kind "
             f"{task.name!r} checks none (remove the suites, or choose a task kind that reads answers)"
         )
-    from stages.merge import member_names
-
     try:
-        member_names(params["merge"], policy.methods)
+        params["merge"].member_names(policy.methods)
     except ParamsError as error:
         problems += error.problems
     if params["merge"].method == "greedy_soup" and not task.checks_answers:
@@ -523,9 +518,7 @@ def input_problems(params: dict) -> list[str]:
                 f"improve.rounds.{name}.after: {after} is not trained: policy.offline and policy.online list "
                 f"{methods}; start from policy/<one of those>, or add the method"
             )
-        from stages.improve import round_tests
-
-        evaluated, tests = round_tests(settings, params)
+        evaluated, tests = improve.round_tests(settings, params)
         if unread := sorted({t.suite for t in tests if t.suite in suites} - set(evaluated)):
             problems.append(
                 f"{round_key(improve, name, 'suites')}: the round's tests read {unread}, which it does not "

@@ -136,6 +136,11 @@ class Config(StageConfig):
             raise ValueError("; ".join(problems))
         return self
 
+    def round_tests(self, settings: Settings, params: dict) -> tuple[list[str], list[CapabilityTest]]:
+        """`round_tests` of one round: what the params loader's cross-section checks read
+        through this Config (stages/__init__.py imports no stage module)."""
+        return round_tests(settings, params)
+
     def settings(self, name: str) -> Settings:
         """Round `name`'s settings: the defaults with the round's own keys (but `after`)
         merged in, a nested block (train, ewc) key by key."""

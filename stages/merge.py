@@ -124,6 +124,11 @@ class Config(StageConfig):
         reject_unused(self, [key for key, read in reads.items() if not read], f"by merge method {self.method}")
         return self
 
+    def member_names(self, methods: list[str]) -> list[str]:
+        """`member_names` of this section: what the params loader's cross-section checks
+        read through this Config (stages/__init__.py imports no stage module)."""
+        return member_names(self, methods)
+
 
 def member_names(config: Config, methods: list[str]) -> list[str]:
     """The policy candidates to merge, checked against the trained methods: what Config alone

@@ -56,14 +56,16 @@ def docstring_only(path: Path) -> bool:
     return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
 
 
-def code_closure(root: Path, path: Path) -> set[str]:
+def code_closure(root: Path, path: Path, packages: bool = False) -> set[str]:
     """rlhf/ and stages/ module files imported by `path`, transitively (the `stages`
-    package itself, which validates params and names folders, excluded)."""
+    package itself, which validates params and names folders, excluded unless `packages`:
+    what an import cycle is looked for in)."""
     seen: set[str] = set()
     todo = [path]
+    prefixes = ("rlhf.", "stages.", *(("rlhf", "stages") if packages else ()))
     while todo:
         for name in imported_modules(todo.pop()):
-            if name.startswith(("rlhf.", "stages.")) and (file := module_file(root, name)) is not None:
+            if name.startswith(prefixes) and (file := module_file(root, name)) is not None:
                 rel = file.relative_to(root).as_posix()
                 if rel not in seen:
                     seen.add(rel)
