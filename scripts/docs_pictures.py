@@ -72,29 +72,15 @@ def mlflow_runs(out: Path) -> None:
     """The project's experiment in the MLflow UI, on its runs: `mlflow server` on the
     project's store (mlflow.db), the experiment page in the UI's model-training view
     (`?workflowType=machine_learning`: MLflow 3.17 opens the GenAI view otherwise)."""
-    import socket
-    import time
-
     import mlflow
 
-    from tests.ui_check import free_port
+    from tests.servers import mlflow_server
 
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{ROOT / 'mlflow.db'}", "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server, uri = mlflow_server(ROOT / "mlflow.db")
     try:
-        for _ in range(120):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
-        mlflow.set_tracking_uri(f"http://127.0.0.1:{port}")
+        mlflow.set_tracking_uri(uri)
         experiment = mlflow.get_experiment_by_name("rlhf-pipeline")
-        url = f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+        url = f"{uri}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
         screenshot(url, out)
     finally:
         server.terminate()

@@ -167,7 +167,7 @@ def serve_app(app):
 
     import uvicorn
 
-    from tests.ui_check import free_port
+    from tests.servers import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -110,12 +109,6 @@ def test_a_locked_store_holds_a_write_only_until_it_is_free(mlflow_store, tmp_pa
     assert [(m.step, m.value) for m in history] == [(7, 0.5)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, tmp_path, monkeypatch, caplog):
     """`mlflow server` on 127.0.0.1 is stopped after the first logged step: the training
@@ -165,19 +158,9 @@ def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, t
 
 
 def start_mlflow_server(tmp_path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--workers", "1"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    for _ in range(120):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.5)
-    return server, f"http://127.0.0.1:{port}"
+    from tests.servers import mlflow_server
+
+    return mlflow_server(tmp_path / "server.db", cwd=tmp_path)
 
 
 @pytest.mark.slow

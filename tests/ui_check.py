@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -49,30 +48,9 @@ import yaml
 from flows.pipeline import stage_environment
 from rlhf.environment import configure_environment
 from rlhf.tracking.runs import experiment_name
+from tests.servers import free_port, wait_http
 
 SCREENSHOT_WAIT_S = 8.0  # for the pages' scripts to draw after their text is there
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
-    """Wait until `url` answers 200; fail naming the server's log when it dies or never does."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited ({process.returncode}) before {url} answered: see {log}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s: see {log}")
 
 
 @contextmanager
