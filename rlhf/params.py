@@ -4,7 +4,8 @@ Every stage's section is a pydantic model (its `Config`, defined in the stage mo
 `validate_params` checks the whole file against all of them at once and raises one
 `ParamsError` that names every bad key (``sft.learning_rate``), what is wrong and what was
 given, so a typo fails in a second instead of after an hour of training. Unknown keys are
-errors: every section forbids extras.
+errors: every section forbids extras. Then `cross_section_problems` collects the rules that
+span sections from the Configs that ask for them (rlhf/rules.py).
 """
 
 from __future__ import annotations
@@ -223,3 +224,16 @@ def validate_params(
     if problems:
         raise ParamsError(path, problems)
     return validated
+
+
+def cross_section_problems(params: Mapping[str, BaseModel], run) -> list[str]:
+    """The rules that span sections, each checked by the section that asks for it: every
+    Config's `cross_problems(run, section)` (run: an `rlhf.rules.Run` of these params),
+    collected in section order; a message several sections give (a default every round
+    inherits) once."""
+    problems: list[str] = []
+    for section, config in params.items():
+        check = getattr(config, "cross_problems", None)
+        if check is not None:
+            problems += check(run, section)
+    return list(dict.fromkeys(problems))

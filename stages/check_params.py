@@ -38,7 +38,7 @@ from pathlib import Path
 
 from rlhf.artifacts import atomic_file
 from rlhf.params import PARAMS_FILE, ParamsError, read_params
-from stages import REPORTS_DIR, difficulty_problems, load_all, package_problems, suite_difficulties, suite_file
+from stages import REPORTS_DIR, generated_difficulties, load_all, run_facts
 
 STAMP = REPORTS_DIR / "params.ok"
 
@@ -47,7 +47,8 @@ def main() -> None:
     params = load_all()
     # Suites from the user's files: the difficulties a gate or round test names, read from
     # the file (load_all checks the built-in suites without reading any file).
-    problems = difficulty_problems(params, lambda suite: suite_difficulties(params, suite))
+    run = run_facts(params, lambda suite: suite_difficulties(params, suite))
+    problems = list(dict.fromkeys(params["gate"].difficulty_problems(run) + params["improve"].difficulty_problems(run)))
     problems += harness_problems(params)
     problems += listed_params_problems(read_params(PARAMS_FILE), params)
     problems += package_problems(params)  # this machine's packages (attention, bitsandbytes, vLLM, lm-eval)
@@ -61,6 +62,59 @@ def main() -> None:
     with atomic_file(STAMP) as tmp:
         tmp.write_text("params.yaml is valid\n")
     print("check_params: params.yaml is valid")
+
+
+def suite_file(params: dict, suite: str):
+    """The problems of a suite that come from a local file (prepare.files.eval_<suite>), read
+    from that file; None for a suite with no such file, a Hub dataset, or a file that does
+    not read (prepare names its problems)."""
+    from rlhf.data.contracts import DataValidationError, load_contract
+
+    spec = params["prepare"].files.get(f"eval_{suite}")
+    if spec is None or not Path(spec.path).exists():
+        return None
+    try:
+        return load_contract(spec.path, "prompts", spec.columns, split=spec.split, config=spec.config)
+    except (DataValidationError, OSError, ValueError):
+        return None
+
+
+def suite_difficulties(params: dict, suite: str) -> set[str] | None:
+    """The difficulties of a suite whose problems come from a local file (`suite_file`, with
+    the built-in task's when source is builtin); None where no such file reads."""
+    from rlhf.evaluation.suites import table_difficulties
+
+    frame = suite_file(params, suite)
+    if frame is None:
+        return None
+    return table_difficulties(frame) | (generated_difficulties(params["prepare"], suite) or set())
+
+
+def package_problems(params: dict) -> list[str]:
+    """What the params need installed on this machine that is not (found without importing
+    it): the attention implementation's and quantization's packages (params `model` and the
+    stages' own blocks), vLLM for an online method that generates with it, lm-eval for
+    evaluate.harness. This stage asks (this machine's), not the params validation."""
+    from rlhf.models.settings import package_problems as loading_problems
+    from rlhf.rules import model_blocks
+
+    base = params["model"]
+    problems = loading_problems(base)
+    for key, block in model_blocks(params):
+        own = getattr(block, "model", None)
+        if own is not None:
+            problems += [p for p in loading_problems(base.merged(own), f"{key}.model") if p not in problems]
+        if getattr(block, "trl", {}).get("use_vllm") and importlib.util.find_spec("vllm") is None:
+            problems.append(
+                f"{key}.trl.use_vllm: TRL generates with vLLM, which is not installed: pip install vllm (a CUDA "
+                "machine; TRL's supported versions), or remove use_vllm"
+            )
+    if params["evaluate"].harness and importlib.util.find_spec("lm_eval") is None:
+        problems.append(
+            "evaluate.harness: needs lm-evaluation-harness, which is not installed: pip install "
+            "'rlhf-pipeline[harness]' (or lm-eval), or set evaluate.harness: null"
+        )
+    return problems
 
 
 def listed_params(dvc: dict, data: dict) -> dict[str, list[str]]:

@@ -104,6 +104,43 @@ class Config(StageConfig):
     )
     harness: Harness | None = Field(None, description="lm-evaluation-harness tasks (null: none)")
 
+    def cross_problems(self, run, section: str) -> list[str]:
+        """The suites named, and, with `suites` set, that they hold the ones the validator
+        and the gate read from the eval report (each defaults to the decision suite):
+        otherwise validate finds no completions and every gate test a missing metric, after
+        the whole evaluation."""
+        harness = self.harness
+        problems = []
+        if harness and harness.suites and not run.task.checks_answers:
+            problems.append(
+                f"evaluate.harness.suites: a suite run as a harness task is scored by its answers; task.kind "
+                f"{run.task.name!r} checks none (remove the suites, or choose a task kind that reads answers)"
+            )
+        for suite in self.suites or []:
+            problems += run.suite_problems("evaluate.suites", suite)
+        for suite in harness.suites if harness else []:
+            problems += run.suite_problems("evaluate.harness.suites", suite)
+        if self.suites is None:
+            return problems
+        gate = run.params["gate"]
+        readers = [("validate.suite", run.params["validate"].suite), ("gate.select_suite", gate.select_suite)]
+        readers += [(f"gate.tests[{i}].suite", t.suite) for i, t in enumerate(gate.tests or [])]
+        if gate.tests is None:
+            readers.append(("gate.tests", None))
+        fix = "add it to evaluate.suites, or set evaluate.suites: null (every suite)"
+        problems += [
+            f"{key}: suite {suite!r} is read from the eval report, but evaluate.suites is {list(self.suites)}; {fix}"
+            for key, suite in readers
+            if suite is not None and suite not in self.suites and not suite.startswith("harness/")
+        ]
+        defaulted = [key for key, suite in readers if suite is None]
+        if defaulted and run.decision not in self.suites:
+            problems.append(
+                f"evaluate.suites: {list(self.suites)} leaves out the decision suite {run.decision!r}, which "
+                f"{', '.join(defaulted)} read by default; {fix}"
+            )
+        return problems
+
 
 def candidate_dirs(methods: list[str]) -> dict[str, Path]:
     """The models to compare: the reference first, then every policy candidate, then the

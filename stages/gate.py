@@ -81,6 +81,35 @@ class Config(StageConfig):
         False, description="let a `dvc exp run` move the champion (by default its verdict is only reported)"
     )
 
+    def cross_problems(self, run, section: str) -> list[str]:
+        """The suites and metrics the tests and the selection read, and what the run needs
+        for each metric to be in the eval report."""
+        problems = run.suite_problems("gate.select_suite", self.select_suite, harness_scores=True)
+        for index, test in enumerate(self.tests or []):
+            problems += run.suite_problems(f"gate.tests[{index}].suite", test.suite, harness_scores=True)
+        if not run.task.checks_answers and "prefs" not in run.available and None in (self.tests, self.select_metric):
+            problems.append(
+                f"gate: task.kind {run.task.name!r} has no checkable answers, so the default gate judges the reward "
+                "model's reward, which needs preference data: add prepare.files.prefs, or set gate.tests and "
+                "gate.select_metric"
+            )
+        for index, test in enumerate(self.tests or []):
+            problems += run.metric_problems(f"gate.tests[{index}].metric", test.metric, test.suite)
+        problems += run.metric_problems("gate.select_metric", self.select_metric, self.select_suite)
+        for index, test in enumerate(self.tests or []):
+            problems += run.metric_needs(test.metric, f"gate.tests[{index}]", "remove the test")
+        if self.select_metric is not None:  # the candidates that pass are ranked on it
+            problems += run.metric_needs(self.select_metric, "gate.select_metric", "choose another metric")
+        return problems + self.difficulty_problems(run)
+
+    def difficulty_problems(self, run) -> list[str]:
+        """The tests that name a difficulty their suite lacks (run.difficulties tells)."""
+        return [
+            problem
+            for index, test in enumerate(self.tests or [])
+            for problem in run.difficulty_problems(f"gate.tests[{index}]", test.suite or run.decision, test)
+        ]
+
     @field_validator("registered_model")
     @classmethod
     def _a_name_mlflow_takes(cls, value: str) -> str:

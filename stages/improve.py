@@ -62,6 +62,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from pydantic import Field, ValidationError, model_validator
@@ -75,6 +76,7 @@ from rlhf.training.rounds import (
     judge_samples,
     kept_rows,
     majority,
+    operands_problem,
     preference_pairs,
     round_problems,
     sft_rows,
@@ -88,12 +90,10 @@ from stages import (
     REF_LOGPS_CACHE,
     REPORTS_DIR,
     SFT_DIR,
-    difficulty_problems,
     eval_suite_path,
     eval_suites,
     load_model_stage,
-    round_key,
-    table_difficulties,
+    run_facts,
 )
 
 ROUNDS_DIR = MODELS_DIR / "rounds"
@@ -136,10 +136,79 @@ class Config(StageConfig):
             raise ValueError("; ".join(problems))
         return self
 
-    def round_tests(self, settings: Settings, params: dict) -> tuple[list[str], list[CapabilityTest]]:
-        """`round_tests` of one round: what the params loader's cross-section checks read
-        through this Config (stages/__init__.py imports no stage module)."""
-        return round_tests(settings, params)
+    def key(self, name: str, field: str) -> str:
+        """The params key that sets round `name`'s `field`: its own entry's, or the default
+        it inherits (the default for a round params do not list)."""
+        own = field in (self.rounds.get(name) or {})
+        return f"improve.rounds.{name}.{field}" if own else f"improve.defaults.{field}"
+
+    def model_blocks(self, section: str) -> list[tuple[str, object]]:
+        blocks = []
+        for name in self.rounds:
+            settings = self.settings(name)
+            field = "rpo" if settings.method == "rpo" else "train"
+            blocks.append((self.key(name, field), getattr(settings, field)))
+        return blocks
+
+    def difficulty_problems(self, run, rounds: list[str] | None = None) -> list[str]:
+        """The rounds' tests (or those of `rounds` only) that name a difficulty their suite
+        lacks (run.difficulties tells)."""
+        problems = []
+        for name in self.rounds if rounds is None else rounds:
+            settings = self.settings(name)
+            key = self.key(name, "tests" if settings.tests else "progress_difficulty")
+            problems += [
+                p for t in round_tests(settings, run.params)[1] for p in run.difficulty_problems(key, t.suite, t)
+            ]
+        return problems
+
+    def cross_problems(self, run, section: str) -> list[str]:
+        """Each round's checks, start, suites, tests and model, against the task and the data."""
+        task, problems = run.task, []
+        if self.rounds and not task.checks_answers:
+            problems.append(
+                f"improve.rounds: a round keeps samples and gates its candidate by their answers; task.kind "
+                f"{task.name!r} has no checkable answers: choose a task kind that checks them, or set "
+                "improve.rounds: {}"
+            )
+        methods = run.params["policy"].methods
+        for name in self.rounds:
+            settings, key = self.settings(name), partial(self.key, name)
+            for field in ("checks", "prefer"):
+                if "steps" in getattr(settings, field) and not task.checks_steps:
+                    problems.append(
+                        f"{key(field)}: the steps check needs a task that checks steps; task.kind {task.name!r} "
+                        "does not (use answer, vote or prm)"
+                    )
+            if settings.operands is not None and operands_problem(task):
+                problems.append(f"{key('operands')}: {operands_problem(task)}")
+            if "prm" in settings.checks:
+                problems += run.need_model("the prm check", "prm", key("checks"))
+            if settings.refine:
+                problems += run.need_model("refine", "prm", key("refine"))
+            after = self.rounds[name]["after"]
+            if after.startswith("policy/") and after.removeprefix("policy/") not in methods:
+                problems.append(
+                    f"improve.rounds.{name}.after: {after} is not trained: policy.offline and policy.online list "
+                    f"{methods}; start from policy/<one of those>, or add the method"
+                )
+            evaluated, tests = round_tests(settings, run.params)
+            if unread := sorted({t.suite for t in tests if t.suite in run.suites} - set(evaluated)):
+                problems.append(
+                    f"{key('suites')}: the round's tests read {unread}, which it does not evaluate ({evaluated}); "
+                    "add them, or set the tests' suites"
+                )
+            problems += [p for s in settings.suites or [] for p in run.suite_problems(key("suites"), s)]
+            problems += run.suite_problems(key("progress_suite"), settings.progress_suite)
+            problems += run.suite_problems(key("retention_suite"), settings.retention_suite)
+            for index, test in enumerate(settings.tests or []):  # its own tests (its defaults test accuracy only)
+                problems += run.suite_problems(f"{key('tests')}[{index}].suite", test.suite)
+                problems += run.metric_problems(f"{key('tests')}[{index}].metric", test.metric, test.suite)
+                if not (test.suite or "").startswith("harness/"):
+                    problems += run.metric_needs(test.metric, f"{key('tests')}[{index}]", "remove the test", True)
+        for key, block in self.model_blocks(section):
+            problems += run.adapter_problems(key, block)
+        return problems + self.difficulty_problems(run)
 
     def settings(self, name: str) -> Settings:
         """Round `name`'s settings: the defaults with the round's own keys (but `after`)
@@ -285,9 +354,11 @@ def check_difficulties(params: dict, name: str) -> None:
 
     def prepared(suite: str) -> set[str] | None:
         path = EVAL_DIR / f"{suite}.parquet"
+        from rlhf.evaluation.suites import table_difficulties
+
         return table_difficulties(pd.read_parquet(path)) if path.is_file() else None
 
-    problems = difficulty_problems(params, prepared, rounds=[name])
+    problems = params["improve"].difficulty_problems(run_facts(params, prepared), rounds=[name])
     if problems:
         raise ParamsError(PARAMS_FILE, problems)
 
@@ -481,7 +552,7 @@ def train_candidate(
 
         job = TrainingJob(
             stage=stage,
-            key=round_key(params["improve"], name, "rpo"),
+            key=params["improve"].key(name, "rpo"),
             start=start,
             data=table,
             checkpoints=CHECKPOINTS_DIR,
@@ -496,9 +567,7 @@ def train_candidate(
     train = settings.train
     if settings.trust_remote_code:
         train = train.model_copy(update={"trust_remote_code": True})
-    return train_sft(
-        train, start, table, out_dir, CHECKPOINTS_DIR, stage, ewc, round_key(params["improve"], name, "train")
-    )
+    return train_sft(train, start, table, out_dir, CHECKPOINTS_DIR, stage, ewc, params["improve"].key(name, "train"))
 
 
 def stop(report: dict, name: str, start_dir: Path, out_dir: Path, previous: dict | None, reason: str) -> dict:

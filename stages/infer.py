@@ -32,6 +32,7 @@ from rlhf.artifacts import write_json
 from rlhf.inference.settings import STRATEGIES, Strategies
 from rlhf.models.settings import ModelOverride
 from rlhf.params import reject_changed
+from rlhf.rules import ANSWER_REWARDS
 from rlhf.tasks import Task, get_task
 from stages import MODELS_DIR, PRM_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_model_stage, report_suite
 
@@ -58,6 +59,50 @@ class Config(Strategies):
             if strategy not in self.strategies:
                 reject_changed(self, [strategy], f"unless infer.strategies lists {strategy}")
         return self
+
+    def cross_problems(self, run, section: str) -> list[str]:
+        """The PRM and scorers the strategies read, and the models and suite named."""
+        problems = []
+        if self.prm is not None:
+            problems += run.scorer_path_problems("prm", self.prm, "infer.prm")
+        elif "mcts" in self.strategies:
+            problems += run.need_model("strategy mcts", "prm", "infer.strategies")
+        if "self_consistency" in self.strategies and not run.task.checks_answers:
+            problems.append(
+                f"infer.strategies: self_consistency votes on answers; task.kind {run.task.name!r} has none to vote "
+                "on (remove it, or choose a task kind that reads answers)"
+            )
+        if "best_of_n" in self.strategies:
+            for index, reward in enumerate(self.best_of_n.rewards):
+                key = f"infer.best_of_n.rewards[{index}]"
+                if reward.name in ANSWER_REWARDS:
+                    problems.append(
+                        f"{key}: {reward.name} reads the reference answer, which best-of-N must not see (it would "
+                        "pick the right sample); use one that reads no answer: prm, reward_model, format, length "
+                        "or repetition"
+                    )
+                    continue
+                problems += run.format_problems(reward, key)
+                if getattr(reward, "path", None) is None and not (reward.name == "prm" and self.prm is not None):
+                    problems += run.need_model(f"best_of_n reward {reward.name}", reward.name, key)
+                problems += run.scorer_problems(reward, key)
+        # Models named under models/: what a stage writes (a typo failed after every stage,
+        # with DVC's "No such file or directory" for this stage's dependency).
+        written = ["sft", "merged", "champion", *(f"policy/{m}" for m in run.params["policy"].methods)]
+        written += [f"rounds/{name}" for name in run.params["improve"].rounds]
+        names = [("infer.candidate", self.candidate)]
+        if "ensemble" in self.strategies:
+            names += [(f"infer.ensemble.members[{i}]", member) for i, member in enumerate(self.ensemble.members)]
+        for key, name in names:
+            if name not in written:
+                problems.append(
+                    f"{key}: {name} is not a model a stage writes under models/ (one of {written}); name a trained "
+                    "method as policy/<method>"
+                )
+        draft = self.speculative.draft
+        if "speculative" in self.strategies and draft and not Path(draft).exists():
+            problems.append(f"infer.speculative.draft: {draft} does not exist (the draft is a model folder of yours)")
+        return problems + run.suite_problems("infer.suite", self.suite)
 
     @model_validator(mode="after")
     def _strategy_inputs(self):

@@ -124,10 +124,19 @@ class Config(StageConfig):
         reject_unused(self, [key for key, read in reads.items() if not read], f"by merge method {self.method}")
         return self
 
-    def member_names(self, methods: list[str]) -> list[str]:
-        """`member_names` of this section: what the params loader's cross-section checks
-        read through this Config (stages/__init__.py imports no stage module)."""
-        return member_names(self, methods)
+    def cross_problems(self, run, section: str) -> list[str]:
+        """The members, against the trained methods; greedy_soup's answers and suite."""
+        problems = []
+        try:
+            member_names(self, run.params["policy"].methods)
+        except ParamsError as error:
+            problems += error.problems
+        if self.method == "greedy_soup" and not run.task.checks_answers:
+            problems.append(
+                f"merge.method: greedy_soup adds a model to the soup when it raises task accuracy; task.kind "
+                f"{run.task.name!r} checks no answers (choose another merge method, or a task kind that reads answers)"
+            )
+        return problems + run.suite_problems("merge.greedy_soup_suite", self.greedy_soup_suite)
 
 
 def member_names(config: Config, methods: list[str]) -> list[str]:

@@ -34,6 +34,7 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
 from rlhf.params import StageConfig
+from rlhf.rules import ANSWER_REWARDS
 from rlhf.tasks import Task, get_task
 from rlhf.training.methods import METHODS, OFFLINE, ONLINE, POLICY
 from stages import CHECKPOINTS_DIR, DATA_DIR, POLICY_DIR, REF_LOGPS_CACHE, REWARD_MODEL_DIRS, SFT_DIR, load_model_stage
@@ -102,6 +103,49 @@ class PolicyLists(StageConfig):
         """Every method to train, offline first: the candidates merge and evaluate read."""
         return [*self.offline, *self.online]
 
+    def model_blocks(self, section: str) -> list[tuple[str, object]]:
+        return [(f"{section}.{method}", getattr(self, method)) for method in self.methods]
+
+    def cross_problems(self, run, section: str) -> list[str]:
+        """Each method's data, its rewards' models and answers, and how its model loads."""
+        problems = []
+        for method in self.offline:
+            data = METHODS[method].DATA
+            if data not in run.available:
+                problems.append(
+                    f"policy.offline: {method} needs {data} data: add prepare.files.prefs (prompt, chosen, "
+                    f"rejected), or remove {method} from policy.offline"
+                )
+        for method in self.online:
+            settings = getattr(self, method)
+            for index, reward in enumerate(settings.rewards):
+                key = f"policy.{method}.rewards[{index}]"
+                if reward.name in ANSWER_REWARDS:
+                    problems += run.need_answers(f"reward {reward.name}", key)
+                if getattr(reward, "path", None) is None:
+                    problems += run.need_model(f"reward {reward.name}", reward.name, key)
+                problems += run.scorer_problems(reward, key)
+                problems += run.format_problems(reward, key)
+            if method == "ppo" and settings.value_init == "rm":
+                problems += run.need_model("value_init rm", "reward_model", "policy.ppo.value_init")
+            processes = run.params["compute"].processes
+            if method == "ppo" and settings.rollout_batch_size % processes:
+                problems.append(
+                    f"policy.ppo.rollout_batch_size: {settings.rollout_batch_size} is not a multiple of "
+                    f"compute.processes ({processes}): each process samples an equal share of the batch"
+                )
+        for key, block in self.model_blocks(section):
+            if key.endswith(".ppo"):
+                if run.model_settings(block).gradient_checkpointing:
+                    problems.append(
+                        f"{key}.model.gradient_checkpointing: PPO (ours) runs its models in eval mode (no dropout), "
+                        "where transformers does not checkpoint activations: set it to false"
+                    )
+                problems += run.full_training_problems(key, block, "PPO trains its value model")
+            else:
+                problems += run.adapter_problems(key, block)
+        return problems
+
 
 # params `policy`: the lists, and one block per method of rlhf/training/methods (its Params).
 Config = create_model(
@@ -147,7 +191,6 @@ def check_answer_rewards(params, method: str) -> None:
     it failed inside TRL's first training step (no `answer` column), or trained to the end
     on a reward of 0 for every completion (an empty column). Checked before any model loads."""
     from rlhf.data.contracts import DataValidationError, missing_prepared, prepared_batches, prepared_columns
-    from stages import ANSWER_REWARDS
 
     readers = [i for i, reward in enumerate(getattr(params, "rewards", [])) if reward.name in ANSWER_REWARDS]
     if not readers:

@@ -89,6 +89,11 @@ class Config(TrainingParams):
         default_factory=DeriveLabels, description="step labels by rollouts, when no prm file is given"
     )
 
+    def cross_problems(self, run, section: str) -> list[str]:
+        if self.kind == "likelihood":  # reads the LM, trains nothing: quantized is fine
+            return []
+        return run.full_training_problems(section, self, "prm.kind classifier trains its new head")
+
     @model_validator(mode="after")
     def _training_keys_need_training(self):
         if self.kind == "likelihood":

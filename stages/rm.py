@@ -65,6 +65,9 @@ class Config(TrainingParams):
     lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA adapter, merged on save")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
+    def cross_problems(self, run, section: str) -> list[str]:
+        return run.adapter_problems(section, self)
+
     def trl_args(self) -> dict[str, Any]:
         return {
             **super().trl_args(),

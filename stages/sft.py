@@ -30,6 +30,9 @@ PLOT = Path("plots/sft/loss.csv")
 class Config(SFTParams):
     """params `sft` (every key: rlhf.training.methods.sft.Params)."""
 
+    def cross_problems(self, run, section: str) -> list[str]:
+        return run.adapter_problems(section, self)
+
 
 def run(
     config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = "sft", ewc=None

@@ -50,6 +50,9 @@ class Config(StageConfig):
     batch_size: int = Field(32, gt=0, description="completions per forward pass of the reference")
     trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
+    def cross_problems(self, run, section: str) -> list[str]:
+        return run.suite_problems("validate.suite", self.suite)
+
     @field_validator("banned")
     @classmethod
     def _no_blank(cls, value: list[str]) -> list[str]:

@@ -145,7 +145,7 @@ def test_check_params_names_the_packages_this_machine_lacks(tmp_path, monkeypatc
     import importlib.util
 
     import stages
-    from stages import package_problems
+    from stages.check_params import package_problems
 
     params = tiny_params()
     params["model"] = {"attn_implementation": "flash_attention_2", "quantization": {"bits": 4}}

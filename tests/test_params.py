@@ -77,6 +77,40 @@ def test_every_section_has_a_config():
     assert all(issubclass(config, BaseModel) for config in configs.values())
 
 
+def test_the_loader_collects_each_sections_own_cross_section_rules():
+    """A rule that spans sections lives in the Config that asks for it (`cross_problems`);
+    the loader asks every section, in order, and says a message two sections give once."""
+    from rlhf.params import StageConfig, cross_section_problems, validate_params
+
+    class Names(StageConfig):
+        known: list[str] = ["a", "b"]
+
+    class Reader(StageConfig):
+        reads: str = "a"
+
+        def cross_problems(self, run, section):
+            known = run["names"].known
+            return [] if self.reads in known else [f"{section}.reads: no name {self.reads!r} (names.known: {known})"]
+
+    class Echo(StageConfig):
+        def cross_problems(self, run, section):
+            return ["names.known: said by two sections"] * 2
+
+    configs = {"names": Names, "first": Reader, "second": Reader, "echo": Echo}
+    params = validate_params({"first": {"reads": "c"}, "second": {"reads": "b"}}, configs)
+    assert cross_section_problems(params, params) == [
+        "first.reads: no name 'c' (names.known: ['a', 'b'])",
+        "names.known: said by two sections",
+    ]
+    # The real sections: stages/__init__.py holds no rule of its own; each is a Config's.
+    assert [s for s, c in stages.all_configs().items() if hasattr(c, "cross_problems")] == [
+        "sft", "verifier", "rm", "prm", "policy", "merge", "evaluate", "validate", "gate", "infer", "improve",
+    ]  # fmt: skip
+    source = (REPO / "stages/__init__.py").read_text()  # reads prepare's suites only, of the stages' sections
+    read = [s for s, c in stages.SECTIONS.items() if c.startswith("stages.") and f'params["{s}"]' in source]
+    assert read == ["prepare"]
+
+
 def test_every_config_field_is_documented():
     """STYLE: each Config field has its one-line description beside it."""
 
