@@ -7,6 +7,9 @@ bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 # Two pytest workers (pytest-xdist; RLHF_TEST_WORKERS=N for more), each torch process on one
 # thread: the tests' tiny models gain nothing from a second thread, and two processes that
-# each spin two threads on two cores slow each other several times over.
+# each spin two threads on two cores slow each other several times over. Whole modules go to
+# the workers in the order tests/conftest.py collects them, longest first
+# (--no-loadscope-reorder: xdist would otherwise put the modules with most tests first,
+# and the few-test modules that take minutes last, where one worker runs them alone).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
-exec .venv/bin/python -m pytest -n "${RLHF_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -n "${RLHF_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

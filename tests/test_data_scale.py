@@ -198,3 +198,11 @@ def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_pat
     whole = read_prepared(path, "evaluate", ["prompt", "answer", "difficulty"])
     assert list(whole.columns) == ["prompt", "answer"] and len(whole) == 50 and batches == [10] * 5
     assert whole["answer"].tolist() == table["answer"].tolist()
+    # EWC's sample: the rows pandas' sample of the whole table gives, in its order, read a
+    # batch at a time (only the drawn rows are kept); the whole table when it is smaller.
+    batches.clear()
+    drawn = read_prepared(path, "sft", sample=(7, 3))
+    expected = read_prepared(path, "sft").sample(n=7, random_state=3)
+    assert batches == [10] * 5 and drawn.index.tolist() == expected.index.tolist()
+    assert drawn["answer"].tolist() == expected["answer"].tolist() and drawn["prompt"].tolist() == expected["prompt"].tolist()
+    assert read_prepared(path, "sft", sample=(80, 3))["answer"].tolist() == table["answer"].tolist()

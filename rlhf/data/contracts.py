@@ -804,6 +804,28 @@ def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_r
             yield plain_messages(pa.Table.from_batches([batch]).to_pandas(integer_object_nulls=True))
 
 
+def sampled_rows(path: Path, n: int, seed: int) -> pd.DataFrame:
+    """`read_prepared`'s `sample`: pandas draws the row positions with
+    `RandomState(seed).choice(rows, n, replace=False)`; the same positions are kept from
+    each batch as it passes."""
+    import numpy as np
+
+    with open(path, "rb") as file:
+        import pyarrow.parquet as pq
+
+        rows = pq.ParquetFile(file).metadata.num_rows
+    if rows <= n:
+        return read_prepared(path, "sample")
+    positions = np.random.RandomState(seed).choice(rows, size=n, replace=False)
+    wanted, kept, start = np.sort(positions), [], 0
+    for frame in prepared_batches(path):
+        inside = wanted[(wanted >= start) & (wanted < start + len(frame))]
+        if len(inside):
+            kept.append(frame.iloc[inside - start].set_axis(inside))
+        start += len(frame)
+    return pd.concat(kept).loc[positions]
+
+
 def prepared_columns(path: str | Path) -> list[str]:
     """The column names of a prepared table (read from its footer)."""
     import pyarrow.parquet as pq
@@ -813,14 +835,22 @@ def prepared_columns(path: str | Path) -> list[str]:
 
 
 def read_prepared(
-    path: str | Path, stage: str, columns: list[str] | None = None, limit: int | None = None
+    path: str | Path,
+    stage: str,
+    columns: list[str] | None = None,
+    limit: int | None = None,
+    sample: tuple[int, int] | None = None,
 ) -> pd.DataFrame:
     """A table written by `prepare`, or an error that says how to provide it. With
     `columns` (those the table has) or `limit` (its first rows), only those are read, a
-    batch at a time: a suite's other columns and rows never reach memory."""
+    batch at a time: a suite's other columns and rows never reach memory. `sample` (n,
+    seed): the rows `table.sample(n, random_state=seed)` of the whole table would give, in
+    its order (the whole table when it has at most n), read a batch at a time."""
     path = Path(path)
     if not path.exists():
         raise missing_prepared(path, stage)
+    if sample is not None:
+        return sampled_rows(path, *sample)
     if columns is not None or limit is not None:
         kept = None if columns is None else [c for c in prepared_columns(path) if c in columns]
         frames, rows = [], 0

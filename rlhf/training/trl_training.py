@@ -297,7 +297,7 @@ def sft_ewc_examples(tokenizer, params, key: str, sft_data: Path | None):
     from rlhf.data.contracts import read_prepared
     from rlhf.training.ewc import ewc_examples
 
-    table = read_prepared(sft_data, "sft")
+    table = read_prepared(sft_data, "sft", sample=(params.ewc.samples, params.seed))  # EWC's rows only
     return ewc_examples(tokenizer, table, params.ewc, params.max_length, params.seed, key, sft_data)
 
 

@@ -122,7 +122,7 @@ def train_sft(
     if consolidating:
         from rlhf.training.ewc import ewc_examples
 
-        previous = read_prepared(ewc[1], "sft")
+        previous = read_prepared(ewc[1], "sft", sample=(ewc[0].samples, config.seed))  # EWC's rows only
         examples = ewc_examples(
             tokenizer, previous, ewc[0], config.max_length, config.seed, f"{section}.max_length", ewc[1]
         )
