@@ -237,3 +237,14 @@ def cross_section_problems(params: Mapping[str, BaseModel], run) -> list[str]:
         if check is not None:
             problems += check(run, section)
     return list(dict.fromkeys(problems))
+
+
+def load_section(section: str, config: type[BaseModel], path: str | Path = PARAMS_FILE, keys_of_config: bool = False):
+    """One section of params.yaml validated with `config` alone, for a command that needs
+    only it (the launcher's `compute`, the registry's name for rollback); the stages
+    validate the whole file. `keys_of_config`: read only the section's keys that `config`
+    defines (a slice of a stage's section), the others are the stage's to check."""
+    raw = read_params(path).get(section) or {}
+    if keys_of_config and isinstance(raw, Mapping):
+        raw = {key: value for key, value in raw.items() if key in config.model_fields}
+    return validate_params({section: raw}, {section: config}, path)[section]

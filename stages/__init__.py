@@ -11,8 +11,8 @@ Rules that span sections (policy's online rewards need a reward model, which nee
 preference data) are checked by the section that asks, in its Config's `cross_problems`
 (rlhf/rules.py), which `load_all` collects after every section validated alone.
 
-The pipeline's folders are named here and in the stage modules only: the library (`rlhf`)
-takes paths from its callers.
+The pipeline's folders are named in rlhf/layout.py (re-exported here for the stage
+modules, which add their own files); the library below takes paths from its callers.
 """
 
 from __future__ import annotations
@@ -22,6 +22,23 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from rlhf.layout import (  # noqa: F401  (the pipeline's folders, for the stage modules)
+    CHAMPION_DIR,
+    CHECKPOINTS_DIR,
+    DATA_DIR,
+    EVAL_DIR,
+    FEEDBACK_FILE,
+    MERGED_DIR,
+    MODELS_DIR,
+    POLICY_DIR,
+    PRM_DIR,
+    PROMPTS_FILE,
+    REF_LOGPS_CACHE,
+    REPORTS_DIR,
+    REWARD_MODEL_DIRS,
+    RM_DIR,
+    SFT_DIR,
+)
 from rlhf.params import PARAMS_FILE, InputError, ParamsError, cross_section_problems, read_params, validate_params
 
 
@@ -59,22 +76,7 @@ SECTIONS = {
     "improve": "stages.improve:Config",
 }
 
-DATA_DIR = Path("data/prepared")
-EVAL_DIR = DATA_DIR / "eval"  # one <suite>.parquet per eval suite
 EVAL_PREFIX = "eval_"  # prepare.files.eval_<suite>: the user's file of eval suite <suite>
-MODELS_DIR = Path("models")
-SFT_DIR = MODELS_DIR / "sft"
-RM_DIR = MODELS_DIR / "rm"
-PRM_DIR = MODELS_DIR / "prm"
-POLICY_DIR = MODELS_DIR / "policy"
-MERGED_DIR = MODELS_DIR / "merged"
-CHAMPION_DIR = MODELS_DIR / "champion"
-# Outside DVC's outputs (DVC deletes those before a stage runs), so a killed stage resumes.
-CHECKPOINTS_DIR = Path("checkpoints")
-REF_LOGPS_CACHE = Path("cache/ref_logps")
-REPORTS_DIR = Path("reports")
-# Folders of the model-based rewards and scorers that name no `path` of their own.
-REWARD_MODEL_DIRS = {"reward_model": RM_DIR, "prm": PRM_DIR}
 
 
 def config_class(section: str) -> type:

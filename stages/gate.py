@@ -17,6 +17,11 @@ configured confidence. The champion is state, not a function of this run's input
 models/champion is a persistent, uncached DVC output: DVC never deletes or restores it, and
 a failed gate leaves it exactly where it was.
 
+The verdict is written before any tracking call. The run's last tracking calls (the
+verdict's tags, metric and file) come after the champion moved; when the tracking store
+does not answer them, they are kept in models/.tracking-owed/ and the next gate logs them
+to that run before anything else (`rlhf status` lists what is owed).
+
     python -m stages.gate
 """
 
@@ -25,13 +30,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
-from rlhf.params import InputError, StageConfig
-from rlhf.tracking.champion import ChampionMovedError, RegistryChampion
-from stages import CHAMPION_DIR, REPORTS_DIR, candidate_dir, decision_suite, load_all
+from rlhf.params import InputError
+from rlhf.tracking.champion import ChampionMovedError, RegistryChampion, RegistryParams
+from stages import CHAMPION_DIR, MODELS_DIR, REPORTS_DIR, candidate_dir, decision_suite, load_all
 
 REPORT = REPORTS_DIR / "eval.json"
 OUTCOMES = REPORTS_DIR / "outcomes.json"
@@ -39,6 +44,8 @@ VERDICT = REPORTS_DIR / "gate.json"
 VALIDATION_REPORT = REPORTS_DIR / "validation.json"
 MODEL_ARTIFACT = "model"
 EXPERIMENT_ENV = "DVC_EXP_NAME"  # set by `dvc exp run` for the stages it runs
+# A gate run's verdict that its tracking store did not take, one file per run, until logged.
+OWED_DIR = MODELS_DIR / ".tracking-owed"
 
 
 def default_tests(checks_answers: bool, has_format: bool, kl: bool = True) -> list[CapabilityTest]:
@@ -63,7 +70,7 @@ def default_tests(checks_answers: bool, has_format: bool, kl: bool = True) -> li
     return tests
 
 
-class Config(StageConfig):
+class Config(RegistryParams):
     tests: list[CapabilityTest] | None = Field(
         None, description="all must pass to promote; null: the task's defaults (default_tests)"
     )
@@ -73,7 +80,6 @@ class Config(StageConfig):
     select_suite: str | None = Field(None, description="suite of select_metric; null: the decision suite")
     confidence: float = Field(0.95, gt=0, lt=1, description="level of the paired bootstrap intervals")
     bootstrap_samples: int = Field(2000, ge=100, description="resamples per paired test")
-    registered_model: str = Field("rlhf-policy", description="MLflow registered model that holds the champion")
     trust_remote_code: bool = Field(
         False, description="a candidate with its own modelling code: allow it when logging the champion to MLflow"
     )
@@ -109,18 +115,6 @@ class Config(StageConfig):
             for index, test in enumerate(self.tests or [])
             for problem in run.difficulty_problems(f"gate.tests[{index}]", test.suite or run.decision, test)
         ]
-
-    @field_validator("registered_model")
-    @classmethod
-    def _a_name_mlflow_takes(cls, value: str) -> str:
-        # MLflow's rule for registered model names (mlflow.utils.validation), written out
-        # here so that params validate without importing mlflow: it failed at promotion.
-        if not value.strip() or any(c in value for c in "/:'\""):
-            raise ValueError(
-                f"{value!r}: a registered model name is not empty and holds no '/' or ':' (MLflow's rule) nor "
-                "quotes (the rollback command searches the registry by name)"
-            )
-        return value
 
 
 def resolved_config(params: dict) -> Config:
@@ -317,9 +311,49 @@ def registry_state(config: Config):
     return registry_champion(registry_client(), config.registered_model)
 
 
-def main() -> None:
-    import mlflow
+def log_verdict(client, run_id: str, verdict: dict) -> None:
+    """The verdict in gate run `run_id`: tags gate.promoted and gate.champion, metric
+    promoted, and the verdict itself as gate.json."""
+    import tempfile
 
+    client.set_tag(run_id, "gate.promoted", str(verdict["promoted"]))
+    client.set_tag(run_id, "gate.champion", str(verdict["champion"]))
+    client.log_metric(run_id, "promoted", float(verdict["promoted"]))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / VERDICT.name
+        write_json(path, verdict)
+        client.log_artifact(run_id, str(path))
+
+
+def owe_verdict(run_id: str, verdict: dict) -> Path:
+    """Keep what `log_verdict` could not log, for the next gate (`settle_owed`)."""
+    path = OWED_DIR / f"{run_id}.json"
+    write_json(path, {"run_id": run_id, "verdict": verdict})
+    return path
+
+
+def owed_verdicts() -> list[Path]:
+    return sorted(OWED_DIR.glob("*.json")) if OWED_DIR.is_dir() else []
+
+
+def settle_owed(client) -> list[str]:
+    """Log every owed verdict to its run; those the store still refuses stay owed. Returns
+    the runs brought up to date."""
+    settled = []
+    for path in owed_verdicts():
+        owed = read_json(path)
+        try:
+            log_verdict(client, owed["run_id"], owed["verdict"])
+        except Exception as error:  # noqa: BLE001 - whatever the tracking client raises
+            print(f"gate: the verdict of gate run {owed['run_id']} is still owed to MLflow ({error})")
+            continue
+        path.unlink()
+        settled.append(owed["run_id"])
+        print(f"gate: logged the verdict of gate run {owed['run_id']}, which the tracking store missed then")
+    return settled
+
+
+def main() -> None:
     from rlhf.tracking.champion import recover_move
     from rlhf.tracking.runs import project_root, stage_run, tracked
 
@@ -340,6 +374,8 @@ def main() -> None:
     write_json(VERDICT, pending(verdict))
     check_tracking_answers()
     with stage_run("gate", config) as active:
+        if not temporary:  # what an earlier gate's tracking store missed, first
+            settle_owed(registry_client())
         # A promotion or rollback killed midway is finished or undone before the verdict is
         # final (the workspace's own gate does it: a queued experiment's copy has none).
         recovered = None if temporary else recover_move(registry_client(), config.registered_model, CHAMPION_DIR)
@@ -374,10 +410,12 @@ def main() -> None:
         # tracking store gone away after a promotion never leaves a moved champion with a
         # failed stage whose rerun would report "not promoted".
         write_json(VERDICT, verdict)
-        with tracked("the gate's verdict"):
-            mlflow.set_tags({"gate.promoted": str(verdict["promoted"]), "gate.champion": str(verdict["champion"])})
-            mlflow.log_metric("promoted", float(verdict["promoted"]))
-            mlflow.log_artifact(str(VERDICT))
+        logged = False
+        with tracked("the gate's verdict (kept in models/.tracking-owed: the next gate logs it)"):
+            log_verdict(registry_client(), active.info.run_id, verdict)
+            logged = True
+        if not logged and not temporary:
+            owe_verdict(active.info.run_id, verdict)
 
 
 if __name__ == "__main__":

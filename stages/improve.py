@@ -87,6 +87,7 @@ from stages import (
     EVAL_DIR,
     MODELS_DIR,
     PRM_DIR,
+    PROMPTS_FILE,
     REF_LOGPS_CACHE,
     REPORTS_DIR,
     SFT_DIR,
@@ -102,7 +103,7 @@ ROUND_REPORTS = REPORTS_DIR / "rounds"
 ROUND_FILE = "round.json"  # the round's report, beside the winner's weights
 KEPT_FILE = "kept.parquet"  # every self-generated row kept up to this round
 SFT_DATA = DATA_DIR / "sft.parquet"
-PROMPTS = DATA_DIR / "prompts.parquet"
+PROMPTS = PROMPTS_FILE
 STARTS = ("sft", "champion", "merged")  # besides policy/<method> and rounds/<earlier round>
 # What a round's summary keeps of each suite's metrics.
 ACCURACY_KEYS = (

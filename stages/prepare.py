@@ -53,7 +53,7 @@ from rlhf.artifacts import write_json
 from rlhf.data.contracts import looks_like_hub_dataset
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
-from stages import DATA_DIR, EVAL_DIR, EVAL_PREFIX, load_all
+from stages import DATA_DIR, EVAL_DIR, EVAL_PREFIX, FEEDBACK_FILE, load_all
 
 # File names in data/prepared and the contract each follows; eval_<suite> are prompts.
 FILE_KINDS = {
@@ -67,8 +67,8 @@ FILE_KINDS = {
 }
 # What each file can be derived from (prepare itself, or stage prm for the step labels).
 DERIVED_FROM = {"prefs_eval": "prefs", "prm_eval": "prm", "unpaired": "prefs", "prompts": "sft"}
-# Pairs chosen on the labelling page (rlhf.cli.label), added to prefs when the file has rows.
-FEEDBACK_FILE = Path("data/raw/feedback_prefs.jsonl")
+# Pairs chosen on the labelling page (rlhf.cli.label) are in FEEDBACK_FILE (rlhf/layout.py),
+# added to prefs when the file has rows.
 
 
 class BuiltinTask(StageConfig):

@@ -43,11 +43,11 @@ from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.params import StageConfig, reject_unused
 from rlhf.tasks import get_task
 from rlhf.training.params import LoraParams, TrainingParams
-from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, PRM_DIR, SFT_DIR, drop_out, load_model_stage
+from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, PRM_DIR, PROMPTS_FILE, SFT_DIR, drop_out, load_model_stage
 
 DATA = DATA_DIR / "prm.parquet"
 EVAL_DATA = DATA_DIR / "prm_eval.parquet"
-PROMPTS = DATA_DIR / "prompts.parquet"
+PROMPTS = PROMPTS_FILE
 DERIVED_FILE = "derived_labels.parquet"
 OUT_DIR = PRM_DIR
 METRICS = Path("metrics/prm.json")

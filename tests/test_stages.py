@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -330,6 +331,45 @@ def test_a_gate_that_cannot_reach_the_tracking_store_writes_its_verdict_first(pr
     assert registry_champion(client, "rlhf-policy") == before
     verdict = run_gate_on(project, report_where_best(project, "dpo"))
     assert "pending" not in verdict and (verdict["promoted"] or verdict["held_back"])
+
+
+def test_a_verdict_the_tracking_store_misses_after_a_promotion_is_logged_by_the_next_gate(project, monkeypatch, capsys):
+    """The store stops answering once the champion has moved: the gate still exits 0 with the
+    promotion on disk and in the registry, keeps the verdict's tags, metric and file in
+    models/.tracking-owed (`rlhf status` says so), and the next gate logs them to that run
+    before its own work."""
+    import stages.gate
+    from rlhf.cli import status
+
+    promote = stages.gate.promote
+
+    def promote_then_lose_the_store(*args, **kwargs):
+        record = promote(*args, **kwargs)
+        os.environ["MLFLOW_TRACKING_URI"] = "http://127.0.0.1:9"  # nothing answers there (run_gate_on restores it)
+        return record
+
+    monkeypatch.setattr(stages.gate, "promote", promote_then_lose_the_store)
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    verdict = run_gate_on(project, report_where_best(project, "merged"), MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    assert verdict["promoted"] is True and verdict["champion"] == "merged"
+    assert client.get_model_version_by_alias("rlhf-policy", "champion").tags["candidate"] == "merged"
+    (owed,) = (project / "models/.tracking-owed").glob("*.json")
+    run_id = owed.stem
+    assert "gate.promoted" not in client.get_run(run_id).data.tags
+    with monkeypatch.context() as mp:
+        mp.chdir(project)
+        capsys.readouterr()
+        status([])
+    assert f"the verdict of gate run(s) {run_id} is not logged yet" in capsys.readouterr().out
+    monkeypatch.setattr(stages.gate, "promote", promote)
+    verdict_then = json.loads((project / "reports/gate.json").read_text())
+    run_gate_on(project, report_where_best(project, "merged"))
+    assert not owed.exists()
+    logged = client.get_run(run_id).data
+    assert logged.tags["gate.promoted"] == "True" and logged.tags["gate.champion"] == "merged"
+    assert logged.metrics["promoted"] == 1.0
+    path = client.download_artifacts(run_id, "gate.json", str(project.parent))
+    assert json.loads(Path(path).read_text()) == verdict_then
 
 
 def test_a_queued_experiment_is_judged_against_the_workspaces_champion(project, tmp_path):

@@ -14,15 +14,17 @@ Each subcommand is the module it names below with its own options (`rlhf <comman
 --help`); dvc.yaml runs the stages as `python -m stages.<name>`, through
 `python -m rlhf.cli.launch` where a stage may train in several processes.
 
-This package is the top of the library: the commands (rollback, label, launch) read the
-pipeline's params and folders from `stages`, which no other part of `rlhf` imports; nothing
-in `rlhf` imports `rlhf.cli`.
+The commands read the project's folders from rlhf/layout.py and the params keys they need
+with the library's own Configs (`rlhf.params.load_section`); `run` and `check` start the
+flow and the params check as programs of their own. Like the rest of `rlhf`, this package
+never imports `stages` or `flows`, and nothing in `rlhf` imports `rlhf.cli`.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     if name == "status":
         status(rest)
         return
-    module = importlib.import_module(COMMANDS[name][0])
+    target = COMMANDS[name][0]
+    if not target.startswith("rlhf."):
+        # The flow and the params check are the project's own programs (flows/, stages/),
+        # which the library never imports: they run as such, in place of this process.
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", target, *rest])
+    module = importlib.import_module(target)
     sys.argv = [f"rlhf {name}", *rest]
     module.main(rest) if _takes_argv(module.main) else module.main()
 
@@ -78,8 +86,9 @@ def _takes_argv(function) -> bool:
 
 
 def status(argv: list[str]) -> None:
-    """What is stale (`dvc status`), the champion and its registry version, and the last
-    gate's verdict: read from the project's files, nothing run."""
+    """What is stale (`dvc status`), the champion and its registry version, the last
+    gate's verdict, and any verdict MLflow still lacks: read from the project's files,
+    nothing run."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="rlhf status", description=status.__doc__.split("\n\n")[0])
@@ -106,3 +115,10 @@ def status(argv: list[str]) -> None:
         print(f"last verdict: {outcome}; passed: {', '.join(passed) or 'none'} (reports/gate.json)")
     else:
         print("last verdict: none (the gate has not run)")
+    owed = sorted(Path("models/.tracking-owed").glob("*.json"))
+    if owed:
+        runs = ", ".join(path.stem for path in owed)
+        print(
+            f"MLflow: the verdict of gate run(s) {runs} is not logged yet (its store did not answer); "
+            "the next gate logs it"
+        )

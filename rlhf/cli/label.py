@@ -29,11 +29,34 @@ import secrets
 import sys
 from pathlib import Path
 
-from stages import CHAMPION_DIR, DATA_DIR, EVAL_DIR, SFT_DIR, load_model_stage
-from stages.prepare import FEEDBACK_FILE
+from pydantic import Field
 
-PROMPTS_FILE = DATA_DIR / "prompts.parquet"
+from rlhf.layout import CHAMPION_DIR, EVAL_DIR, FEEDBACK_FILE, PROMPTS_FILE, SFT_DIR
+from rlhf.params import StageConfig
+
 LOOPBACK = "127.0.0.1"
+
+
+class PolicyCode(StageConfig):
+    """The key of params `policy` the page reads: whether the model may run its own code."""
+
+    trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+
+def load_placement() -> bool:
+    """Params `compute` and `model` set where and how the page's model loads (as a stage's
+    would); returns policy.trust_remote_code. Only these keys are read and checked."""
+    import rlhf.models.settings as model_settings
+    from rlhf.models.compute import ComputeConfig, configure
+    from rlhf.params import input_errors_exit, load_section
+
+    with input_errors_exit("label: "):
+        compute = load_section("compute", ComputeConfig)
+        model = load_section("model", model_settings.ModelSettings)
+        policy = load_section("policy", PolicyCode, keys_of_config=True)
+        configure(compute)
+        model_settings.configure(model, None)
+    return policy.trust_remote_code
 
 
 def default_model() -> Path:
@@ -96,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     if not prompts_path.exists():
         raise fail(f"--prompts {args.prompts} does not exist; run `dvc repro prepare` first, or give a prompts file")
 
-    params = load_model_stage()  # validates params.yaml; places the model (compute)
+    trust_remote_code = load_placement()
     from rlhf.data.contracts import DataValidationError, load_contract
     from rlhf.feedback.app import create_app
 
@@ -120,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             seed=args.seed,
-            trust_remote_code=params["policy"].trust_remote_code,
+            trust_remote_code=trust_remote_code,
             allowed_hosts=allowed,
             access_token=access_token,
         )

@@ -58,12 +58,15 @@ def command(module: str, args: list[str], config) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from stages import load_config
+    from rlhf.models.compute import ComputeConfig
+    from rlhf.params import input_errors_exit, load_section
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         raise SystemExit("usage: python -m rlhf.cli.launch MODULE [ARGS], e.g. python -m rlhf.cli.launch stages.sft")
-    cmd = command(argv[0], argv[1:], load_config("compute"))
+    with input_errors_exit("launch: "):  # the rest of the file: the stage validates it, first thing
+        config = load_section("compute", ComputeConfig)
+    cmd = command(argv[0], argv[1:], config)
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
 

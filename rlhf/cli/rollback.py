@@ -31,7 +31,16 @@ import sys
 import time
 
 from rlhf.artifacts import atomic_dir
-from stages import CHAMPION_DIR, load_config
+from rlhf.layout import CHAMPION_DIR
+
+
+def registry_params():
+    """params `gate`'s registry keys (rlhf.tracking.champion.RegistryParams)."""
+    from rlhf.params import input_errors_exit, load_section
+    from rlhf.tracking.champion import RegistryParams
+
+    with input_errors_exit("rollback: "):
+        return load_section("gate", RegistryParams, keys_of_config=True)
 
 
 def finish_interrupted_move(registered_model: str):
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     action.add_argument("--unpin", action="store_true", help="let the gate move the champion again")
     action.add_argument("--sync", action="store_true", help="models/champion to the registry's champion")
     args = parser.parse_args(argv)
-    registered_model = load_config("gate").registered_model
+    registered_model = registry_params().registered_model
     recovered = finish_interrupted_move(registered_model)
     if recovered is not None:
         print(f"rollback: {recovered.message}")

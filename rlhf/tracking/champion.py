@@ -28,8 +28,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from pydantic import Field, field_validator
+
 from rlhf.artifacts import write_json
-from rlhf.params import InputError
+from rlhf.params import InputError, StageConfig
 
 CHAMPION_RECORD = "champion.json"
 CHAMPION_ALIAS = "champion"
@@ -86,6 +88,25 @@ def log_registered_model(
 
 def set_champion_alias(client, registered_model: str, version: str) -> None:
     client.set_registered_model_alias(registered_model, CHAMPION_ALIAS, version)
+
+
+class RegistryParams(StageConfig):
+    """The registry keys of params `gate` (stage gate's Config extends it): what `rlhf
+    rollback` reads of the section."""
+
+    registered_model: str = Field("rlhf-policy", description="MLflow registered model that holds the champion")
+
+    @field_validator("registered_model")
+    @classmethod
+    def _a_name_mlflow_takes(cls, value: str) -> str:
+        # MLflow's rule for registered model names (mlflow.utils.validation), written out
+        # here so that params validate without importing mlflow: it failed at promotion.
+        if not value.strip() or any(c in value for c in "/:'\""):
+            raise ValueError(
+                f"{value!r}: a registered model name is not empty and holds no '/' or ':' (MLflow's rule) nor "
+                "quotes (the rollback command searches the registry by name)"
+            )
+        return value
 
 
 class RegistryChampion(NamedTuple):
