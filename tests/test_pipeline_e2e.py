@@ -1,5 +1,6 @@
-"""The whole DAG in a real git + DVC repository: first as the Prefect flow (under Prefect's
-test harness, MLflow in the project's sqlite store), then with plain `dvc repro`:
+"""The whole DAG in a real git + DVC repository: first as the Prefect flow against a real
+`prefect server` and a real `mlflow server` on 127.0.0.1 (tests/ui_check.py starts them;
+every stage, flow and test of this module logs there), then with plain `dvc repro`:
 
 1. the flow runs every stage once, ends with a markdown artifact, and leaves one MLflow
    parent run with a nested run per stage, each tagged with its dvc.lock entry hash;
@@ -12,7 +13,11 @@ test harness, MLflow in the project's sqlite store), then with plain `dvc repro`
 4. changing it back restores the policy and evaluation outputs from DVC's run-cache
    without training (the gate reruns: its champion is state, not cache);
 5. bad params and a bad data file fail before any compute, naming key / file, row and
-   field, and every output already produced is still there.
+   field, and every output already produced is still there;
+6. last, the UI check (tests/ui_check.py): a second flow run with one param changed, the
+   two parent runs compared as MLflow's Compare view does, the run graph in Prefect's API,
+   the champion loaded from the server's registry in a second clone, and the pages
+   photographed in a headless browser.
 """
 
 from __future__ import annotations
@@ -82,24 +87,38 @@ def tree_digest(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def flow_run(tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
+def e2e_servers(tmp_path_factory):
+    """A Prefect server and an MLflow server on 127.0.0.1 for the module (their state in
+    `<ui>/servers`, where the UI check looks), MLflow's address in MLFLOW_TRACKING_URI for
+    everything the module runs, and an experiment name of the user's own."""
+    from tests.ui_check import servers
+
+    out = tmp_path_factory.mktemp("ui")
+    with servers(out / "servers") as urls, pytest.MonkeyPatch.context() as mp:
+        for name in ("RLHF_PARENT_RUN_ID", "RLHF_ARTIFACT_ROOT"):
+            mp.delenv(name, raising=False)
+        mp.setenv("MLFLOW_TRACKING_URI", urls["mlflow"])
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", "e2e-experiment")
+        yield {**urls, "out": out}
+
+
+@pytest.fixture(scope="module")
+def flow_run(tmp_path_factory, e2e_servers):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.pipeline import pipeline
 
     root = make_project(tmp_path_factory.mktemp("e2e") / "project")
     cwd = os.getcwd()
     with pytest.MonkeyPatch.context() as mp:
-        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID", "RLHF_ARTIFACT_ROOT"):
-            mp.delenv(name, raising=False)
-        # Every stage process records the files it reads (tests/trace/sitecustomize.py).
+        # Every stage process of this first run records the files it reads (tests/trace/sitecustomize.py).
         mp.setenv("RLHF_TRACE_READS", str(root.parent / "reads.log"))
         mp.setenv("PYTHONPATH", os.pathsep.join([str(TRACE), os.environ.get("PYTHONPATH", "")]))
         try:
-            with prefect_test_harness(server_startup_timeout=120):
+            with temporary_settings({PREFECT_API_URL: e2e_servers["prefect"]}):
                 result = pipeline(root=str(root))
                 artifacts = read_artifacts()
-                result["task_runs"] = read_task_runs()
+                result["task_runs"] = read_task_runs()  # the server's first and only flow run
         finally:
             os.chdir(cwd)
     return root, result, artifacts
@@ -171,7 +190,7 @@ def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
     from rlhf.tracking.runs import lock_entry_hash
 
     root, result, _ = flow_run
-    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])  # the module's mlflow server
     parent = client.get_run(result["mlflow_run_id"])
     # The parent run carries what MLflow's Compare shows: headline metrics and the params.
     assert {"dev.dpo.accuracy", "dev.sft.accuracy", "test.dpo.accuracy_low", "gate.promoted"} <= set(
@@ -256,17 +275,19 @@ def test_a_clone_that_pulls_from_a_dvc_remote_trains_nothing(flow_run, tmp_path)
     assert (clone / "reports/eval.json").read_bytes() == (root / "reports/eval.json").read_bytes()
 
 
-def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, tmp_path):
-    """`--deploy` against a real `prefect server` on 127.0.0.1: a deployment on a process
-    work pool with the cron schedule and one run at a time; a run triggered with the CLI is
-    picked up by `prefect worker start`, which runs the flow in the project (nothing is
-    stale, so no stage trains) to COMPLETED with its pipeline-summary artifact."""
-    from tests.ui_check import get_json, servers
+def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, e2e_servers, tmp_path):
+    """`--deploy` against the real `prefect server`: a deployment on a process work pool
+    with the cron schedule and one run at a time; a run triggered with the CLI is picked up
+    by `prefect worker start`, which runs the flow in the project (nothing is stale, so no
+    stage trains) to COMPLETED with its pipeline-summary artifact."""
+    from contextlib import nullcontext
+
+    from tests.ui_check import get_json
 
     root, _, _ = flow_run
     prefect = str(Path(sys.executable).parent / "prefect")
-    with servers(tmp_path / "servers", names=("prefect",)) as urls:
-        env = {"PREFECT_API_URL": urls["prefect"], "PREFECT_HOME": str(tmp_path / "servers/prefect")}
+    with nullcontext(e2e_servers) as urls:
+        env = {"PREFECT_API_URL": urls["prefect"], "PREFECT_HOME": str(tmp_path / "prefect-home")}
         command = ["--deploy", "--pool", "test-pool", "--cron", "0 3 * * *", "--retries", "1"]
         out = run([sys.executable, "-m", "flows.pipeline", *command], root, env=env).stdout
         assert "prefect worker start --pool test-pool" in out
@@ -299,12 +320,12 @@ def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, tmp_path
 
 def test_queued_experiments_run_two_at_a_time_compare_and_never_move_the_champion(flow_run):
     """`dvc exp run --queue -S policy.dpo.beta=...` twice, `dvc queue start -j 2`: both run
-    in DVC's temporary workspaces (their MLflow runs land in the project's store, DVC_ROOT),
+    in DVC's temporary workspaces (their MLflow runs land in the tracking store of the workspace),
     `dvc exp show` lists each with its beta and its own DPO metrics, the gate of each
     reports its verdict without promoting, and the workspace's champion (folder and
     registry alias) and outputs are as they were."""
     root, _, _ = flow_run
-    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     alias = client.get_model_version_by_alias("rlhf-policy", "champion").version
     champion = tree_digest(root / "models/champion")
     policy = tree_digest(root / "models/policy/dpo")
@@ -518,3 +539,41 @@ def test_bad_params_and_bad_data_fail_before_compute_and_lose_nothing(flow_run):
         (raw / name).unlink()
     output = dvc_repro(root)
     assert set(ran(output)) | set(restored(output)) <= {"check_params"}, output
+
+
+def test_the_ui_check_compares_a_second_run_in_both_servers(flow_run, e2e_servers):
+    """Last in the module (it leaves the workspace at the varied param): tests/ui_check.py
+    on the servers that hold the first run. A second flow run with policy.dpo.beta changed;
+    Prefect's run graph has every edge of `dvc dag`; MLflow's Compare of the two parent
+    runs shows exactly that param and DPO's metrics moved, not SFT's; the champion loads
+    from the server's registry in a second clone; the pages are photographed."""
+    from tests.browser import missing_browser
+    from tests.ui_check import check
+
+    root, result, _ = flow_run
+    out = e2e_servers["out"]
+    urls = {name: e2e_servers[name] for name in ("prefect", "prefect_ui", "mlflow")}
+    report = check(root, out, vary="policy.dpo.beta=0.4", restore=False, running=urls, baseline=result["mlflow_run_id"])
+    prefect = report["prefect"]
+    assert prefect["state"] == "COMPLETED"
+    # The run graph Prefect's page draws has every edge of `dvc dag` and no other.
+    assert prefect["graph_edges"] == prefect["dvc_dag_edges"] > 10
+    assert not prefect["missing_edges"] and not prefect["extra_edges"]
+    assert {"dev.dpo.accuracy", "gate.promoted"} <= set(report["mlflow"]["headline"])
+    # Compare of the two pipeline runs: the one param that changed, and what it moved.
+    assert report["compare"]["params_changed"] == {"policy.dpo.beta": ["0.1", "0.4"]}
+    moved = report["compare"]["metrics_moved"]
+    assert any(name.startswith(("dev.dpo.", "test.dpo.")) for name in moved), moved
+    assert not any(name.startswith(("dev.sft.", "test.sft.")) for name in moved), "SFT did not rerun"
+    # The gate's champion, loaded by a second clone pointed at the server from the
+    # registry, is models/champion's weights, uploaded to the server's store.
+    registry = report["registry"]
+    assert registry["tensors"] > 0 and registry["max_difference"] == 0.0, registry
+    assert registry["artifact_location"].startswith("mlflow-artifacts:") and registry["weights_in_server_store"]
+    if missing_browser():
+        assert "skipped" in report["screenshots"]
+    else:
+        for name in ("prefect-flow-run.png", "mlflow-run.png", "mlflow-compare.png"):
+            data = (out / name).read_bytes()
+            assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, name
+    assert report["passed"], report["checks"]

@@ -40,7 +40,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import yaml
@@ -297,12 +297,18 @@ def check(
     ports: tuple = (None, None),
     shots: bool = True,
     restore: bool = True,
+    running: dict | None = None,
+    baseline: str | None = None,
 ) -> dict:
     """Run the flow (twice with `vary`, then `dvc repro` with the first params again unless
     not `restore`) against fresh servers and check both UIs' APIs; write `<out>/check.json`
-    and the screenshots. Returns the report."""
+    and the screenshots. Returns the report.
+
+    `running`: the urls of servers that `servers(<out>/servers)` started and that already
+    hold the project's first flow run, whose MLflow parent run is `baseline`: only the
+    varied run is made (the end-to-end tests do so, after their own checks of that run)."""
     project, out = project.resolve(), out.resolve()
-    if (out / "servers").exists():
+    if (out / "servers").exists() and running is None:
         shutil.rmtree(out / "servers")
     out.mkdir(parents=True, exist_ok=True)
     key, value = None, None
@@ -313,9 +319,10 @@ def check(
         value = yaml.safe_load(raw)
         set_param((project / "params.yaml").read_text(), key, value)  # an unknown key fails here, first
     report: dict = {"project": str(project), "vary": vary}
-    with servers(out / "servers", *ports) as urls:
+    with nullcontext(running) if running else servers(out / "servers", *ports) as urls:
         report["servers"] = urls
-        run_flow(project, urls, out / "flow-1.log")
+        if running is None:
+            run_flow(project, urls, out / "flow-1.log")
         if vary:
             original = (project / "params.yaml").read_text()
             try:
@@ -333,6 +340,8 @@ def check(
             if restored.returncode:
                 report["restore_error"] = (restored.stdout + restored.stderr)[-2000:]
         runs = pipeline_runs(urls["mlflow"])
+        if baseline is not None:  # the first run to compare with, and the newest
+            runs = [runs[0], *[r for r in runs if r.info.run_id == baseline]]
         newest = runs[0]
         flow_run_id = newest.data.tags["prefect.flow_run_id"]
         flow_run = get_json(f"{urls['prefect']}/flow_runs/{flow_run_id}")
