@@ -582,7 +582,9 @@ def deploy(pool: str, cron: str, name: str = DEPLOYMENT, parameters: dict | None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rlhf run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )  # `rlhf run` starts this module (so does `python -m flows.pipeline`)
     parser.add_argument(
         "--force", nargs="*", default=None, metavar="STAGE", help="rerun these stages even if unchanged"
     )

@@ -31,7 +31,7 @@ def test_a_subcommand_takes_its_modules_options():
     assert "qwen2.5-0.5b-gsm8k" in rlhf("recipes", "list").stdout
     # The flow and the params check run as programs of their own (rlhf never imports them).
     run = rlhf("run", "--help")
-    assert run.returncode == 0 and "--deploy" in run.stdout, run.stderr
+    assert run.returncode == 0 and "usage: rlhf run" in run.stdout and "--deploy" in run.stdout, run.stderr
 
 
 def test_status_reads_the_champion_and_the_last_verdict(tmp_path):
