@@ -22,6 +22,8 @@ PRM_DIR = MODELS_DIR / "prm"
 POLICY_DIR = MODELS_DIR / "policy"
 MERGED_DIR = MODELS_DIR / "merged"
 CHAMPION_DIR = MODELS_DIR / "champion"
+# A gate run's verdict that its tracking store did not take, one file per run, until logged.
+TRACKING_OWED_DIR = MODELS_DIR / ".tracking-owed"
 # Outside DVC's outputs (DVC deletes those before a stage runs), so a killed stage resumes.
 CHECKPOINTS_DIR = Path("checkpoints")
 REF_LOGPS_CACHE = Path("cache/ref_logps")

@@ -38,6 +38,7 @@ from rlhf.layout import (  # noqa: F401  (the pipeline's folders, for the stage 
     REWARD_MODEL_DIRS,
     RM_DIR,
     SFT_DIR,
+    TRACKING_OWED_DIR,
 )
 from rlhf.params import PARAMS_FILE, InputError, ParamsError, cross_section_problems, read_params, validate_params
 

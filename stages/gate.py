@@ -36,7 +36,7 @@ from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import InputError
 from rlhf.tracking.champion import ChampionMovedError, RegistryChampion, RegistryParams
-from stages import CHAMPION_DIR, MODELS_DIR, REPORTS_DIR, candidate_dir, decision_suite, load_all
+from stages import CHAMPION_DIR, REPORTS_DIR, TRACKING_OWED_DIR, candidate_dir, decision_suite, load_all
 
 REPORT = REPORTS_DIR / "eval.json"
 OUTCOMES = REPORTS_DIR / "outcomes.json"
@@ -44,8 +44,6 @@ VERDICT = REPORTS_DIR / "gate.json"
 VALIDATION_REPORT = REPORTS_DIR / "validation.json"
 MODEL_ARTIFACT = "model"
 EXPERIMENT_ENV = "DVC_EXP_NAME"  # set by `dvc exp run` for the stages it runs
-# A gate run's verdict that its tracking store did not take, one file per run, until logged.
-OWED_DIR = MODELS_DIR / ".tracking-owed"
 
 
 def default_tests(checks_answers: bool, has_format: bool, kl: bool = True) -> list[CapabilityTest]:
@@ -327,20 +325,16 @@ def log_verdict(client, run_id: str, verdict: dict) -> None:
 
 def owe_verdict(run_id: str, verdict: dict) -> Path:
     """Keep what `log_verdict` could not log, for the next gate (`settle_owed`)."""
-    path = OWED_DIR / f"{run_id}.json"
+    path = TRACKING_OWED_DIR / f"{run_id}.json"
     write_json(path, {"run_id": run_id, "verdict": verdict})
     return path
-
-
-def owed_verdicts() -> list[Path]:
-    return sorted(OWED_DIR.glob("*.json")) if OWED_DIR.is_dir() else []
 
 
 def settle_owed(client) -> list[str]:
     """Log every owed verdict to its run; those the store still refuses stay owed. Returns
     the runs brought up to date."""
     settled = []
-    for path in owed_verdicts():
+    for path in sorted(TRACKING_OWED_DIR.glob("*.json")):
         owed = read_json(path)
         try:
             log_verdict(client, owed["run_id"], owed["verdict"])

@@ -33,10 +33,10 @@ from pathlib import Path
 from pydantic import Field, create_model, field_validator, model_validator
 
 from rlhf.artifacts import atomic_dir, write_csv, write_json
-from rlhf.params import StageConfig
 from rlhf.rules import ANSWER_REWARDS
 from rlhf.tasks import Task, get_task
 from rlhf.training.methods import METHODS, OFFLINE, ONLINE, POLICY
+from rlhf.training.params import PolicyCode
 from stages import CHECKPOINTS_DIR, DATA_DIR, POLICY_DIR, REF_LOGPS_CACHE, REWARD_MODEL_DIRS, SFT_DIR, load_model_stage
 
 OUT_ROOT = POLICY_DIR
@@ -75,12 +75,11 @@ def _check_listed(value: list[str], allowed: tuple[str, ...], other: tuple[str, 
     return value
 
 
-class PolicyLists(StageConfig):
+class PolicyLists(PolicyCode):
     offline: list[str] = Field(
         ["dpo"], description=f"offline methods to train ({', '.join(OFFLINE)}): stages policy@<method>"
     )
     online: list[str] = Field([], description=f"online methods to train ({', '.join(ONLINE)}): stages rl@<method>")
-    trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
     @field_validator("offline")
     @classmethod

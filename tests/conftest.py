@@ -259,8 +259,8 @@ def no_dangling_mlflow_run():
         mlflow.end_run()
 
 
-# The modules that take minutes, longest first (the rest take well under one): about 600,
-# 220, 200, 220, 150, 105 and 100 s of one worker (`--durations`, 2 cores).
+# The modules that take minutes, longest first by `--durations` on 2 cores (the rest take
+# well under one).
 LONGEST_MODULES = [
     "test_pipeline_e2e", "test_own_data", "test_faults", "test_distributed", "test_improve", "test_flow_graph",
     "test_tracking",

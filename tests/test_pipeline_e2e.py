@@ -280,42 +280,40 @@ def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, e2e_serv
     with the cron schedule and one run at a time; a run triggered with the CLI is picked up
     by `prefect worker start`, which runs the flow in the project (nothing is stale, so no
     stage trains) to COMPLETED with its pipeline-summary artifact."""
-    from contextlib import nullcontext
-
     from tests.ui_check import get_json
 
     root, _, _ = flow_run
     prefect = str(Path(sys.executable).parent / "prefect")
-    with nullcontext(e2e_servers) as urls:
-        env = {"PREFECT_API_URL": urls["prefect"], "PREFECT_HOME": str(tmp_path / "prefect-home")}
-        command = ["--deploy", "--pool", "test-pool", "--cron", "0 3 * * *", "--retries", "1"]
-        out = run([sys.executable, "-m", "flows.pipeline", *command], root, env=env).stdout
-        assert "prefect worker start --pool test-pool" in out
-        deployment = get_json(f"{urls['prefect']}/deployments/name/rlhf-pipeline/scheduled")
-        assert deployment["work_pool_name"] == "test-pool"
-        assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
-        assert deployment["global_concurrency_limit"]["limit"] == 1  # one run at a time; the next waits
-        assert deployment["pull_steps"] == [
-            {"prefect.deployments.steps.set_working_directory": {"directory": str(root)}}
-        ]
-        # Each scheduled run takes the flags given with --deploy.
-        assert deployment["parameters"] == {"force": [], "retries": 1, "pull": False, "push": False, "root": str(root)}
-        pool = get_json(f"{urls['prefect']}/work_pools/test-pool")
-        assert pool["type"] == "process"
-        triggered = run([prefect, "deployment", "run", "rlhf-pipeline/scheduled"], root, env=env).stdout
-        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", triggered).group(1)
-        worker = subprocess.run(
-            [prefect, "worker", "start", "--pool", "test-pool", "--run-once"],
-            cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
-        state = get_json(f"{urls['prefect']}/flow_runs/{flow_run_id}")
-        assert state["state_type"] == "COMPLETED", (state["state_type"], worker.stdout[-3000:], worker.stderr[-3000:])
-        artifacts = post_json(
-            f"{urls['prefect']}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
-        )
-        summary = [a for a in artifacts if a["key"] == "pipeline-summary"]
-        assert summary and "## Gate" in summary[0]["data"]
-        assert re.search(r"\| sft \| (skipped|restored) \|", summary[0]["data"]), summary[0]["data"]
+    urls = e2e_servers
+    env = {"PREFECT_API_URL": urls["prefect"], "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    command = ["--deploy", "--pool", "test-pool", "--cron", "0 3 * * *", "--retries", "1"]
+    out = run([sys.executable, "-m", "flows.pipeline", *command], root, env=env).stdout
+    assert "prefect worker start --pool test-pool" in out
+    deployment = get_json(f"{urls['prefect']}/deployments/name/rlhf-pipeline/scheduled")
+    assert deployment["work_pool_name"] == "test-pool"
+    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
+    assert deployment["global_concurrency_limit"]["limit"] == 1  # one run at a time; the next waits
+    assert deployment["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(root)}}
+    ]
+    # Each scheduled run takes the flags given with --deploy.
+    assert deployment["parameters"] == {"force": [], "retries": 1, "pull": False, "push": False, "root": str(root)}
+    pool = get_json(f"{urls['prefect']}/work_pools/test-pool")
+    assert pool["type"] == "process"
+    triggered = run([prefect, "deployment", "run", "rlhf-pipeline/scheduled"], root, env=env).stdout
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", triggered).group(1)
+    worker = subprocess.run(
+        [prefect, "worker", "start", "--pool", "test-pool", "--run-once"],
+        cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    state = get_json(f"{urls['prefect']}/flow_runs/{flow_run_id}")
+    assert state["state_type"] == "COMPLETED", (state["state_type"], worker.stdout[-3000:], worker.stderr[-3000:])
+    artifacts = post_json(
+        f"{urls['prefect']}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
+    )
+    summary = [a for a in artifacts if a["key"] == "pipeline-summary"]
+    assert summary and "## Gate" in summary[0]["data"]
+    assert re.search(r"\| sft \| (skipped|restored) \|", summary[0]["data"]), summary[0]["data"]
 
 
 def test_queued_experiments_run_two_at_a_time_compare_and_never_move_the_champion(flow_run):

@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 # name -> (module with a main(argv), one line of help)
 COMMANDS = {
@@ -99,7 +98,10 @@ def status(argv: list[str]) -> None:
     else:
         changed = sorted(json.loads(stale.stdout or "{}"))
         print("stale: nothing (dvc repro would run nothing)" if not changed else f"stale: {', '.join(changed)}")
-    record = Path("models/champion/champion.json")
+    from rlhf.layout import CHAMPION_DIR, REPORTS_DIR, TRACKING_OWED_DIR
+    from rlhf.tracking.champion import CHAMPION_RECORD
+
+    record = CHAMPION_DIR / CHAMPION_RECORD
     if record.is_file():
         champion = json.loads(record.read_text())
         pinned = ", pinned" if champion.get("pinned") else ""
@@ -107,7 +109,7 @@ def status(argv: list[str]) -> None:
         print(f"champion: {champion.get('candidate')} (registry version {version}{pinned})")
     else:
         print("champion: none yet (no gate has promoted a candidate)")
-    verdict = Path("reports/gate.json")
+    verdict = REPORTS_DIR / "gate.json"
     if verdict.is_file():
         gate = json.loads(verdict.read_text())
         passed = [n for n, c in gate.get("candidates", {}).items() if c.get("passed")]
@@ -115,7 +117,7 @@ def status(argv: list[str]) -> None:
         print(f"last verdict: {outcome}; passed: {', '.join(passed) or 'none'} (reports/gate.json)")
     else:
         print("last verdict: none (the gate has not run)")
-    owed = sorted(Path("models/.tracking-owed").glob("*.json"))
+    owed = sorted(TRACKING_OWED_DIR.glob("*.json"))
     if owed:
         runs = ", ".join(path.stem for path in owed)
         print(

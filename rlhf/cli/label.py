@@ -29,18 +29,9 @@ import secrets
 import sys
 from pathlib import Path
 
-from pydantic import Field
-
 from rlhf.layout import CHAMPION_DIR, EVAL_DIR, FEEDBACK_FILE, PROMPTS_FILE, SFT_DIR
-from rlhf.params import StageConfig
 
 LOOPBACK = "127.0.0.1"
-
-
-class PolicyCode(StageConfig):
-    """The key of params `policy` the page reads: whether the model may run its own code."""
-
-    trust_remote_code: bool = Field(False, description="allow custom modelling code")
 
 
 def load_placement() -> bool:
@@ -49,6 +40,7 @@ def load_placement() -> bool:
     import rlhf.models.settings as model_settings
     from rlhf.models.compute import ComputeConfig, configure
     from rlhf.params import input_errors_exit, load_section
+    from rlhf.training.params import PolicyCode
 
     with input_errors_exit("label: "):
         compute = load_section("compute", ComputeConfig)

@@ -809,10 +809,9 @@ def sampled_rows(path: Path, n: int, seed: int) -> pd.DataFrame:
     `RandomState(seed).choice(rows, n, replace=False)`; the same positions are kept from
     each batch as it passes."""
     import numpy as np
+    import pyarrow.parquet as pq
 
     with open(path, "rb") as file:
-        import pyarrow.parquet as pq
-
         rows = pq.ParquetFile(file).metadata.num_rows
     if rows <= n:
         return read_prepared(path, "sample")

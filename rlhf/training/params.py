@@ -38,6 +38,13 @@ TRL_FIELD = Field(
 MODEL_FIELD = Field(None, description="this block's own keys of params `model` (dtype, quantization, ...)")
 
 
+class PolicyCode(StageConfig):
+    """The key of params `policy` that says whether its models may run their own code
+    (stage policy's Config extends it; the labelling page reads it alone)."""
+
+    trust_remote_code: bool = Field(False, description="allow custom modelling code")
+
+
 class TrainingDataError(InputError, ValueError):
     """The training data cannot be trained as params ask (no row fits max_length, a chat
     template TRL cannot mask)."""
