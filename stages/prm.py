@@ -107,21 +107,28 @@ def init_dir(config: Config) -> Path:
 
 
 def load_labels(config: Config, task, data: Path, eval_data: Path, out_dir: Path) -> tuple:
-    """The training and held-out step labels: the prepared files, or, when they have no
-    rows, labels derived by rollouts of models/sft (saved as `derived_labels.parquet` in
-    `out_dir`) with the derivation's counts. (None, None, reason) when there are neither."""
+    """The training step labels (a `datasets.Dataset`), the held-out ones (a frame) and the
+    derivation's counts: the prepared files, or, when they have no rows, labels derived by
+    rollouts of models/sft (saved as `derived_labels.parquet` in `out_dir`). (None, None,
+    reason) when there are neither."""
     import numpy as np
     import pandas as pd
+    from datasets import Dataset
 
-    from rlhf.data.contracts import read_prepared, validate_contract
+    from rlhf.data.contracts import contract_batches, prepared_rows, read_prepared, validate_contract
+    from rlhf.data.prepared import prepared_dataset
 
-    rows, held_out = read_prepared(data, "prm"), read_prepared(eval_data, "prm")
-    if len(rows):
+    if prepared_rows(data, "prm"):
         # Both tables are checked before any model is loaded: a bad row fails in a second.
-        held = validate_contract(held_out, "prm", eval_data) if len(held_out) else None
-        if held is None:
+        # The training table a batch at a time, then memory-mapped (its tokens are cached
+        # with it); the held-out rows are scored as one table.
+        held_out = read_prepared(eval_data, "prm")
+        if not len(held_out):
             raise ValueError(f"{eval_data} has no rows: give prepare.files.prm_eval with prepare.files.prm")
-        return validate_contract(rows, "prm", data), held, None
+        held = validate_contract(held_out, "prm", eval_data)
+        for _ in contract_batches(data, "prm"):
+            pass
+        return prepared_dataset(data, "prm"), held, None
     if not task.checks_answers:
         return None, None, f"no step labels: give prepare.files.prm (task.kind {task.name!r} cannot derive them)"
     from rlhf.models.loading import load_causal_lm, load_tokenizer
@@ -156,7 +163,7 @@ def load_labels(config: Config, task, data: Path, eval_data: Path, out_dir: Path
         is_held.iloc[len(frame) // 2 :] = False
     train, held = frame[~is_held].reset_index(drop=True), frame[is_held].reset_index(drop=True)
     print(f"prm: derived step labels by rollouts of models/sft: {stats}")
-    return train, held, {f"derived_{k}": v for k, v in stats.items()}
+    return Dataset.from_pandas(train, preserve_index=False), held, {f"derived_{k}": v for k, v in stats.items()}
 
 
 def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Path) -> tuple[dict, list[dict]]:
@@ -223,10 +230,8 @@ def run_likelihood(
 
     lm = load_causal_lm(init, config.trust_remote_code, what=f"models/{config.init}")
     start = time.perf_counter()
-    prm = LikelihoodPRM.fit(
-        lm, tokenizer, rows["prompt"].tolist(), rows["completions"].tolist(), rows["labels"].tolist(),
-        separator, config.score_batch_size,
-    )  # fmt: skip
+    batches = rows.iter(batch_size=max(config.score_batch_size, 1024))
+    prm = LikelihoodPRM.fit(lm, tokenizer, batches, separator, config.score_batch_size)
     fit_seconds = time.perf_counter() - start
     prm.save(out_dir, PRM_FILE)
     scores = prm.score_steps(held_out["prompt"].tolist(), held_out["completions"].tolist(), config.score_batch_size)

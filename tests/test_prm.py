@@ -124,6 +124,55 @@ def test_long_rows_keep_their_whole_steps():
         build_dataset(tokenizer, table, SEP, max_length=8)
 
 
+def test_the_training_table_is_memory_mapped_and_a_rerun_finds_its_tokens_in_the_cache(tmp_path, capsys):
+    """Given step labels, the stage reads its training table as a memory-mapped dataset (not
+    a frame) and tokenises it with a cached map: a second load and build (as on a rerun of
+    the stage) reads the same cache file, not a new one. Rows are cut and dropped to
+    max_length as a frame's are, and counted."""
+    import os
+
+    from datasets import Dataset
+
+    import stages.prm as stage
+
+    data, eval_data = write_prm_tables(tmp_path, train_rows=24)
+    tokenizer = build_tokenizer()
+
+    def build(max_length):
+        rows, held_out, _ = stage.load_labels(stage.Config(), ArithmeticTask(), data, eval_data, tmp_path / "out")
+        assert isinstance(rows, Dataset) and rows.cache_files and isinstance(held_out, pd.DataFrame)
+        return build_dataset(tokenizer, rows, SEP, max_length)
+
+    first = build(40)
+    files = [f["filename"] for f in first.cache_files]
+    inodes = [os.stat(f).st_ino for f in files]
+    again = build(40)
+    assert [f["filename"] for f in again.cache_files] == files
+    assert [os.stat(f).st_ino for f in files] == inodes, "the tokens were read from the cache, not written again"
+    assert again["input_ids"] == first["input_ids"] and set(again.column_names) == {"input_ids", "labels"}
+
+    frame = pd.read_parquet(data)
+    table = list(zip(frame["prompt"], map(list, frame["completions"]), map(list, frame["labels"])))
+    lengths = [len(encode_steps(tokenizer, *row, separator=SEP)["input_ids"]) for row in table]
+    encoded = [encode_steps(tokenizer, *row, separator=SEP) for row in table]
+
+    def fitted(length):
+        return [truncate_to_steps(row, length) for row in encoded]
+
+    # A length that cuts some rows and drops others (whose first step does not fit).
+    cut_to = next(n for n in range(4, max(lengths)) if 0 < fitted(n).count(None) < len(table) // 2)
+    capsys.readouterr()
+    built = build(cut_to)
+    printed = capsys.readouterr().out
+    expected = fitted(cut_to)
+    kept = [row for row in expected if row is not None]
+    assert built["input_ids"] == [row["input_ids"] for row in kept] and built["labels"] == [r["labels"] for r in kept]
+    cut = sum(row is not None and n > cut_to for row, n in zip(expected, lengths))
+    dropped = len(expected) - len(kept)
+    assert f"prm: {cut} row(s) cut to the whole steps within max_length={cut_to}, {dropped} dropped" in printed
+    assert cut > 0 and len(kept) < len(expected)
+
+
 def test_aggregation():
     """Steps scored 0.9, 0.5, 0.8: min 0.5, prod 0.9 * 0.5 * 0.8 = 0.36, last 0.8."""
     assert aggregate([0.9, 0.5, 0.8], "min") == 0.5
@@ -361,6 +410,24 @@ def test_fit_logistic_separates_a_separable_feature():
     probability = torch.sigmoid(torch.tensor([[2.0], [-2.0]]) @ weights + bias)
     assert probability[0] > 0.9 and probability[1] < 0.1
     assert curve[-1]["loss"] < curve[0]["loss"]
+
+
+def test_likelihood_fit_over_batches_is_the_fit_over_the_whole_table(micro_dir):
+    """The calibration is fitted from the rows a batch at a time (the stage streams its
+    table): batches of 3 rows give the weights of one batch holding every row."""
+    from rlhf.models.loading import load_causal_lm
+    from rlhf.rewards.prm_likelihood import LikelihoodPRM
+
+    sizes = TaskSizes(**{**dict.fromkeys(TaskSizes.__dataclass_fields__, 0), "prm": 10})
+    table = generate_datasets(TaskSpec(), sizes, seed=0)
+    rows = {k: [row[k] for row in table["prm"]] for k in ("prompt", "completions", "labels")}
+    tokenizer, lm = build_tokenizer(), load_causal_lm(micro_dir)
+    whole = LikelihoodPRM.fit(lm, tokenizer, [rows], SEP)
+    batches = [{k: v[i : i + 3] for k, v in rows.items()} for i in range(0, 10, 3)]
+    batched = LikelihoodPRM.fit(lm, tokenizer, batches, SEP)
+    assert sum(map(len, rows["labels"])) > 10 and len(set(label for r in rows["labels"] for label in r)) == 2
+    torch.testing.assert_close(batched.weights, whole.weights, atol=1e-4, rtol=1e-4)
+    assert batched.bias == pytest.approx(whole.bias, abs=1e-4)
 
 
 @pytest.mark.slow

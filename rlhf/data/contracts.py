@@ -809,10 +809,8 @@ def sampled_rows(path: Path, n: int, seed: int) -> pd.DataFrame:
     `RandomState(seed).choice(rows, n, replace=False)`; the same positions are kept from
     each batch as it passes."""
     import numpy as np
-    import pyarrow.parquet as pq
 
-    with open(path, "rb") as file:
-        rows = pq.ParquetFile(file).metadata.num_rows
+    rows = prepared_rows(path, "sample")
     if rows <= n:
         return read_prepared(path, "sample")
     positions = np.random.RandomState(seed).choice(rows, size=n, replace=False)
@@ -823,6 +821,17 @@ def sampled_rows(path: Path, n: int, seed: int) -> pd.DataFrame:
             kept.append(frame.iloc[inside - start].set_axis(inside))
         start += len(frame)
     return pd.concat(kept).loc[positions]
+
+
+def prepared_rows(path: str | Path, stage: str) -> int:
+    """The rows of a prepared table (read from its footer), or the error that says how to
+    provide it."""
+    import pyarrow.parquet as pq
+
+    if not Path(path).exists():
+        raise missing_prepared(Path(path), stage)
+    with open(path, "rb") as file:
+        return pq.ParquetFile(file).metadata.num_rows
 
 
 def prepared_columns(path: str | Path) -> list[str]:

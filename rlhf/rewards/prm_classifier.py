@@ -31,8 +31,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import pandas as pd
 import torch
-from datasets import Dataset
+from datasets import Dataset, Features, List, Value
 from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, Trainer, TrainingArguments
 
 from rlhf.models.folders import PRM_FILE, UnusableModelError, check_model_dir, resolve_model_dir
@@ -44,6 +45,7 @@ from rlhf.training.trainer_setup import tracking_callbacks, trl_config
 
 BAD, GOOD = 0, 1
 IGNORE = -100
+KEPT, CUT, DROPPED = 0, 1, 2  # what max_length did to a training row
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -100,24 +102,39 @@ def truncate_to_steps(row: dict[str, list[int]], max_length: int) -> dict[str, l
 
 
 def build_dataset(tokenizer, rows, separator: str = DEFAULT_SEPARATOR, max_length: int | None = None) -> Dataset:
-    """Tokenized training rows from a validated prm table (prompt, completions, labels).
-    Prints how many rows were cut to fit and how many were dropped."""
-    encoded, cut, dropped = [], 0, 0
-    for prompt, steps, labels in zip(rows["prompt"], rows["completions"], rows["labels"]):
-        row = encode_steps(tokenizer, prompt, steps, labels, separator)
-        if max_length is not None:
-            fitted = truncate_to_steps(row, max_length)
-            if fitted is None:
-                dropped += 1
-                continue
-            cut += fitted is not row
-            row = fitted
-        encoded.append(row)
+    """Tokenized training rows from a validated prm table (prompt, completions, labels): a
+    `datasets.Dataset` (a prepared table, memory-mapped: the tokens are cached with it and
+    found there on the next run) or columns (a frame or a mapping). Prints how many rows
+    were cut to fit and how many were dropped."""
+    if not isinstance(rows, Dataset):
+        rows = Dataset.from_pandas(pd.DataFrame(dict(rows)), preserve_index=False)
+
+    def encode(batch: dict) -> dict:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "fit": []}
+        for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
+            row, fit = encode_steps(tokenizer, prompt, steps, labels, separator), KEPT
+            if max_length is not None:
+                fitted = truncate_to_steps(row, max_length)
+                fit = DROPPED if fitted is None else KEPT if fitted is row else CUT
+                row = fitted or {"input_ids": [], "labels": []}
+            for key, value in (*row.items(), ("fit", fit)):
+                out[key].append(value)
+        return out
+
+    ids = List(Value("int64"))  # declared: a batch of dropped rows alone has no type to infer
+    encoded = rows.map(
+        encode, batched=True, remove_columns=rows.column_names, desc="prm: tokenising the steps",
+        features=Features({"input_ids": ids, "labels": ids, "fit": Value("int8")}),
+    )  # fmt: skip
+    fits = encoded.data.column("fit").to_numpy()
+    cut, dropped = int((fits == CUT).sum()), int((fits == DROPPED).sum())
     if cut or dropped:
         print(f"prm: {cut} row(s) cut to the whole steps within max_length={max_length}, {dropped} dropped")
-    if not encoded:
+    if dropped == len(encoded):
         raise ValueError(f"every prm row is longer than max_length={max_length} before its first step ends; raise it")
-    return Dataset.from_dict({key: [row[key] for row in encoded] for key in ("input_ids", "labels")})
+    if dropped:
+        encoded = encoded.filter(lambda fit: fit != DROPPED, input_columns="fit", batched=False)
+    return encoded.remove_columns("fit")
 
 
 # ----------------------------------------------------------------------------- model and training

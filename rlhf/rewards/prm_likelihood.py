@@ -112,10 +112,16 @@ class LikelihoodPRM(StepScorer):
         self.separator = separator
 
     @classmethod
-    def fit(cls, lm, tokenizer, prompts, steps, labels, separator: str = DEFAULT_SEPARATOR, batch_size: int = 64):
-        rows = likelihood_features(lm, tokenizer, prompts, steps, separator, batch_size)
-        features = torch.cat(rows)
-        targets = torch.tensor([bool(label) for row in labels for label in row])
+    def fit(cls, lm, tokenizer, batches, separator: str = DEFAULT_SEPARATOR, batch_size: int = 64):
+        """Fit the calibration on labelled rows given as `batches` of columns (`prompt`,
+        `completions` = the steps, `labels`: a dataset's `iter(batch_size)`), one batch at a
+        time: what is held is each step's features and label, not the rows."""
+        features, targets = [torch.empty(0, len(FEATURES))], [torch.empty(0, dtype=torch.bool)]
+        for batch in batches:
+            rows = likelihood_features(lm, tokenizer, batch["prompt"], batch["completions"], separator, batch_size)
+            features.append(torch.cat([features[0], *rows]))
+            targets.append(torch.tensor([bool(label) for row in batch["labels"] for label in row], dtype=torch.bool))
+        features, targets = torch.cat(features), torch.cat(targets)
         weights, bias, curve = fit_logistic(features, targets)
         prm = cls(lm, tokenizer, weights, bias, separator)
         prm.curve = curve
