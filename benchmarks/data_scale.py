@@ -247,7 +247,10 @@ def main() -> None:
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="data-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = {"small": one_size(work, int(args.small_mb * 1e6), "small"), "large": one_size(work, int(args.gb * 1e9), "large")}
+    results = {
+        "small": one_size(work, int(args.small_mb * 1e6), "small"),
+        "large": one_size(work, int(args.gb * 1e9), "large"),
+    }
     small, large = results["small"], results["large"]
     print(f"\n{'stage':<14} {'small peak':>11} {'large peak':>11} {'small anon':>11} {'large anon':>11}  (GiB)")
     stages = set(small["first"]["stages"]) | set(large["first"]["stages"])
@@ -259,7 +262,8 @@ def main() -> None:
         first, second = (sum(m.values()) for m in results[label]["maps"])
         print(f"{label}: policy@dpo's maps {first:.0f} s in the first run, {second:.0f} s after the beta change "
               f"(ratio {second / first if first else float('nan'):.3f}); {results[label]['maps']}")  # fmt: skip
-        print(f"{label}: dvc repro {results[label]['first']['seconds']:.0f} s, then {results[label]['second']['seconds']:.0f} s")
+        runs = results[label]
+        print(f"{label}: dvc repro {runs['first']['seconds']:.0f} s, then {runs['second']['seconds']:.0f} s")
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print(f"results: {work / 'results.json'}")
 

@@ -161,7 +161,6 @@ def generated_difficulties(prepare, suite: str) -> set[str] | None:
     return {str(n) for n in range(low, high + 1)}
 
 
-
 def load_config(section: str, path: str = PARAMS_FILE):
     return load_all(path)[section]
 

@@ -177,7 +177,7 @@ def run(
     """The eval report, the per-problem outcomes and the samples on `suite_names`. The
     reference stays loaded (for KL); candidates are loaded one at a time. Without a reward
     model (no preference data) reward and win-rate are null."""
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
     from rlhf.evaluation.suites import SUITE_COLUMNS
     from rlhf.models.folders import absent_reason
     from rlhf.models.loading import load_causal_lm, load_tokenizer

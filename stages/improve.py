@@ -256,7 +256,7 @@ def evaluate_models(
     """{name: {suite: {"metrics", "outcomes", "digest"}}} of each model on each suite, greedy,
     with KL to SFT (params `evaluate`; custom modelling code with its or the caller's
     `trust_remote_code`)."""
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
     from rlhf.evaluation.suites import SUITE_COLUMNS, evaluate_model, suite_identity
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 

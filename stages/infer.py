@@ -138,7 +138,7 @@ def summarise(task: Task, answers: list, references: list, seconds: float) -> di
 def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     import pandas as pd
 
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
     from rlhf.inference.inputs import check_inputs
     from rlhf.inference.strategies import load_strategy
     from rlhf.models.folders import check_model_dir, resolve_model_dir

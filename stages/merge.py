@@ -163,7 +163,7 @@ def member_names(config: Config, methods: list[str]) -> list[str]:
 def prompt_accuracy(config: Config, task: Task, tokenizer, prompts: Path) -> Callable:
     """score(model) = greedy-decoding task accuracy on the first `greedy_soup_prompts`
     prompts of `prompts` that have an answer."""
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
     from rlhf.models.generation import generate
 
     table = read_prepared(prompts, "merge")

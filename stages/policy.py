@@ -189,7 +189,8 @@ def check_answer_rewards(params, method: str) -> None:
     """An online method's reward that reads the prompts' answers, on prompts without any:
     it failed inside TRL's first training step (no `answer` column), or trained to the end
     on a reward of 0 for every completion (an empty column). Checked before any model loads."""
-    from rlhf.data.contracts import DataValidationError, missing_prepared, prepared_batches, prepared_columns
+    from rlhf.data.contracts import DataValidationError
+    from rlhf.data.prepared import missing_prepared, prepared_batches, prepared_columns
 
     readers = [i for i, reward in enumerate(getattr(params, "rewards", [])) if reward.name in ANSWER_REWARDS]
     if not readers:

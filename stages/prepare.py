@@ -230,7 +230,7 @@ def run(config: Config, task, feedback=None) -> tuple[dict, dict]:
     `prepare` into a temporary folder (for small data: tests, a look at what prepare makes)."""
     import tempfile
 
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "prepared"
@@ -354,8 +354,7 @@ def eval_overlap(tables: Tables) -> dict:
     """Per eval suite, how many of its prompts each training table holds too (the model is
     then scored on what it was trained on), printed; {} when none. The manifest keeps it.
     The suites' prompt keys are held; the training tables are streamed."""
-    from rlhf.data.contracts import prepared_batches
-    from rlhf.data.prepared import prompt_hash, row_prompts
+    from rlhf.data.prepared import prepared_batches, prompt_hash, row_prompts
 
     suites = {}
     for name, writer in tables.writers.items():
@@ -501,8 +500,8 @@ def split_staged(tables: Tables, name: str, what: str, config: Config) -> None:
     (`held_out_keys`), streaming it."""
     import numpy as np
 
-    from rlhf.data.contracts import DataValidationError, prepared_batches
-    from rlhf.data.prepared import TableWriter
+    from rlhf.data.contracts import DataValidationError
+    from rlhf.data.prepared import TableWriter, prepared_batches
 
     staged = tables.writers[name]
     staged.close()
@@ -540,7 +539,8 @@ def derive(tables: Tables, task, config: Config) -> None:
     """Fill what the given tables imply (module docstring); leave the rest empty."""
     import pandas as pd
 
-    from rlhf.data.contracts import CONTRACTS, prepared_batches
+    from rlhf.data.contracts import CONTRACTS
+    from rlhf.data.prepared import prepared_batches
 
     for name, what in (("prefs", "pairs"), ("prm", "step-labelled solutions")):
         if name in tables.staged and name in tables.writers and tables.writers[name].rows:

@@ -115,8 +115,8 @@ def load_labels(config: Config, task, data: Path, eval_data: Path, out_dir: Path
     import pandas as pd
     from datasets import Dataset
 
-    from rlhf.data.contracts import contract_batches, prepared_rows, read_prepared, validate_contract
-    from rlhf.data.prepared import prepared_dataset
+    from rlhf.data.contracts import contract_batches, validate_contract
+    from rlhf.data.prepared import prepared_dataset, prepared_rows, read_prepared
 
     if prepared_rows(data, "prm"):
         # Both tables are checked before any model is loaded: a bad row fails in a second.

@@ -197,7 +197,7 @@ def held_out_scores(ensemble, task: Task, eval_data: Path):
     """The ensemble's scores of the held-out pairs' chosen and rejected responses (each an
     `EnsembleScores` over all pairs), and each pair's kind of mistake (`accuracy_by_flaw`),
     read a batch at a time: only the scores are held."""
-    from rlhf.data.contracts import prepared_batches
+    from rlhf.data.prepared import prepared_batches
     from rlhf.rewards.ensemble import EnsembleScores
 
     chosen, rejected, kinds = [], [], []

@@ -472,7 +472,7 @@ def test_error_lists_at_most_25_problems(tmp_path):
 def test_read_prepared_says_how_to_provide_a_missing_table(tmp_path):
     """A stage whose input table prepare did not write (user data without prefs) fails
     with the path and the params key that would provide it."""
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
 
     with pytest.raises(FileNotFoundError) as error:
         read_prepared(tmp_path / "prefs.parquet", "rm")
@@ -484,7 +484,7 @@ def test_a_chat_suite_reads_back_as_json_ready_messages_and_scores_a_sampled_rep
     """Parquet gives message lists back as numpy arrays; read_prepared turns them into
     lists of dicts (reports write them as JSON), and a reward model reads a text reply to a
     chat prompt as the assistant's message."""
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
     from rlhf.models.generation import reward_text
     from rlhf.models.loading import build_tokenizer
 

@@ -170,7 +170,8 @@ def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rlhf.data.contracts import read_prepared
+    import rlhf.data.prepared as prepared
+    from rlhf.data.prepared import read_prepared
 
     path = tmp_path / "dev.parquet"
     table = pd.DataFrame(
@@ -182,7 +183,7 @@ def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_pat
     )
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), path, row_group_size=10)
     batches = []
-    real = contracts.prepared_batches
+    real = prepared.prepared_batches
 
     def counted(*args, **kwargs):
         for frame in real(*args, **kwargs):
@@ -190,7 +191,7 @@ def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_pat
             yield frame
 
     monkeypatch.setattr(contracts, "BATCH_ROWS", 10)
-    monkeypatch.setattr(contracts, "prepared_batches", counted)
+    monkeypatch.setattr(prepared, "prepared_batches", counted)
     first = read_prepared(path, "infer", ["prompt", "answer"], limit=12)
     assert list(first.columns) == ["prompt", "answer"] and len(first) == 12 and batches == [10, 10]
     assert first["prompt"].tolist() == [[{"role": "user", "content": f"{i}+1"}] for i in range(12)]
@@ -204,5 +205,8 @@ def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_pat
     drawn = read_prepared(path, "sft", sample=(7, 3))
     expected = read_prepared(path, "sft").sample(n=7, random_state=3)
     assert batches == [10] * 5 and drawn.index.tolist() == expected.index.tolist()
-    assert drawn["answer"].tolist() == expected["answer"].tolist() and drawn["prompt"].tolist() == expected["prompt"].tolist()
+    assert (
+        drawn["answer"].tolist() == expected["answer"].tolist()
+        and drawn["prompt"].tolist() == expected["prompt"].tolist()
+    )
     assert read_prepared(path, "sft", sample=(80, 3))["answer"].tolist() == table["answer"].tolist()

@@ -293,9 +293,7 @@ def test_a_worker_runs_the_scheduled_deployment_to_completion(flow_run, e2e_serv
     assert deployment["work_pool_name"] == "test-pool"
     assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
     assert deployment["global_concurrency_limit"]["limit"] == 1  # one run at a time; the next waits
-    assert deployment["pull_steps"] == [
-        {"prefect.deployments.steps.set_working_directory": {"directory": str(root)}}
-    ]
+    assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(root)}}]
     # Each scheduled run takes the flags given with --deploy.
     assert deployment["parameters"] == {"force": [], "retries": 1, "pull": False, "push": False, "root": str(root)}
     pool = get_json(f"{urls['prefect']}/work_pools/test-pool")

@@ -12,18 +12,22 @@ converted once into an Arrow file in the datasets cache and then memory-mapped, 
 holds the pages it reads, not the table, and the dataset's fingerprint is the same while
 the file is (same path, same modification time): every `map` over it, TRL's tokenisation
 included, and TRL's precomputed reference log-probs are found in the cache on the next run.
-`prepared_batches` (rlhf.data.contracts) streams a table's rows as frames (the derivations, small readers).
+`prepared_batches` streams a table's rows as frames (the derivations, small readers), and
+`read_prepared` reads the columns or rows a reader asks for (an eval suite), a batch at a
+time (`contracts.BATCH_ROWS` rows).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from rlhf.data.contracts import DataValidationError, prompt_key, value_format
+from rlhf.data import contracts
+from rlhf.data.contracts import DataValidationError, plain_messages, prompt_key, value_format
 
 
 def prompt_hash(prompt) -> int:
@@ -105,8 +109,6 @@ def prepared_dataset(path: str | Path, stage: str):
     error that says how to provide it. Conversations read as lists of message dicts."""
     from datasets import Dataset
 
-    from rlhf.data.contracts import missing_prepared
-
     path = Path(path)
     if not path.exists():
         raise missing_prepared(path, stage)
@@ -118,3 +120,99 @@ def prepared_dataset(path: str | Path, stage: str):
     # converting a 1.7 GB table peaked at 1.9 GB (benchmarks/README.md, data at size).
     options = pds.ParquetFragmentScanOptions(pre_buffer=False)
     return Dataset.from_parquet(str(path), split="train", fragment_scan_options=options)
+
+
+def missing_prepared(path: Path, stage: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{stage} needs {path}, which prepare did not write: with prepare.source=files, add "
+        f"prepare.files.{path.stem}: {{path: ...}} to params.yaml (or use prepare.source: builtin)"
+    )
+
+
+def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_rows: int | None = None) -> Iterator:
+    """A prepared table's rows as frames of at most `batch_rows` (conversations as lists of
+    message dicts, as `read_prepared` gives them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as file:  # opened by Python: audit hooks see the read
+        parquet = pq.ParquetFile(file, pre_buffer=False)  # pre-buffered reads keep every row group read
+        if not parquet.metadata.num_rows:
+            return
+        for batch in parquet.iter_batches(batch_size=batch_rows or contracts.BATCH_ROWS, columns=columns):
+            yield plain_messages(pa.Table.from_batches([batch]).to_pandas(integer_object_nulls=True))
+
+
+def sampled_rows(path: Path, n: int, seed: int) -> pd.DataFrame:
+    """`read_prepared`'s `sample`: pandas draws the row positions with
+    `RandomState(seed).choice(rows, n, replace=False)`; the same positions are kept from
+    each batch as it passes."""
+    import numpy as np
+
+    rows = prepared_rows(path, "sample")
+    if rows <= n:
+        return read_prepared(path, "sample")
+    positions = np.random.RandomState(seed).choice(rows, size=n, replace=False)
+    wanted, kept, start = np.sort(positions), [], 0
+    for frame in prepared_batches(path):
+        inside = wanted[(wanted >= start) & (wanted < start + len(frame))]
+        if len(inside):
+            kept.append(frame.iloc[inside - start].set_axis(inside))
+        start += len(frame)
+    return pd.concat(kept).loc[positions]
+
+
+def prepared_rows(path: str | Path, stage: str) -> int:
+    """The rows of a prepared table (read from its footer), or the error that says how to
+    provide it."""
+    import pyarrow.parquet as pq
+
+    if not Path(path).exists():
+        raise missing_prepared(Path(path), stage)
+    with open(path, "rb") as file:
+        return pq.ParquetFile(file).metadata.num_rows
+
+
+def prepared_columns(path: str | Path) -> list[str]:
+    """The column names of a prepared table (read from its footer)."""
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as file:
+        return pq.ParquetFile(file).schema_arrow.names
+
+
+def read_prepared(
+    path: str | Path,
+    stage: str,
+    columns: list[str] | None = None,
+    limit: int | None = None,
+    sample: tuple[int, int] | None = None,
+) -> pd.DataFrame:
+    """A table written by `prepare`, or an error that says how to provide it. With
+    `columns` (those the table has) or `limit` (its first rows), only those are read, a
+    batch at a time: a suite's other columns and rows never reach memory. `sample` (n,
+    seed): the rows `table.sample(n, random_state=seed)` of the whole table would give, in
+    its order (the whole table when it has at most n), read a batch at a time."""
+    path = Path(path)
+    if not path.exists():
+        raise missing_prepared(path, stage)
+    if sample is not None:
+        return sampled_rows(path, *sample)
+    if columns is not None or limit is not None:
+        kept = None if columns is None else [c for c in prepared_columns(path) if c in columns]
+        frames, rows = [], 0
+        for frame in prepared_batches(path, kept):
+            frames.append(frame)
+            rows += len(frame)
+            if limit is not None and rows >= limit:
+                break
+        if not frames:
+            with open(path, "rb") as file:
+                return pd.read_parquet(file, columns=kept)
+        table = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        return table.head(limit) if limit is not None else table
+    # Opened here, not by pyarrow, so that Python's audit hooks see the read (the
+    # end-to-end test checks every file a stage reads against its DVC deps).
+    with open(path, "rb") as file:
+        table = pd.read_parquet(file)
+    return plain_messages(table)

@@ -78,10 +78,10 @@ def answer_difficulty(suite) -> list[str] | None:
 SUITE_COLUMNS = ["prompt", "answer", "difficulty"]  # what evaluation reads of a suite
 
 
-
 def table_difficulties(table) -> set[str]:
     """The difficulty labels of a suite's answered problems (a frame); empty without the column."""
     return set(answer_difficulty(table) or [])
+
 
 def suite_identity(suite) -> dict:
     """What pairs per-problem outcomes across models and runs: the suite's `digest` (its

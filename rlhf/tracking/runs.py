@@ -107,7 +107,7 @@ def described_table(path: Path):
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.types.utils import _infer_schema
 
-    from rlhf.data.contracts import prepared_batches
+    from rlhf.data.prepared import prepared_batches
 
     sample = next(prepared_batches(path, batch_rows=100))
     source = resolve_dataset_source(path.as_posix())

@@ -125,7 +125,8 @@ def round_problems(
 
     import pandas as pd
 
-    from rlhf.data.contracts import plain_messages, prepared_columns, prompt_key
+    from rlhf.data.contracts import plain_messages, prompt_key
+    from rlhf.data.prepared import prepared_columns
 
     if settings.operands is not None:
         if operands_problem(task):

@@ -294,7 +294,7 @@ def sft_ewc_examples(tokenizer, params, key: str, sft_data: Path | None):
     Before the model loads: a max_length no row fits fails here."""
     if not params.ewc.strength:
         return None
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
     from rlhf.training.ewc import ewc_examples
 
     table = read_prepared(sft_data, "sft", sample=(params.ewc.samples, params.seed))  # EWC's rows only

@@ -94,7 +94,7 @@ def score(folder: Path) -> dict:
     per number of operands (run in the job's folder, as its own process)."""
     os.chdir(folder)
     sys.path.insert(0, str(folder))
-    from rlhf.data.contracts import read_prepared
+    from rlhf.data.prepared import read_prepared
     from rlhf.evaluation.statistics import bootstrap_interval, group_by
     from rlhf.models.generation import generate
     from rlhf.models.loading import load_causal_lm, load_tokenizer

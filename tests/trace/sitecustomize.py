@@ -5,7 +5,7 @@ Python imports `sitecustomize` at start-up from any folder on PYTHONPATH; the en
 test puts this folder there and names a log in RLHF_TRACE_READS. Only processes that DVC
 runs as a stage (DVC sets DVC_STAGE) record, through an audit hook on `open` (Python's
 `open` and `os.open`), one line per read: the stage address, a tab, the absolute path.
-Parquet tables are opened through Python (rlhf.data.contracts.read_prepared) and model
+Parquet tables are opened through Python (rlhf.data.prepared.read_prepared) and model
 folders through their config.json, so both show here.
 """
 

@@ -77,8 +77,7 @@ def train_sft(
     from trl import SFTConfig, SFTTrainer
 
     import rlhf.models.settings as model_settings
-    from rlhf.data.contracts import read_prepared
-    from rlhf.data.prepared import prepared_dataset
+    from rlhf.data.prepared import prepared_dataset, read_prepared
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
     from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenized_rows
