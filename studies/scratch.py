@@ -1,7 +1,6 @@
-"""Scratch projects for the experiment scripts (studies/sabotage/run.py, curriculum.py,
-ewc_shift.py, prm_repair.py): a copy of this checkout's code in another folder, where the
-real stages run as processes against their own MLflow store, so that an experiment never
-touches the checkout's outputs.
+"""Scratch projects for the studies' drivers (studies/<study>/run.py): a copy of this
+checkout's code in another folder, where the real stages run as processes against their own
+MLflow store, so that a study never touches the checkout's outputs.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE = ("rlhf", "stages", "flows", "dvc.yaml", ".dvcignore")
+CODE = ("rlhf", "stages", "flows", "configs", "data/raw", "dvc.yaml", ".dvcignore")
 
 
 def copy_code(work: Path) -> None:
