@@ -295,3 +295,39 @@ def test_the_experiment_is_tagged_as_model_training_so_the_ui_opens_on_its_runs(
     chosen = mlflow.create_experiment("chosen", tags={KIND_TAG: "genai_development"})
     setup_experiment("chosen")
     assert mlflow.get_experiment(chosen).tags[KIND_TAG] == "genai_development"
+
+
+# Each process imports MLflow first, then waits for the same instant to open the store.
+RACE = """
+import os, sys, time
+import mlflow
+from rlhf.tracking import runs
+if os.environ.get("WITHOUT_LOCK"):
+    import contextlib
+    runs.first_contact = lambda uri: contextlib.nullcontext()
+time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
+print(runs.setup_experiment())
+"""
+
+
+def run_together(store: Path, processes: int, env: dict) -> list[subprocess.CompletedProcess]:
+    start = time.time() + 12  # after every process has imported MLflow (2 cores, 4 processes)
+    env = {**os.environ, **env, "MLFLOW_TRACKING_URI": f"sqlite:///{store}", "PYTHONPATH": os.getcwd()}
+    env.pop("MLFLOW_EXPERIMENT_NAME", None)
+    started = [
+        subprocess.Popen([sys.executable, "-c", RACE, str(start)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for _ in range(processes)
+    ]
+    return [subprocess.CompletedProcess(p.args, p.wait(), *p.communicate()) for p in started]
+
+
+@pytest.mark.slow
+def test_stages_that_start_together_on_a_new_store_all_set_it_up(tmp_path):
+    """Queued `dvc exp run` experiments start their first stages at the same moment on the
+    project's store, which does not exist yet: four processes opening one new sqlite store
+    at once all get the one experiment (MLflow makes the tables and the experiment on
+    first contact; unserialised, one of them failed with `duplicate column name: step`)."""
+    done = run_together(tmp_path / "mlflow.db", 4, {})
+    assert [d.returncode for d in done] == [0] * 4, [d.stderr[-2000:] for d in done if d.returncode]
+    assert len({d.stdout.split()[-1] for d in done}) == 1, "one experiment, the same id for all"

@@ -198,6 +198,28 @@ def experiment_name() -> str:
     return os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
 
 
+@contextmanager
+def first_contact(uri: str) -> Iterator[None]:
+    """Processes that open a local sqlite store one at a time. MLflow makes a new store's
+    tables (and their migrations) on the first connection, and the experiment when it is
+    missing: two stages that start together on a new store (queued `dvc exp run`
+    experiments, the flow's parallel lanes) would both try, and one fail (`duplicate column
+    name`, `RESOURCE_ALREADY_EXISTS`). An advisory lock in the temporary folder, named
+    after the database's path: nothing is added to the project, and the kernel drops it
+    when its holder dies. A server serialises its clients itself."""
+    import fcntl
+    import tempfile
+
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    database = Path(uri[len("sqlite:///") :].split("?")[0]).expanduser().resolve()
+    digest = hashlib.sha256(str(database).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"rlhf-mlflow-{digest}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def setup_experiment(name: str | None = None) -> str:
     """Point MLflow at the project's store and return the experiment id, creating the
     experiment with an explicit artifact location for a local store (the project's
@@ -207,16 +229,18 @@ def setup_experiment(name: str | None = None) -> str:
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
     name = name or experiment_name()
-    experiment = mlflow.get_experiment_by_name(name)
-    if experiment is None:
-        artifacts = os.environ.get("RLHF_ARTIFACT_ROOT")
-        if artifacts is None and not uri.startswith(("http://", "https://", "databricks")):
-            artifacts = (project_root() / "mlartifacts").as_uri()
-        experiment_id = mlflow.create_experiment(name, artifact_location=artifacts, tags={KIND_TAG: MODEL_TRAINING})
-    else:
-        experiment_id = experiment.experiment_id
-        if KIND_TAG not in experiment.tags:  # one made before the tag, or by hand: a kind the user set stays
-            mlflow.MlflowClient().set_experiment_tag(experiment_id, KIND_TAG, MODEL_TRAINING)
+    with first_contact(uri):
+        experiment = mlflow.get_experiment_by_name(name)
+        if experiment is None:
+            artifacts = os.environ.get("RLHF_ARTIFACT_ROOT")
+            if artifacts is None and not uri.startswith(("http://", "https://", "databricks")):
+                artifacts = (project_root() / "mlartifacts").as_uri()
+            tags = {KIND_TAG: MODEL_TRAINING}
+            experiment_id = mlflow.create_experiment(name, artifact_location=artifacts, tags=tags)
+        else:
+            experiment_id = experiment.experiment_id
+            if KIND_TAG not in experiment.tags:  # one made before the tag, or by hand: a kind the user set stays
+                mlflow.MlflowClient().set_experiment_tag(experiment_id, KIND_TAG, MODEL_TRAINING)
     mlflow.set_experiment(experiment_id=experiment_id)
     # transformers' MLflowCallback reads the experiment from the environment.
     os.environ[EXPERIMENT_ENV] = name
