@@ -118,12 +118,17 @@ def changes(setting: str, seed: int, extra: list[str]) -> list[str]:
     return [arg for change in sets for arg in ("-S", change)]
 
 
+def start_workers(root: Path, env: dict, count: int) -> None:
+    with open(root.parent / "queue-start.log", "a") as log:  # the workers outlive the command
+        subprocess.run([sys.executable, "-m", "dvc", "queue", "start", "-j", str(count)], cwd=root, env=env,
+                       stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
+
+
 def run_queue(root: Path, env: dict, jobs: int) -> str:
     """Start `jobs` queue workers and wait until nothing is queued or running: the last
-    `dvc queue status`."""
-    with open(root.parent / "queue-start.log", "a") as log:  # the workers outlive the command
-        subprocess.run([sys.executable, "-m", "dvc", "queue", "start", "-j", str(jobs)], cwd=root, env=env,
-                       stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
+    `dvc queue status`. A worker that stops while experiments are still queued (seen once,
+    with an experiment queued after the workers started) is replaced."""
+    start_workers(root, env, jobs)
     shown = ""
     while True:
         status = dvc(root, env, "queue", "status")
@@ -135,6 +140,10 @@ def run_queue(root: Path, env: dict, jobs: int) -> str:
             shown = line
         if not counts["Queued"] and not counts["Running"]:
             return status
+        workers = re.search(r"Worker status: (\d+) active, (\d+) idle", status)
+        busy = int(workers.group(1)) + int(workers.group(2)) if workers else jobs
+        if counts["Queued"] and busy < jobs:
+            start_workers(root, env, min(jobs - busy, counts["Queued"]))
         time.sleep(15)
 
 
