@@ -297,28 +297,40 @@ def test_the_experiment_is_tagged_as_model_training_so_the_ui_opens_on_its_runs(
     assert mlflow.get_experiment(chosen).tags[KIND_TAG] == "genai_development"
 
 
-# Each process imports MLflow first, then waits for the same instant to open the store.
+# Each process imports MLflow first, says it is ready, then waits for the go to open the store.
 RACE = """
 import os, sys, time
+from pathlib import Path
 import mlflow
 from rlhf.tracking import runs
 if os.environ.get("WITHOUT_LOCK"):
     import contextlib
     runs.first_contact = lambda uri: contextlib.nullcontext()
-time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
+gate = Path(sys.argv[1])
+(gate / f"ready-{os.getpid()}").touch()
+while not (gate / "go").exists():
+    time.sleep(0.005)
 print(runs.setup_experiment())
 """
 
 
 def run_together(store: Path, processes: int, env: dict) -> list[subprocess.CompletedProcess]:
-    start = time.time() + 12  # after every process has imported MLflow (2 cores, 4 processes)
+    gate = store.parent / "gate"
+    gate.mkdir()
     env = {**os.environ, **env, "MLFLOW_TRACKING_URI": f"sqlite:///{store}", "PYTHONPATH": os.getcwd()}
     env.pop("MLFLOW_EXPERIMENT_NAME", None)
     started = [
-        subprocess.Popen([sys.executable, "-c", RACE, str(start)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", RACE, str(gate)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(processes)
     ]
+    deadline = time.monotonic() + 120
+    while len(list(gate.glob("ready-*"))) < processes and time.monotonic() < deadline:
+        if any(p.poll() is not None for p in started):
+            break
+        time.sleep(0.05)
+    (gate / "go").touch()  # every process has imported MLflow: they open the store together
     return [subprocess.CompletedProcess(p.args, p.wait(), *p.communicate()) for p in started]
 
 
