@@ -124,6 +124,7 @@ def test_long_rows_keep_their_whole_steps():
         build_dataset(tokenizer, table, SEP, max_length=8)
 
 
+@pytest.mark.slow
 def test_the_training_table_is_memory_mapped_and_a_rerun_finds_its_tokens_in_the_cache(tmp_path, capsys):
     """Given step labels, the stage reads its training table as a memory-mapped dataset (not
     a frame) and tokenises it with a cached map: a second load and build (as on a rerun of
@@ -412,6 +413,7 @@ def test_fit_logistic_separates_a_separable_feature():
     assert curve[-1]["loss"] < curve[0]["loss"]
 
 
+@pytest.mark.slow
 def test_likelihood_fit_over_batches_is_the_fit_over_the_whole_table(micro_dir):
     """The calibration is fitted from the rows a batch at a time (the stage streams its
     table): batches of 3 rows give the weights of one batch holding every row."""
