@@ -109,9 +109,7 @@ def prepared_dataset(path: str | Path, stage: str):
     error that says how to provide it. Conversations read as lists of message dicts."""
     from datasets import Dataset
 
-    path = Path(path)
-    if not path.exists():
-        raise missing_prepared(path, stage)
+    path = existing(path, stage)
     import pyarrow.dataset as pds
 
     with open(path, "rb"):  # opened by Python as well, so that audit hooks see the read
@@ -127,6 +125,14 @@ def missing_prepared(path: Path, stage: str) -> FileNotFoundError:
         f"{stage} needs {path}, which prepare did not write: with prepare.source=files, add "
         f"prepare.files.{path.stem}: {{path: ...}} to params.yaml (or use prepare.source: builtin)"
     )
+
+
+def existing(path: str | Path, stage: str) -> Path:
+    """`path` of a prepared table, or the error that says how to provide it."""
+    path = Path(path)
+    if not path.exists():
+        raise missing_prepared(path, stage)
+    return path
 
 
 def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_rows: int | None = None) -> Iterator:
@@ -167,9 +173,7 @@ def prepared_rows(path: str | Path, stage: str) -> int:
     provide it."""
     import pyarrow.parquet as pq
 
-    if not Path(path).exists():
-        raise missing_prepared(Path(path), stage)
-    with open(path, "rb") as file:
+    with open(existing(path, stage), "rb") as file:
         return pq.ParquetFile(file).metadata.num_rows
 
 
@@ -193,9 +197,7 @@ def read_prepared(
     batch at a time: a suite's other columns and rows never reach memory. `sample` (n,
     seed): the rows `table.sample(n, random_state=seed)` of the whole table would give, in
     its order (the whole table when it has at most n), read a batch at a time."""
-    path = Path(path)
-    if not path.exists():
-        raise missing_prepared(path, stage)
+    path = existing(path, stage)
     if sample is not None:
         return sampled_rows(path, *sample)
     if columns is not None or limit is not None:

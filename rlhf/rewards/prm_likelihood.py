@@ -119,7 +119,7 @@ class LikelihoodPRM(StepScorer):
         features, targets = [torch.empty(0, len(FEATURES))], [torch.empty(0, dtype=torch.bool)]
         for batch in batches:
             rows = likelihood_features(lm, tokenizer, batch["prompt"], batch["completions"], separator, batch_size)
-            features.append(torch.cat([features[0], *rows]))
+            features.append(torch.cat(rows))  # a batch of a dataset's `iter` has rows
             targets.append(torch.tensor([bool(label) for row in batch["labels"] for label in row], dtype=torch.bool))
         features, targets = torch.cat(features), torch.cat(targets)
         weights, bias, curve = fit_logistic(features, targets)
