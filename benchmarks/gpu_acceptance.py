@@ -32,12 +32,15 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RLHF_TRACKING", "off")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+for _offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_offline, "1")  # nothing is fetched: the model and data are local files
 
 LORA = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
 
@@ -200,38 +203,54 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = {"device": device, "placement": str(current()), "steps": args.steps, "runs": {}}
 
-    def record(name: str, stage: dict, baseline: dict) -> None:
-        results["runs"][name] = {"stage": stage, "bare_trl": baseline}
-        print(f"{name}: stage {stage} | bare TRL {baseline}", flush=True)
+    def save() -> None:
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "gpu_acceptance.json").write_text(json.dumps(results, indent=1))
 
-    reset_peak()
-    start = time.perf_counter()
-    metrics, _ = stages.sft.run(loaded["sft"], work / "models/base", work / "data/prepared/sft.parquet", work / "sft")
-    record("sft", stage_numbers(metrics, time.perf_counter() - start), bare("sft", loaded["sft"], model_dir, work))
+    def measure(name: str, stage_run, bare_run) -> None:
+        """One pair of runs; a failure is recorded and the next pair still runs (one call of
+        the device tool is all there is), and what is measured so far is written at once."""
+        try:
+            reset_peak()
+            start = time.perf_counter()
+            metrics, _ = stage_run()
+            stage = stage_numbers(metrics, time.perf_counter() - start)
+            baseline = bare_run()
+            results["runs"][name] = {"stage": stage, "bare_trl": baseline}
+            print(f"{name}: stage {stage} | bare TRL {baseline}", flush=True)
+        except Exception as error:  # noqa: BLE001 - the record says what broke; the others still run
+            traceback.print_exc()
+            results["runs"][name] = f"failed: {type(error).__name__}: {error}"
+        save()
+
+    measure(
+        "sft",
+        lambda: stages.sft.run(loaded["sft"], work / "models/base", work / "data/prepared/sft.parquet", work / "sft"),
+        lambda: bare("sft", loaded["sft"], model_dir, work),
+    )
     # The policy stages start from the SFT model the stage just trained.
     (work / "models/sft").symlink_to(work / "sft")
     task = get_task(loaded["task"])
     for method in ("dpo", "grpo"):
-        reset_peak()
-        start = time.perf_counter()
-        metrics, _ = stages.policy.run(loaded["policy"], task, method, work / f"policy-{method}")
-        block = getattr(loaded["policy"], method)
-        baseline = bare(method, block, work / "sft", work, rewards=loaded["policy"].grpo.rewards)
-        record(method, stage_numbers(metrics, time.perf_counter() - start), baseline)
+        measure(
+            method,
+            lambda method=method: stages.policy.run(loaded["policy"], task, method, work / f"policy-{method}"),
+            lambda method=method: bare(method, getattr(loaded["policy"], method), work / "sft", work,
+                                       rewards=loaded["policy"].grpo.rewards),
+        )  # fmt: skip
     if importlib.util.find_spec("bitsandbytes") is not None:
         qlora = loaded["sft"].model_copy(update={"lora": loaded["sft"].lora.model_copy(update=LORA)})
         model_settings.configure(loaded["model"], model_settings.ModelOverride(quantization={"bits": 4}))
-        reset_peak()
-        start = time.perf_counter()
-        metrics, _ = stages.sft.run(qlora, work / "models/base", work / "data/prepared/sft.parquet", work / "sft-q")
-        record("sft-qlora", stage_numbers(metrics, time.perf_counter() - start),
-               bare("sft-qlora", qlora, model_dir, work, quantized=True))  # fmt: skip
+        measure(
+            "sft-qlora",
+            lambda: stages.sft.run(qlora, work / "models/base", work / "data/prepared/sft.parquet", work / "sft-q"),
+            lambda: bare("sft-qlora", qlora, model_dir, work, quantized=True),
+        )
     else:
         results["runs"]["sft-qlora"] = "skipped: bitsandbytes does not import here"
     print(json.dumps(results, indent=1))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_acceptance.json").write_text(json.dumps(results, indent=1))
+    save()
 
 
 if __name__ == "__main__":
