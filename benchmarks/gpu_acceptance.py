@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -73,6 +74,79 @@ def params_for(root: Path, model_dir: Path, steps: int, tiny: bool) -> dict:
     return params
 
 
+CLOCKS: list = []  # the step clock of every training run in this process, in order
+PROFILE: dict = {"dir": None, "label": "", "steps": (10, 12)}  # profile these steps of the next run when dir is set
+
+
+def clock_every_training() -> None:
+    """Give every Trainer's `train()` in this process a step clock (the stage's and the bare
+    trainer's alike): the seconds of each optimizer step (synchronised with the GPU, from the
+    step's start to its end, the batch's loading excluded) and between successive step ends
+    (all of it). With PROFILE["dir"] set, the next run's steps PROFILE["steps"] are profiled
+    (torch.profiler, CPU and CUDA) into `profile-<label>.txt` there."""
+    import torch
+    import transformers
+
+    class StepClock(transformers.TrainerCallback):
+        def __init__(self):
+            self.steps, self.intervals, self.begun, self.ended, self.profiler = [], [], None, None, None
+
+        @staticmethod
+        def now() -> float:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if PROFILE["dir"] and state.global_step == PROFILE["steps"][0] and self.profiler is None:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+            self.begun = self.now()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            end = self.now()
+            self.steps.append(end - self.begun)
+            if self.ended is not None:
+                self.intervals.append(end - self.ended)
+            self.ended = end
+            if self.profiler is not None and state.global_step == PROFILE["steps"][1]:
+                self.profiler.__exit__(None, None, None)
+                averages = self.profiler.key_averages()
+                by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+                text = "\n\n".join(averages.table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", by))
+                Path(PROFILE["dir"]).mkdir(parents=True, exist_ok=True)
+                (Path(PROFILE["dir"]) / f"profile-{PROFILE['label']}.txt").write_text(text)
+                self.profiler, PROFILE["dir"] = None, None
+
+    original = transformers.Trainer.train
+
+    def train(self, *args, **kwargs):
+        clock = StepClock()
+        CLOCKS.append(clock)
+        self.add_callback(clock)
+        return original(self, *args, **kwargs)
+
+    transformers.Trainer.train = train
+
+
+def step_times() -> dict:
+    """The last run's median step and interval (the first 3 steps left out: warm-up) and its
+    first 3 steps' seconds together."""
+    import statistics
+
+    if not CLOCKS or len(CLOCKS[-1].steps) < 5:
+        return {}
+    clock = CLOCKS[-1]
+    return {
+        "median_step_seconds": round(statistics.median(clock.steps[3:]), 4),
+        "median_interval_seconds": round(statistics.median(clock.intervals[3:]), 4),
+        "first_3_steps_seconds": round(sum(clock.steps[:3]), 3),
+    }
+
+
 def reset_peak() -> None:
     import torch
 
@@ -94,6 +168,7 @@ def trainer_numbers(trainer, seconds: float) -> dict:
         "train_tokens_per_second": float(tokens) / runtime if tokens else None,
         "steps": trainer.state.global_step,
         "seconds": round(seconds, 1),
+        **step_times(),
     }
 
 
@@ -103,6 +178,7 @@ def stage_numbers(metrics: dict, seconds: float) -> dict:
         "train_tokens_per_second": metrics.get("train_tokens_per_second"),
         "steps": metrics.get("steps"),
         "seconds": round(seconds, 1),
+        **step_times(),
     }
 
 
@@ -159,7 +235,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--tiny", action="store_true", help="the micro model on a CPU: the code path, in seconds")
     parser.add_argument("--out", type=Path, help="write gpu_acceptance.json here")
+    parser.add_argument("--runs", default="sft,dpo,grpo,sft-qlora", help="which pairs, comma-separated")
+    parser.add_argument("--repeats", type=int, default=1, help="each pair this many times, the order alternating")
+    parser.add_argument("--bare-first", action="store_true", help="the bare trainer before the stage in a pair")
+    parser.add_argument("--profile", action="store_true", help="profile steps 10-12 of each pair's first runs (--out)")
     args = parser.parse_args()
+    runs = set(args.runs.split(","))
+    clock_every_training()
 
     import importlib.util
 
@@ -203,30 +285,51 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = {"device": device, "placement": str(current()), "steps": args.steps, "runs": {}}
 
+    def fresh(name: str) -> Path:
+        """The stage's output folder: `name`, or `name-2`, ... when repeated (the first stays
+        where the policy stages read the SFT model)."""
+        count = sum(1 for _ in work.glob(f"{name}*"))
+        return work / (name if count == 0 else f"{name}-{count + 1}")
+
     def save() -> None:
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "gpu_acceptance.json").write_text(json.dumps(results, indent=1))
 
     def measure(name: str, stage_run, bare_run) -> None:
-        """One pair of runs; a failure is recorded and the next pair still runs (one call of
-        the device tool is all there is), and what is measured so far is written at once."""
-        try:
+        """A pair of runs (`--repeats` pairs, the order alternating); a failure is recorded and
+        the next pair still runs (one call of the device tool is all there is), and what is
+        measured so far is written at once."""
+        if name not in runs:
+            return
+
+        def timed_stage() -> dict:
+            shutil.rmtree(work / "checkpoints", ignore_errors=True)  # a repeat trains afresh, not resumes
             reset_peak()
             start = time.perf_counter()
             metrics, _ = stage_run()
-            stage = stage_numbers(metrics, time.perf_counter() - start)
-            baseline = bare_run()
-            results["runs"][name] = {"stage": stage, "bare_trl": baseline}
-            print(f"{name}: stage {stage} | bare TRL {baseline}", flush=True)
-        except Exception as error:  # noqa: BLE001 - the record says what broke; the others still run
-            traceback.print_exc()
-            results["runs"][name] = f"failed: {type(error).__name__}: {error}"
-        save()
+            return stage_numbers(metrics, time.perf_counter() - start)
+
+        for repeat in range(args.repeats):
+            label = name if args.repeats == 1 else f"{name}-{repeat + 1}"
+            bare_first = args.bare_first != bool(repeat % 2)
+            pair = {}
+            try:
+                for who, run in (("bare_trl", bare_run), ("stage", timed_stage))[:: 1 if bare_first else -1]:
+                    if args.profile and args.out and repeat == 0:
+                        PROFILE.update(dir=args.out, label=f"{who}-{name}")
+                    pair[who] = run()
+                results["runs"][label] = {**pair, "order": "bare first" if bare_first else "stage first"}
+                print(f"{label}: stage {pair['stage']} | bare TRL {pair['bare_trl']}", flush=True)
+            except Exception as error:  # noqa: BLE001 - the record says what broke; the others still run
+                traceback.print_exc()
+                results["runs"][label] = f"failed: {type(error).__name__}: {error}"
+            PROFILE["dir"] = None
+            save()
 
     measure(
         "sft",
-        lambda: stages.sft.run(loaded["sft"], work / "models/base", work / "data/prepared/sft.parquet", work / "sft"),
+        lambda: stages.sft.run(loaded["sft"], work / "models/base", work / "data/prepared/sft.parquet", fresh("sft")),
         lambda: bare("sft", loaded["sft"], model_dir, work),
     )
     # The policy stages start from the SFT model the stage just trained.
@@ -235,7 +338,7 @@ def main() -> None:
     for method in ("dpo", "grpo"):
         measure(
             method,
-            lambda method=method: stages.policy.run(loaded["policy"], task, method, work / f"policy-{method}"),
+            lambda method=method: stages.policy.run(loaded["policy"], task, method, fresh(f"policy-{method}")),
             lambda method=method: bare(method, getattr(loaded["policy"], method), work / "sft", work,
                                        rewards=loaded["policy"].grpo.rewards),
         )  # fmt: skip
@@ -244,7 +347,7 @@ def main() -> None:
         model_settings.configure(loaded["model"], model_settings.ModelOverride(quantization={"bits": 4}))
         measure(
             "sft-qlora",
-            lambda: stages.sft.run(qlora, work / "models/base", work / "data/prepared/sft.parquet", work / "sft-q"),
+            lambda: stages.sft.run(qlora, work / "models/base", work / "data/prepared/sft.parquet", fresh("sft-q")),
             lambda: bare("sft-qlora", qlora, model_dir, work, quantized=True),
         )
     else:
