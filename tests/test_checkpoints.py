@@ -183,3 +183,26 @@ def test_kto_rows_derived_from_pairs_are_not_read_side_by_side():
     first, again, other = (seeded_order(dataset, seed).to_pandas() for seed in (0, 0, 1))
     assert neighbours_alike(first) < 0.05 and first.equals(again) and not first.equals(other)
     assert sorted(map(tuple, first.values.tolist())) == sorted(map(tuple, table.values.tolist()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumable", [True, False], ids=["train_resumable", "plain-train"])
+def test_a_stage_keeps_its_periodic_checkpoints_but_writes_none_at_the_last_step(tmp_path, resumable):
+    """train_resumable saves every save_steps, but not at the last step (the stage saves the
+    model next and then deletes its checkpoints): a plain Trainer.train writes checkpoint-4
+    here, a stage's training does not."""
+    from transformers import Trainer, TrainingArguments
+
+    from rlhf.models.loading import build_tiny_model, build_tokenizer
+    from rlhf.training.trainer_setup import train_resumable
+
+    tokenizer = build_tokenizer()
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 20, (8, 6)).tolist()]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, save_steps=2, per_device_train_batch_size=2, use_cpu=True,
+        report_to="none", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=build_tiny_model("micro", tokenizer, seed=0), args=args, train_dataset=rows)
+    train_resumable(trainer, "sft", "test") if resumable else trainer.train()
+    assert trainer.state.global_step == 4 and (tmp_path / "checkpoint-2/trainer_state.json").is_file()
+    assert (tmp_path / "checkpoint-4").exists() == (not resumable)
