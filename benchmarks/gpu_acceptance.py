@@ -19,7 +19,7 @@ RLHF_TRACKING=off: the GPU machine has no MLflow (the stages' publishing, MLflow
 DVC are not what this measures). On the device machine (torch, transformers, peft and
 accelerate there; TRL, datasets and pydantic carried as wheels, benchmarks/README.md):
 
-    python3 benchmarks/gpu_acceptance.py --out $OUT           # about 5 min on one H100
+    python3 benchmarks/gpu_acceptance.py --out $OUT           # 6 min on one H200, the model's build included
     python benchmarks/gpu_acceptance.py --tiny --steps 2      # the same code on a CPU, in seconds (the tests)
 """
 

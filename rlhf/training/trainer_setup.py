@@ -314,11 +314,11 @@ def save_trained(trainer, tokenizer, out_dir: Path, base_dir: Path) -> None:
 class NoFinalCheckpoint(TrainerCallback):
     """No checkpoint at the last step: transformers saves one there (weights, optimizer and
     scheduler states: 12 bytes a parameter under full fine-tuning, 6 GB for a 0.5 B model)
-    that the stage deletes once it has published the model it saves next. Measured on an
-    H200 (benchmarks/README.md), that save made the stage's training take about twice the
-    bare trainer's for 30 steps of Qwen2.5-0.5B's shape. A crash while the model is being
-    published resumes from the last periodic checkpoint instead. Runs after transformers'
-    own flow callback, so it has the last word on `should_save`."""
+    that the stage deletes once it has published the model it saves next. On an H200 that
+    save took as long as 30 training steps of Qwen2.5-0.5B's shape (benchmarks/README.md,
+    GPU acceptance). A crash while the model is being published resumes from the last
+    periodic checkpoint instead. Runs after transformers' own flow callback, so it has the
+    last word on `should_save`."""
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.max_steps > 0 and state.global_step >= state.max_steps:
