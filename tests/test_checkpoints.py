@@ -206,3 +206,30 @@ def test_a_stage_keeps_its_periodic_checkpoints_but_writes_none_at_the_last_step
     train_resumable(trainer, "sft", "test") if resumable else trainer.train()
     assert trainer.state.global_step == 4 and (tmp_path / "checkpoint-2/trainer_state.json").is_file()
     assert (tmp_path / "checkpoint-4").exists() == (not resumable)
+
+
+@pytest.mark.slow
+def test_the_fused_lm_head_in_smaller_cpu_chunks_gives_the_same_log_probs_and_gradients():
+    """cpu_lm_head_chunks sets TRL's chunk (a private constant of the pinned TRL, read at each
+    call): the same log-probs and gradients as TRL's default chunk, for a bf16 head over a
+    vocabulary wider than both chunks."""
+    import trl.trainer.utils as trl_utils
+    from trl.kernels import ChunkedLogProbFunction
+
+    from rlhf.training.trainer_setup import CPU_LM_HEAD_CHUNK
+
+    default = trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+    assert CPU_LM_HEAD_CHUNK < default <= 32768
+    torch.manual_seed(0)
+    hidden = torch.randn(24, 32, dtype=torch.bfloat16)
+    weight = torch.randn(40_000, 32, dtype=torch.bfloat16) * 0.1
+    targets = torch.randint(0, 40_000, (24,))
+
+    def log_probs(chunk: int):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = ChunkedLogProbFunction.apply(h, w, None, targets, 1.0, chunk, None, 1.0, ("log_probs",))[0]
+        out.float().sum().backward()
+        return out.float(), h.grad.float(), w.grad.float()
+
+    for small, large in zip(log_probs(CPU_LM_HEAD_CHUNK), log_probs(default)):
+        torch.testing.assert_close(small, large, rtol=1e-2, atol=1e-3)
