@@ -1,34 +1,40 @@
 """PRM-guided repair (critique and refine) in a round, measured: the share of wrong samples
-the process reward model finds and the model repairs.
+the process reward model finds and the model repairs; a params sweep over seeds, run
+through DVC's experiment queue (studies/sweep.py).
 
-    .venv/bin/python studies/prm_repair/run.py --out studies/prm_repair      # 3 seeds, ~10 min a seed
-    .venv/bin/python studies/prm_repair/run.py --work /tmp/ewc-shift   # reuse ewc_shift's SFT models
+    .venv/bin/python studies/prm_repair/run.py                    # 3 seeds, two at a time
+    .venv/bin/python studies/prm_repair/run.py --seeds 0 --jobs 1
 
-For each seed, in a scratch project of its own (studies/scratch.py; this checkout is not
-touched; a --work folder that studies/ewc_shift/run.py used keeps its SFT models):
+The study makes a scratch DVC project (`--work`; a temporary folder by default): this
+checkout's code, dvc.yaml and params.yaml with no planted habit (`shortcut_rate: 0`) and one
+round, `fix5`, in `improve.rounds`, committed to a git repository of its own. Each seed is
+one queued experiment, a params change and nothing else:
 
-1. the built-in task with no planted habit (`shortcut_rate: 0`), the default model and SFT
-   on problems of 3-5 numbers (the real stages prepare, base, sft), every seed set to the
-   seed's; the verifier and the process reward model (stages verifier and prm, params.yaml's
-   settings: the likelihood PRM reading the verifier);
-2. the real round stage (`python -m stages.improve fix5`, `refine: true`): SFT samples 4
-   completions for each of 256 new problems of 5 numbers; every sample the answer check
-   rejects goes to the repair, whose choices read the PRM alone (rlhf/inference/refine.py):
-   the first step it scores below `prm_threshold` is the first error, the model samples
-   `refine_attempts` continuations from the step before it, and the one whose weakest step
-   the PRM scores best replaces the sample if every step passes. The answer key only
-   measures: a repair is right or wrong, and only right ones join the round's data.
+    dvc exp run --queue --name seed0 -S ++base.seed=0 -S ++sft.seed=0 \
+        -S ++improve.defaults.seed=0 -S ++improve.defaults.train.seed=0 improve@fix5
 
-The round's report (models/rounds/fix5/round.json, `data.repair`) gives, of the wrong
-samples: flagged (the PRM found a bad step), repaired right (`share_of_wrong_repaired`),
-and the repairs the PRM approved that are still wrong (`false_repair_share`). Results:
---out/results.json, the table in --out/table.md.
+`improve@fix5` pulls in what dvc.yaml says it needs: check_params, prepare, base, sft (on
+problems of 3-5 numbers), the verifier and the process reward model (params.yaml's
+settings: the likelihood PRM reading the verifier). The round (`refine: true`) has SFT
+sample 4 completions for each of 256 new problems of 5 numbers; every sample the answer
+check rejects goes to the repair, whose choices read the PRM alone
+(rlhf/inference/refine.py): the first step it scores below `prm_threshold` is the first
+error, the model samples `refine_attempts` continuations from the step before it, and the
+one whose weakest step the PRM scores best replaces the sample if every step passes. The
+answer key only measures: a repair is right or wrong, and only right ones join the round's
+data.
+
+The round's metrics (reports/rounds/fix5.json, `repair`, read back with `dvc exp show
+--json`) give, of the wrong samples: flagged (the PRM found a bad step), repaired right
+(`share_of_wrong_repaired`), and the repairs the PRM approved that are still wrong
+(`false_repair_share`). Results: --out/results.json, the table in --out/table.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,9 +43,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from studies.scratch import edit_params, no_habit_sft, run_module, write_results  # noqa: E402
+from studies import sweep  # noqa: E402
 
 ROUND = {"after": "sft", "operands": [5, 5], "prompts": 256, "samples": 4, "refine": True, "suites": ["dev"]}
+SEEDED = ("base.seed", "sft.seed", "improve.defaults.seed", "improve.defaults.train.seed")
+METRICS = "reports/rounds/fix5.json"
 COLUMNS = (  # (column, key of the repair report)
     ("wrong samples", "wrong_samples"), ("flagged by the PRM", "wrong_flagged"),
     ("repaired right", "wrong_repaired"), ("share of wrong samples repaired", "share_of_wrong_repaired"),
@@ -47,16 +55,12 @@ COLUMNS = (  # (column, key of the repair report)
 )  # fmt: skip
 
 
-def run_seed(work: Path, seed: int) -> dict:
-    env = no_habit_sft(work, seed)
-    edit_params(work, lambda params: params["improve"].update(rounds={"fix5": ROUND}))
-    if not (work / "models/prm").is_dir():
-        run_module(env, "rlhf.cli.launch", "stages.verifier")
-        run_module(env, "stages.prm")
-    if not (work / "models/rounds/fix5/round.json").is_file():
-        print(run_module(env, "stages.improve", "fix5").strip().splitlines()[-1][:300], flush=True)
-    report = json.loads((work / "models/rounds/fix5/round.json").read_text())
-    return {"round": report["data"]}
+def scratch_project(work: Path) -> Path:
+    def no_habit_round(params: dict) -> None:
+        params["prepare"]["builtin"]["shortcut_rate"] = 0.0
+        params["improve"]["rounds"] = {"fix5": ROUND}
+
+    return sweep.project(work, "prm_repair", no_habit_round)
 
 
 def cell(values: list) -> str:
@@ -68,7 +72,7 @@ def cell(values: list) -> str:
 
 def table(results: dict) -> str:
     seeds = list(results["seeds"])
-    repairs = [results["seeds"][s]["round"]["repair"] for s in seeds]
+    repairs = [results["seeds"][s]["repair"] for s in seeds]
     lines = [f"| seeds {' / '.join(seeds)} | " + " | ".join(name for name, _ in COLUMNS) + " |"]
     lines.append("|---|" + "---|" * len(COLUMNS))
     lines.append("| fix5 | " + " | ".join(cell([r[key] for r in repairs]) for _, key in COLUMNS) + " |")
@@ -77,14 +81,33 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "studies/prm_repair")
-    parser.add_argument("--work", type=Path, default=None, help="scratch folder (a project per seed under it)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=2, help="experiments at once (each with 2 / jobs threads)")
+    parser.add_argument("--work", type=Path, help="the scratch DVC project's folder (kept; default: temporary)")
+    parser.add_argument("--out", type=Path, default=ROOT / "studies/prm_repair")
     args = parser.parse_args()
-    out = args.out.resolve()
-    work = (args.work or Path(tempfile.mkdtemp(prefix="prm-repair-"))).resolve()
-    results = {"round": ROUND, "seeds": {str(seed): run_seed(work / f"seed{seed}", seed) for seed in args.seeds}}
-    write_results(out, results, table(results))
+    work = args.work or Path(tempfile.mkdtemp(prefix="prm-repair-"))
+    root = scratch_project(work)
+    env = sweep.environment(max(1, 2 // args.jobs))
+    print(f"scratch DVC project: {root}", flush=True)
+    experiments = {
+        f"seed{seed}": (sweep.overrides({key: seed for key in SEEDED}), "improve@fix5") for seed in args.seeds
+    }
+    finished, minutes, failed = sweep.sweep(root, env, experiments, args.jobs)
+    seeds = {str(seed): finished.get(f"seed{seed}") for seed in args.seeds}
+    results = {
+        "round": ROUND,
+        "seeds": {seed: {"repair": run["metrics"][METRICS]["repair"]} for seed, run in seeds.items() if run},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    summary = f"{len(results['seeds'])} experiments through `dvc exp run --queue` (-j {args.jobs}), {minutes:.1f} min"
+    (args.out / "table.md").write_text(f"{summary}\n\n{table(results)}\n")
+    print(f"\n{summary}\n\n{table(results)}")
+    if failed:
+        raise SystemExit(f"{len(failed)} experiment(s) failed: {failed}")
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ bootstrap interval over problems, accuracy per number of operands). Each (settin
 one queued experiment, a params change and nothing else, every seed of the run (data,
 initialisation, data order, sampling) set to the seed:
 
-    dvc exp run --queue --name habit-seed0 -S prepare.builtin.shortcut_rate=0.75 \
+    dvc exp run --queue --name habit-seed0 -S ++prepare.builtin.shortcut_rate=0.75 \
         -S ++prepare.seed=0 -S ++base.seed=0 -S ++sft.seed=0 -S ++policy.dpo.seed=0 \
         -S ++policy.grpo.seed=0 -S ++policy.ppo.seed=0 score
 
@@ -38,19 +38,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from studies import sweep  # noqa: E402
+
 SETTINGS = {"habit": 0.75, "no_habit": 0.0}  # prepare.builtin.shortcut_rate
 MODELS = {"sft": "models/sft", "dpo": "models/policy/dpo", "grpo": "models/policy/grpo", "ppo": "models/policy/ppo"}
 SEEDED = ("prepare.seed", "base.seed", "sft.seed", "policy.dpo.seed", "policy.grpo.seed", "policy.ppo.seed")
@@ -60,51 +58,15 @@ HERE = "studies/seed_spread/run.py"  # this file, in the scratch project
 
 
 def scratch_project(work: Path) -> Path:
-    """The study's DVC project in `work` (made once; an existing one is resumed)."""
-    from studies.scratch import copy_code
+    """The study's DVC project in `work` (studies/sweep.py): the four methods, and the
+    `score` stage."""
 
-    root = work / "project"
-    if (root / ".dvc").is_dir():
-        return root
-    root.mkdir(parents=True)
-    copy_code(root)
-    (root / HERE).parent.mkdir(parents=True)
-    shutil.copy2(Path(__file__), root / HERE)
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["policy"]["offline"], params["policy"]["online"] = ["dpo"], ["grpo", "ppo"]
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    pipeline = yaml.safe_load((root / "dvc.yaml").read_text())
-    pipeline["stages"]["score"] = {
-        "cmd": f"python {HERE} --score .",
-        "deps": [HERE, TEST_SUITE, *MODELS.values()],
-        "metrics": [{SCORES: {"cache": False}}],
-    }
-    (root / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
-    commit = ["git", "-c", "user.name=study", "-c", "user.email=study@localhost", "commit", "-qm", "seed_spread"]
-    for command in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"], ["git", "add", "-A"], commit):
-        subprocess.run(command, cwd=root, check=True, capture_output=True)
-    return root
+    def methods(params: dict) -> None:
+        params["policy"]["offline"], params["policy"]["online"] = ["dpo"], ["grpo", "ppo"]
 
-
-def environment(threads: int) -> dict:
-    """What the queue's workers run with: this interpreter first on PATH, `threads` threads
-    a stage, each experiment's MLflow runs in its own workspace's store."""
-    env = {
-        **os.environ,
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-    }
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
-        env.pop(name, None)
-    return env
-
-
-def dvc(root: Path, env: dict, *args: str, check: bool = True) -> str:
-    done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env, capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise SystemExit(f"dvc {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return done.stdout
+    stage = {"cmd": f"python {HERE} --score .", "deps": [HERE, TEST_SUITE, *MODELS.values()],
+             "metrics": [{SCORES: {"cache": False}}]}  # fmt: skip
+    return sweep.project(work, "seed_spread", methods, {"score": stage}, files=[HERE])
 
 
 def experiment_name(setting: str, seed: int) -> str:
@@ -112,56 +74,17 @@ def experiment_name(setting: str, seed: int) -> str:
 
 
 def changes(setting: str, seed: int, extra: list[str]) -> list[str]:
-    """The experiment's params changes, as `dvc exp run -S` arguments (Hydra's override
-    syntax: `++` sets a key params.yaml may not write out, such as a method's seed)."""
-    sets = [f"prepare.builtin.shortcut_rate={SETTINGS[setting]}", *(f"++{key}={seed}" for key in SEEDED), *extra]
-    return [arg for change in sets for arg in ("-S", change)]
+    """The experiment's params changes, as `dvc exp run -S` arguments."""
+    return sweep.overrides({"prepare.builtin.shortcut_rate": SETTINGS[setting], **{key: seed for key in SEEDED}}, extra)
 
 
-def start_workers(root: Path, env: dict, count: int) -> None:
-    with open(root.parent / "queue-start.log", "a") as log:  # the workers outlive the command
-        subprocess.run([sys.executable, "-m", "dvc", "queue", "start", "-j", str(count)], cwd=root, env=env,
-                       stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
-
-
-def run_queue(root: Path, env: dict, jobs: int) -> str:
-    """Start `jobs` queue workers and wait until nothing is queued or running: the last
-    `dvc queue status`. A worker that stops while experiments are still queued (seen once,
-    with an experiment queued after the workers started) is replaced."""
-    start_workers(root, env, jobs)
-    shown = ""
-    while True:
-        status = dvc(root, env, "queue", "status")
-        states = ("Queued", "Running", "Success", "Failed")
-        counts = {state: len(re.findall(rf"\b{state}\b", status)) for state in states}
-        line = ", ".join(f"{n} {state.lower()}" for state, n in counts.items() if n)
-        if line != shown:
-            print(f"{time.strftime('%H:%M:%S')} queue: {line}", flush=True)
-            shown = line
-        if not counts["Queued"] and not counts["Running"]:
-            return status
-        workers = re.search(r"Worker status: (\d+) active, (\d+) idle", status)
-        busy = int(workers.group(1)) + int(workers.group(2)) if workers else jobs
-        if counts["Queued"] and busy < jobs:
-            start_workers(root, env, min(jobs - busy, counts["Queued"]))
-        time.sleep(15)
-
-
-def collected(root: Path, env: dict, names: set[str]) -> list[dict]:
-    """Each finished experiment of `names`: its setting, seed and scores (`dvc exp show`)."""
-    results = []
-    for baseline in json.loads(dvc(root, env, "exp", "show", "--json")):
-        for experiment in baseline.get("experiments") or []:
-            for rev in experiment["revs"]:
-                data = rev.get("data") or {}
-                scores = (data.get("metrics") or {}).get(SCORES, {}).get("data")
-                if rev.get("name") not in names or not scores:
-                    continue
-                params = data["params"]["params.yaml"]["data"]
-                rate = params["prepare"]["builtin"]["shortcut_rate"]
-                setting = next(name for name, value in SETTINGS.items() if value == rate)
-                results.append({"setting": setting, "seed": params["prepare"]["seed"], "experiment": rev["name"],
-                                "models": scores})  # fmt: skip
+def collected(finished: dict[str, dict], jobs: dict[str, tuple[str, int]]) -> list[dict]:
+    """Each finished experiment: its setting, seed and scores."""
+    results = [
+        {"setting": jobs[name][0], "seed": jobs[name][1], "experiment": name, "models": run["metrics"][SCORES]}
+        for name, run in finished.items()
+        if run["metrics"].get(SCORES)
+    ]
     return sorted(results, key=lambda r: (list(SETTINGS).index(r["setting"]), r["seed"]))
 
 
@@ -246,28 +169,19 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="seed-spread-"))
     root = scratch_project(work)
-    env = environment(max(1, 2 // args.jobs))
+    env = sweep.environment(max(1, 2 // args.jobs))
     print(f"scratch DVC project: {root}", flush=True)
     jobs = {experiment_name(setting, seed): (setting, seed) for setting in args.settings for seed in args.seeds}
-    done = set(dvc(root, env, "exp", "list", "--name-only").split())
-    start = time.perf_counter()
-    for name, (setting, seed) in jobs.items():
-        if name not in done:
-            dvc(root, env, "exp", "run", "--queue", "--name", name, *changes(setting, seed, args.set), "score")
-    status = run_queue(root, env, args.jobs)
-    minutes = (time.perf_counter() - start) / 60
-    results = collected(root, env, set(jobs))
-    missing = sorted(set(jobs) - {r["experiment"] for r in results})
-    for name in missing:
-        log = dvc(root, env, "queue", "logs", name, check=False)
-        print(f"{name} failed; the end of its log (dvc queue logs {name}):\n{log[-3000:]}")
+    experiments = {name: (changes(setting, seed, args.set), "score") for name, (setting, seed) in jobs.items()}
+    finished, minutes, failed = sweep.sweep(root, env, experiments, args.jobs)
+    results = collected(finished, jobs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     summary = f"{len(results)} experiments through `dvc exp run --queue` (-j {args.jobs}), {minutes:.1f} min"
     (args.out / "table.md").write_text(f"{summary}\n\n{table(results)}\n")
     print(f"\n{summary}\n\n{table(results)}")
-    if missing:
-        raise SystemExit(f"{len(missing)} experiment(s) failed: {missing}\n{status}")
+    if failed:
+        raise SystemExit(f"{len(failed)} experiment(s) failed: {failed}")
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 
