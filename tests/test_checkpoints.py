@@ -211,15 +211,19 @@ def test_a_stage_keeps_its_periodic_checkpoints_but_writes_none_at_the_last_step
 @pytest.mark.slow
 def test_the_fused_lm_head_in_smaller_cpu_chunks_gives_the_same_log_probs_and_gradients():
     """cpu_lm_head_chunks sets TRL's chunk (a private constant of the pinned TRL, read at each
-    call): the same log-probs and gradients as TRL's default chunk, for a bf16 head over a
-    vocabulary wider than both chunks."""
+    call) while a CPU trainer trains, and restores it: the same log-probs and gradients as
+    TRL's default chunk, for a bf16 head over a vocabulary wider than both chunks."""
     import trl.trainer.utils as trl_utils
     from trl.kernels import ChunkedLogProbFunction
 
-    from rlhf.training.trainer_setup import CPU_LM_HEAD_CHUNK
+    from rlhf.training.trainer_setup import CPU_LM_HEAD_CHUNK, cpu_lm_head_chunks
 
-    default = trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
-    assert CPU_LM_HEAD_CHUNK < default <= 32768
+    default = 32768  # TRL 1.16's
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == default, "restored after every stage's training"
+    cpu = type("Trainer", (), {"args": type("Args", (), {"device": torch.device("cpu")})()})()
+    with cpu_lm_head_chunks(cpu):
+        assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == CPU_LM_HEAD_CHUNK < default
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == default
     torch.manual_seed(0)
     hidden = torch.randn(24, 32, dtype=torch.bfloat16)
     weight = torch.randn(40_000, 32, dtype=torch.bfloat16) * 0.1

@@ -7,6 +7,7 @@ built-in model) both cost more than they save, so they are chosen explicitly her
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -332,17 +333,26 @@ class NoFinalCheckpoint(TrainerCallback):
 CPU_LM_HEAD_CHUNK = 8192
 
 
-def cpu_lm_head_chunks(trainer) -> None:
-    """On a CPU, TRL's fused LM head in chunks of CPU_LM_HEAD_CHUNK vocabulary rows. The head
-    accumulates every product in float32; on a GPU it multiplies bf16 into float32 directly,
-    on a CPU it converts each chunk of a bf16 head and its logits tile to float32 first
-    (`_addmm_fp32`): 0.18 GB of transient copies a chunk of 32,768 rows on Qwen2.5-0.5B's
-    shape at 2 x 256 tokens, at the start of the backward pass, where memory peaks. Smaller
-    chunks hold a quarter of that; the sums are the same float32 sums in another order."""
+@contextlib.contextmanager
+def cpu_lm_head_chunks(trainer):
+    """While training on a CPU, TRL's fused LM head in chunks of CPU_LM_HEAD_CHUNK vocabulary
+    rows (restored after). The head accumulates every product in float32; on a GPU it
+    multiplies bf16 into float32 directly, on a CPU it converts each chunk of a bf16 head and
+    its logits tile to float32 first (`_addmm_fp32`): 0.18 GB of transient copies a chunk of
+    32,768 rows on Qwen2.5-0.5B's shape at 2 x 256 tokens, at the start of the backward
+    pass, where memory peaks. Smaller chunks hold a quarter of that; the sums are the same
+    float32 sums in another order."""
     import trl.trainer.utils as trl_utils
 
-    if trainer.args.device.type == "cpu" and hasattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE"):
-        trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = min(trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, CPU_LM_HEAD_CHUNK)
+    default = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", None)
+    if trainer.args.device.type != "cpu" or default is None:
+        yield
+        return
+    trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = min(default, CPU_LM_HEAD_CHUNK)
+    try:
+        yield
+    finally:
+        trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = default
 
 
 def train_resumable(trainer, stage: str, key: str) -> str | None:
@@ -360,10 +370,10 @@ def train_resumable(trainer, stage: str, key: str) -> str | None:
         )
     resume = last_checkpoint(Path(trainer.args.output_dir), stage)
     trainer.add_callback(NoFinalCheckpoint)
-    cpu_lm_head_chunks(trainer)
     if resume:
         print(f"{stage}: resuming from {resume}")
-    trainer.train(resume_from_checkpoint=resume)
+    with cpu_lm_head_chunks(trainer):
+        trainer.train(resume_from_checkpoint=resume)
     return resume
 
 
