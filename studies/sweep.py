@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from studies.scratch import ROOT, copy_code
+from studies.scratch import ROOT, copy_code, write_results
 
 
 def project(work: Path, name: str, edit: Callable[[dict], None], stages: dict | None = None, files=()) -> Path:
@@ -143,3 +143,17 @@ def sweep(root: Path, env: dict, experiments: dict[str, tuple[list[str], str]], 
         log = dvc(root, env, "queue", "logs", name, check=False)
         print(f"{name} failed; the end of its log (dvc queue logs {name}):\n{log[-3000:]}")
     return results, (time.perf_counter() - start) / 60, failed
+
+
+def conclude(
+    out: Path, results, table: str, count: int, minutes: float, jobs: int, failed: list[str], work: Path | None
+) -> None:
+    """A sweep's results and table to `out` (studies.scratch.write_results, the table headed
+    by how many experiments finished and how long they took), then stop naming the failed
+    ones, or remove the scratch folder when the study made it (`work` None: --work given)."""
+    summary = f"{count} experiments through `dvc exp run --queue` (-j {jobs}), {minutes:.1f} min"
+    write_results(out, results, f"{summary}\n\n{table}")
+    if failed:
+        raise SystemExit(f"{len(failed)} experiment(s) failed: {failed}")
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)

@@ -33,8 +33,6 @@ The round's metrics (reports/rounds/fix5.json, `repair`, read back with `dvc exp
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -99,15 +97,9 @@ def main() -> None:
         "round": ROUND,
         "seeds": {seed: {"repair": run["metrics"][METRICS]["repair"]} for seed, run in seeds.items() if run},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    summary = f"{len(results['seeds'])} experiments through `dvc exp run --queue` (-j {args.jobs}), {minutes:.1f} min"
-    (args.out / "table.md").write_text(f"{summary}\n\n{table(results)}\n")
-    print(f"\n{summary}\n\n{table(results)}")
-    if failed:
-        raise SystemExit(f"{len(failed)} experiment(s) failed: {failed}")
-    if args.work is None:
-        shutil.rmtree(work, ignore_errors=True)
+    sweep.conclude(
+        args.out, results, table(results), len(finished), minutes, args.jobs, failed, None if args.work else work
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -175,15 +174,9 @@ def main() -> None:
     experiments = {name: (changes(setting, seed, args.set), "score") for name, (setting, seed) in jobs.items()}
     finished, minutes, failed = sweep.sweep(root, env, experiments, args.jobs)
     results = collected(finished, jobs)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    summary = f"{len(results)} experiments through `dvc exp run --queue` (-j {args.jobs}), {minutes:.1f} min"
-    (args.out / "table.md").write_text(f"{summary}\n\n{table(results)}\n")
-    print(f"\n{summary}\n\n{table(results)}")
-    if failed:
-        raise SystemExit(f"{len(failed)} experiment(s) failed: {failed}")
-    if args.work is None:
-        shutil.rmtree(work, ignore_errors=True)
+    sweep.conclude(
+        args.out, results, table(results), len(finished), minutes, args.jobs, failed, None if args.work else work
+    )
 
 
 if __name__ == "__main__":
