@@ -50,7 +50,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.artifacts import write_json
-from rlhf.data.contracts import looks_like_hub_dataset
+from rlhf.data.readers import looks_like_hub_dataset
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
 from stages import DATA_DIR, EVAL_DIR, EVAL_PREFIX, FEEDBACK_FILE, load_all

@@ -1,4 +1,4 @@
-"""Reading a data file (rlhf.data.contracts.read_table, through load_contract): files that
+"""Reading a data file (rlhf.data.readers.read_batches, through load_contract): files that
 cannot be parsed, folders that are not datasets, paths that do not exist, splits and
 configurations, Hub dataset names online and offline. Each failure is one error naming
 the file and what to do. (Validating the rows read: tests/test_data.py.)"""

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 import rlhf.data.contracts as contracts
+import rlhf.data.readers as readers
 from rlhf.data.contracts import DataValidationError, load_contract
 from rlhf.tasks import TaskConfig, get_task
 from stages.prepare import Config, prepare, run
@@ -49,7 +50,7 @@ def test_prepare_in_small_batches_writes_what_one_batch_writes(tmp_path, monkeyp
     answers, the eval overlap and the manifest: the same whatever the batch size."""
     config = Config(source="files", files=user_files(tmp_path), heldout_share=0.25)
     whole = prepare(tmp_path / "whole", config, GSM8K)
-    monkeypatch.setattr(contracts, "BATCH_ROWS", rows)
+    monkeypatch.setattr(readers, "BATCH_ROWS", rows)
     batched = prepare(tmp_path / "batched", config, GSM8K)
     assert batched == whole
     for name in ("sft", "prefs", "prefs_eval", "unpaired", "prompts", "eval/heldout"):
@@ -73,7 +74,7 @@ def test_bad_rows_in_every_batch_are_all_named_and_nothing_is_published(tmp_path
     root = tmp_path / "prepared"
     root.mkdir()
     (root / "sft.parquet").write_bytes(b"what the last run wrote")
-    monkeypatch.setattr(contracts, "BATCH_ROWS", 4)
+    monkeypatch.setattr(readers, "BATCH_ROWS", 4)
     with pytest.raises(DataValidationError) as error:
         prepare(root, Config(source="files", files=files), GSM8K)
     problems = error.value.problems
@@ -91,7 +92,7 @@ def test_bad_json_lines_after_good_batches_are_named_with_the_rows_before_them(t
     rows[1]["chosen"] = ""
     text = "".join(json.dumps(r) + "\n" for r in rows) + "{not json\n" + json.dumps(rows[0]) + "\n[1]\n"
     path.write_text(text)
-    monkeypatch.setattr(contracts, "BATCH_ROWS", 3)
+    monkeypatch.setattr(readers, "BATCH_ROWS", 3)
     with pytest.raises(DataValidationError) as error:
         load_contract(path, "preference")
     assert [p.split(":")[0] for p in error.value.problems] == ["row 2", "line 11", "line 13"]
@@ -100,7 +101,7 @@ def test_bad_json_lines_after_good_batches_are_named_with_the_rows_before_them(t
 def test_kept_problems_are_capped_and_the_rest_counted(tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "a"}] * 30)
     monkeypatch.setattr(contracts, "MAX_KEPT_PROBLEMS", 10)
-    monkeypatch.setattr(contracts, "BATCH_ROWS", 7)
+    monkeypatch.setattr(readers, "BATCH_ROWS", 7)
     with pytest.raises(DataValidationError) as error:
         load_contract(path, "preference")
     assert len(error.value.problems) == 10 and error.value.unlisted == 20
@@ -190,7 +191,7 @@ def test_suites_are_read_a_batch_at_a_time_up_to_their_limit_and_columns(tmp_pat
             batches.append(len(frame))
             yield frame
 
-    monkeypatch.setattr(contracts, "BATCH_ROWS", 10)
+    monkeypatch.setattr(readers, "BATCH_ROWS", 10)
     monkeypatch.setattr(prepared, "prepared_batches", counted)
     first = read_prepared(path, "infer", ["prompt", "answer"], limit=12)
     assert list(first.columns) == ["prompt", "answer"] and len(first) == 12 and batches == [10, 10]

@@ -14,7 +14,7 @@ the file is (same path, same modification time): every `map` over it, TRL's toke
 included, and TRL's precomputed reference log-probs are found in the cache on the next run.
 `prepared_batches` streams a table's rows as frames (the derivations, small readers), and
 `read_prepared` reads the columns or rows a reader asks for (an eval suite), a batch at a
-time (`contracts.BATCH_ROWS` rows).
+time (`readers.BATCH_ROWS` rows).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlhf.data import contracts
+from rlhf.data import readers
 from rlhf.data.contracts import DataValidationError, plain_messages, prompt_key, value_format
 
 
@@ -145,7 +145,7 @@ def prepared_batches(path: str | Path, columns: list[str] | None = None, batch_r
         parquet = pq.ParquetFile(file, pre_buffer=False)  # pre-buffered reads keep every row group read
         if not parquet.metadata.num_rows:
             return
-        for batch in parquet.iter_batches(batch_size=batch_rows or contracts.BATCH_ROWS, columns=columns):
+        for batch in parquet.iter_batches(batch_size=batch_rows or readers.BATCH_ROWS, columns=columns):
             yield plain_messages(pa.Table.from_batches([batch]).to_pandas(integer_object_nulls=True))
 
 
