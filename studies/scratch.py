@@ -55,34 +55,6 @@ def edit_params(work: Path, update) -> None:
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def no_habit_sft(work: Path, seed: int) -> dict:
-    """`work` as a scratch project on the built-in task with no planted habit
-    (`shortcut_rate: 0`), the default model and SFT on problems of 3-5 numbers (the real
-    stages prepare, base and sft), every seed of the run (data order, initialisation, the
-    rounds' problems and samples) set to `seed`; an SFT model already there is kept. Makes
-    `work` the current folder; returns the environment for its stage processes."""
-    work.mkdir(parents=True, exist_ok=True)
-    copy_code(work)
-    fresh = not (work / "models/sft/config.json").is_file()
-    if fresh:
-        shutil.copy2(ROOT / "params.yaml", work / "params.yaml")
-
-        def no_habit(params: dict) -> None:
-            params["prepare"]["builtin"]["shortcut_rate"] = 0.0
-            params["base"]["seed"] = params["sft"]["seed"] = seed
-            defaults = params["improve"]["defaults"]
-            defaults["seed"] = defaults["train"]["seed"] = seed
-
-        edit_params(work, no_habit)
-    env = enter(work)
-    print(f"seed {seed}: scratch project {work}", flush=True)
-    if fresh:
-        for module in ("stages.check_params", "stages.prepare", "stages.base"):
-            run_module(env, module)
-        run_module(env, "rlhf.cli.launch", "stages.sft")
-    return env
-
-
 def write_results(out: Path, results: dict, table: str) -> None:
     """An experiment's results as --out/results.json and its markdown table as
     --out/table.md (the repository keeps both), the table also on stdout."""

@@ -1,7 +1,7 @@
 """Sweeps through DVC's experiment queue, for the studies whose settings are params changes
-(studies/seed_spread, studies/prm_repair): a scratch DVC project with this checkout's code,
-one `dvc exp run --queue -S ...` per experiment, `dvc queue start` workers, and the results
-read back with `dvc exp show --json`, as a user runs a sweep of their own. In the scratch
+(seed_spread, prm_repair, ewc_shift, curriculum): a scratch DVC project with this
+checkout's code, one `dvc exp run --queue -S ...` per experiment, `dvc queue start` workers,
+and the results read back with `dvc exp show --json`, as a user runs a sweep of their own. In the scratch
 project `dvc exp show` compares the experiments as it does any user's; an experiment the
 project already has (by name) is not queued again, so running a study again with the same
 `--work` resumes it.
@@ -23,18 +23,21 @@ import yaml
 
 from studies.scratch import ROOT, copy_code, write_results
 
+# What a study's own stage (this checkout's driver, run in the scratch project) imports.
+QUEUE_CODE = ("studies/sweep.py", "studies/scratch.py")
+
 
 def project(work: Path, name: str, edit: Callable[[dict], None], stages: dict | None = None, files=()) -> Path:
     """The study's DVC project in `work`/project: this checkout's code, dvc.yaml with the
     study's own `stages` added, params.yaml edited by `edit`, `files` (paths relative to
-    this checkout, such as the study's driver) copied, all committed to a git repository of
-    its own. Made once; an existing one is returned as it is (a resumed study)."""
+    this checkout, such as the study's driver) and QUEUE_CODE copied, all committed to a
+    git repository of its own. Made once; an existing one is returned as it is (a resumed study)."""
     root = work / "project"
     if (root / ".dvc").is_dir():
         return root
     root.mkdir(parents=True)
     copy_code(root)
-    for path in files:
+    for path in (*QUEUE_CODE, *files):
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / path, root / path)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -48,6 +51,27 @@ def project(work: Path, name: str, edit: Callable[[dict], None], stages: dict | 
     for command in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"], ["git", "add", "-A"], commit):
         subprocess.run(command, cwd=root, check=True, capture_output=True)
     return root
+
+
+# Every seed of a round study's run: initialisation, SFT's data order, the round's problems
+# and samples, its training's data order (the eval suites, prepare.seed, stay the same).
+ROUND_SEEDS = ("base.seed", "sft.seed", "improve.defaults.seed", "improve.defaults.train.seed")
+
+
+def round_project(work: Path, study: str, name: str, settings: dict) -> Path:
+    """A round study's project (`project`): the built-in task with no planted habit
+    (`shortcut_rate: 0`) and one round, `name` with `settings`, in `improve.rounds`."""
+
+    def no_habit_round(params: dict) -> None:
+        params["prepare"]["builtin"]["shortcut_rate"] = 0.0
+        params["improve"]["rounds"] = {name: settings}
+
+    return project(work, study, no_habit_round)
+
+
+def round_overrides(seed: int, changes: dict | None = None, extra: list[str] = ()) -> list[str]:
+    """A round study's experiment: every seed of ROUND_SEEDS set to `seed`, and `changes`."""
+    return overrides({**{key: seed for key in ROUND_SEEDS}, **(changes or {})}, extra)
 
 
 def environment(threads: int) -> dict:

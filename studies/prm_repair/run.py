@@ -44,21 +44,12 @@ sys.path.insert(0, str(ROOT))
 from studies import sweep  # noqa: E402
 
 ROUND = {"after": "sft", "operands": [5, 5], "prompts": 256, "samples": 4, "refine": True, "suites": ["dev"]}
-SEEDED = ("base.seed", "sft.seed", "improve.defaults.seed", "improve.defaults.train.seed")
 METRICS = "reports/rounds/fix5.json"
 COLUMNS = (  # (column, key of the repair report)
     ("wrong samples", "wrong_samples"), ("flagged by the PRM", "wrong_flagged"),
     ("repaired right", "wrong_repaired"), ("share of wrong samples repaired", "share_of_wrong_repaired"),
     ("repairs still wrong", "false_repairs"), ("share of repairs still wrong", "false_repair_share"),
 )  # fmt: skip
-
-
-def scratch_project(work: Path) -> Path:
-    def no_habit_round(params: dict) -> None:
-        params["prepare"]["builtin"]["shortcut_rate"] = 0.0
-        params["improve"]["rounds"] = {"fix5": ROUND}
-
-    return sweep.project(work, "prm_repair", no_habit_round)
 
 
 def cell(values: list) -> str:
@@ -85,12 +76,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "studies/prm_repair")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="prm-repair-"))
-    root = scratch_project(work)
+    root = sweep.round_project(work, "prm_repair", "fix5", ROUND)
     env = sweep.environment(max(1, 2 // args.jobs))
     print(f"scratch DVC project: {root}", flush=True)
-    experiments = {
-        f"seed{seed}": (sweep.overrides({key: seed for key in SEEDED}), "improve@fix5") for seed in args.seeds
-    }
+    experiments = {f"seed{seed}": (sweep.round_overrides(seed), "improve@fix5") for seed in args.seeds}
     finished, minutes, failed = sweep.sweep(root, env, experiments, args.jobs)
     seeds = {str(seed): finished.get(f"seed{seed}") for seed in args.seeds}
     results = {
