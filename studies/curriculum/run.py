@@ -1,46 +1,56 @@
-"""The easy-to-hard curriculum of the self-improvement rounds, measured end to end.
+"""The easy-to-hard curriculum of the self-improvement rounds, measured end to end; a params
+sweep over round settings and seeds, run through DVC's experiment queue (studies/sweep.py).
 
-    .venv/bin/python studies/curriculum/run.py --out studies/curriculum/runs/curriculum
+    .venv/bin/python studies/curriculum/run.py                                   # the chosen setting, seed 0
+    .venv/bin/python studies/curriculum/run.py --settings rpo-ewc1e7 sft --seeds 0 1 2 --checks answer
 
-In a scratch project (--work, default a temporary folder; this checkout is not touched):
+The study makes a scratch DVC project (`--work`; a temporary folder by default), this
+checkout's code committed to a git repository of its own, with params.yaml set for the
+curriculum:
 
 1. the built-in task with no planted habit (`shortcut_rate: 0`) and held-out suites of 6-8
    numbers (`long_operands: [6, 8]`); a built-in tiny model whose layers 1 and 3 have no
-   position embedding and whose layers 0 and 2 see the last 8 tokens only (`base.nope_layers`,
-   `base.rope_window`: --nope-layers, --rope-window); SFT (--sft-steps) on problems of 3-5
-   numbers, through the real stages `prepare`, `base` and `sft`;
-2. for each of --checks (one curriculum each: `answer`, the task's check against the
-   answer key; `vote`, the samples' majority answer, no key; `prm`): rounds r1, r2, r3, on
-   problems of 6, 7 and 8 numbers, each starting from the round before, run by the real
-   stage `improve@<name>` (`python -m stages.improve`), which samples, keeps, trains, evaluates
-   and gates (a gain on dev_long's problems of the round's own length and longer,
-   `progress_difficulty`, and no loss on dev beyond `retention_margin`);
-3. the control: SFT continued on its own 3-5-number data for as many optimizer steps and
-   rows as the three rounds trained on (rlhf.training.methods.sft, the rounds' training settings);
-4. every model (SFT, each round's winner, the control) evaluated greedily on every suite,
-   with bootstrap intervals per number of operands (stages.improve.evaluate_models).
+   position embedding and whose layers 0 and 2 see the last 8 tokens only
+   (`base.nope_layers`, `base.rope_window`); SFT (2,500 steps) on problems of 3-5 numbers;
+2. rounds r1, r2, r3 in `improve.rounds`, on problems of 6, 7 and 8 numbers, each starting
+   from the round before (stage `improve@<name>`: samples, keeps, trains, evaluates and
+   gates on a gain on dev_long's problems of the round's own length and longer,
+   `progress_difficulty`, and no loss on dev beyond `retention_margin`); improve.defaults:
+   ROUND_SETTINGS;
 
-Round settings: ROUND_SETTINGS over improve.defaults, then --round-set key=value (YAML
-values); `operands` and `checks` as above. The rounds' gates read dev and dev_long only; docs/concepts/rounds.md reports
-test and test_long. Results go to --out/results.json and a markdown table on stdout.
+and two stages of the study's own added to its dvc.yaml, both this file: `control` (SFT
+continued on its own 3-5-number data for as many optimizer steps as the three rounds'
+training settings give, rlhf.training.methods.sft) and `score` (SFT, each round's winner and
+the control evaluated greedily on dev, dev_long, test and test_long, with bootstrap
+intervals per number of operands: stages.improve.evaluate_models; metrics/curriculum.json).
+Each (setting, check, seed) is one queued experiment, a params change and nothing else:
+
+    dvc exp run --queue --name rpo-ewc1e7-answer-seed0 -S ++base.seed=0 -S ++sft.seed=0 \
+        -S ++improve.defaults.seed=0 -S ++improve.defaults.train.seed=0 \
+        -S ++improve.defaults.rpo.seed=0 -S ++improve.defaults.checks=[answer] \
+        -S ++improve.defaults.method=rpo ... score
+
+SETTINGS names the round settings compared (the curriculum's history: SETTINGS.md). The
+rounds' gates read dev and dev_long only; docs/concepts/rounds.md reports test and
+test_long. Results: --out/results.json, the tables in --out/table.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from studies.scratch import copy_code, edit_params, enter, run_module  # noqa: E402
+from studies import sweep  # noqa: E402
 
+HERE = "studies/curriculum/run.py"  # this file, in the scratch project
 ROUNDS = {"r1": (6, 6), "r2": (7, 7), "r3": (8, 8)}
 LONGEST = 8  # the longest problems of dev_long and test_long
 # improve.defaults of the curriculum, chosen on dev and dev_long: 4096 problems x 8 samples,
@@ -49,87 +59,74 @@ LONGEST = 8  # the longest problems of dev_long and test_long
 # 2048 problems: seed 2's round 3 was rejected at 0.50 on 8-number dev problems, where 4096
 # passed every round and reached 0.56, with gains at 6 and 7 numbers too.)
 ROUND_SETTINGS = {"prompts": 4096, "keep_per_prompt": 1, "train": {"max_steps": 300, "learning_rate": 3e-4}}
+RPO = {"improve.defaults.method": "rpo", "improve.defaults.rpo.max_steps": 300, "improve.defaults.rpo.beta": 1.0}
+SETTINGS = {  # name: params changes over ROUND_SETTINGS
+    "sft": {},  # method sft (ReST-EM), the default
+    "rpo": RPO,
+    "rpo-ewc1e6": {**RPO, "improve.defaults.rpo.ewc.strength": 1e6},
+    "rpo-ewc1e7": {**RPO, "improve.defaults.rpo.ewc.strength": 1e7},  # chosen on dev
+}
+SEEDED = (*sweep.ROUND_SEEDS, "improve.defaults.rpo.seed")  # the eval suites (prepare.seed) stay the same
 SUITES = ("dev", "dev_long", "test", "test_long")
+METRICS = "metrics/curriculum.json"
 
 
-def setup(work: Path, args) -> None:
-    shutil.copy2(ROOT / "params.yaml", work / "params.yaml")
-
-    def curriculum(params: dict) -> None:
-        builtin = params["prepare"]["builtin"]
-        builtin["shortcut_rate"], builtin["long_operands"] = 0.0, [ROUNDS["r1"][0], LONGEST]
-        params["base"]["nope_layers"], params["base"]["rope_window"] = args.nope_layers, args.rope_window
-        params["sft"]["max_steps"] = args.sft_steps
-        # The seed of the model's initialisation, SFT's data order and the rounds' problems and
-        # samples; the eval suites (prepare.seed) stay the same problems.
-        params["base"]["seed"] = params["sft"]["seed"] = args.seed
-
-    edit_params(work, curriculum)
-
-
-def round_defaults(work: Path, args) -> None:
-    """improve.defaults of the curriculum and --round-set, on every run (a --work folder
-    that already has its SFT model keeps that model but takes these afresh)."""
-
-    checkout = yaml.safe_load((ROOT / "params.yaml").read_text())["improve"]["defaults"]
-
-    def defaults(params: dict) -> None:
-        defaults = params["improve"]["defaults"] = checkout
-        defaults.update({k: v for k, v in ROUND_SETTINGS.items() if k != "train"})
-        defaults["train"] = {**defaults.get("train", {}), **ROUND_SETTINGS["train"]}
-        defaults["seed"] = defaults["train"]["seed"] = args.seed
-        defaults["rpo"] = {**defaults.get("rpo", {}), "seed": args.seed}  # rpo's data order too
-        for pair in args.round_set:
-            key, value = pair.split("=", 1)
-            *path, last = key.split(".")
-            node = defaults
-            for part in path:
-                node = node.setdefault(part, {})
-            node[last] = yaml.safe_load(value)
-
-    edit_params(work, defaults)
+def curriculum(params: dict) -> None:
+    """The scratch project's params.yaml: the task, model, SFT, ROUND_SETTINGS and the rounds."""
+    builtin = params["prepare"]["builtin"]
+    builtin["shortcut_rate"], builtin["long_operands"] = 0.0, [ROUNDS["r1"][0], LONGEST]
+    params["base"]["nope_layers"], params["base"]["rope_window"] = [1, 3], 8
+    params["sft"]["max_steps"] = 2500
+    defaults = params["improve"]["defaults"]
+    defaults.update({k: v for k, v in ROUND_SETTINGS.items() if k != "train"})
+    defaults["train"] = {**defaults.get("train", {}), **ROUND_SETTINGS["train"]}
+    after, rounds = "sft", {}
+    for name, operands in ROUNDS.items():
+        # The round's gate asks for a gain at its own length and longer (dev_long's problems
+        # of that many numbers or more), where a gain is not diluted by lengths mastered.
+        frontier = list(range(operands[0], LONGEST + 1))
+        rounds[name] = {"after": after, "operands": list(operands), "progress_difficulty": frontier}
+        after = f"rounds/{name}"
+    params["improve"]["rounds"] = rounds
 
 
-def run_rounds(work: Path, env: dict, check: str, rounds: dict) -> dict:
-    """`rounds` (ROUNDS or its first few) with `checks: [check]`; their reports, the winners
-    moved aside."""
-
-    def set_rounds(params: dict) -> None:
-        params["improve"]["defaults"]["checks"] = [check]
-        after, entries = "sft", {}
-        for name, operands in rounds.items():
-            # The round's gate asks for a gain at its own length and longer (dev_long's problems
-            # of that many numbers or more), where a gain is not diluted by lengths mastered.
-            frontier = list(range(operands[0], LONGEST + 1))
-            entries[name] = {"after": after, "operands": list(operands), "progress_difficulty": frontier}
-            after = f"rounds/{name}"
-        params["improve"]["rounds"] = entries
-
-    edit_params(work, set_rounds)
-    for folder in ("models/rounds", "data/rounds", "reports/rounds"):
-        shutil.rmtree(work / folder, ignore_errors=True)
-    reports = {}
-    for name in rounds:
-        print(run_module(env, "stages.improve", name).strip().splitlines()[-1][:400], flush=True)
-        reports[name] = json.loads((work / "models/rounds" / name / "round.json").read_text())
-    shutil.rmtree(work / f"models/rounds_{check}", ignore_errors=True)
-    shutil.move(work / "models/rounds", work / f"models/rounds_{check}")
-    shutil.rmtree(work / f"data/rounds_{check}", ignore_errors=True)
-    shutil.move(work / "data/rounds", work / f"data/rounds_{check}")
-    return reports
+def scratch_project(work: Path) -> Path:
+    models = ["models/sft", "models/control", *(f"models/rounds/{name}" for name in ROUNDS)]
+    stages = {
+        "control": {
+            "cmd": f"python {HERE} --control .",
+            "deps": [HERE, "models/sft", "data/prepared/sft.parquet"],
+            "params": ["improve.defaults.train", "improve.rounds"],
+            "outs": ["models/control"],
+        },
+        "score": {
+            "cmd": f"python {HERE} --score .",
+            "deps": [HERE, "data/prepared/eval", *models],
+            "metrics": [{METRICS: {"cache": False}}],
+        },
+    }
+    return sweep.project(work, "curriculum", curriculum, stages, files=[HERE])
 
 
-def train_control(work: Path, steps: int) -> dict:
-    """SFT continued on its own data for `steps` steps of the rounds' training settings."""
+def control_steps(params: dict) -> int:
+    """The rounds' optimizer steps: what the control trains for."""
+    return params["improve"].defaults.train.max_steps * len(params["improve"].rounds)
+
+
+def train_control(folder: Path) -> None:
+    """Stage `control`: SFT continued on its own data for `control_steps` steps of the
+    rounds' training settings."""
+    os.chdir(folder)
+    sys.path.insert(0, str(folder))
     from rlhf.training.methods.sft import train_sft
     from stages import load_model_stage
 
-    settings = load_model_stage()["improve"].defaults.train.model_copy(update={"max_steps": steps})
-    metrics, _ = train_sft(
+    params = load_model_stage()
+    settings = params["improve"].defaults.train.model_copy(update={"max_steps": control_steps(params)})
+    train_sft(
         settings, Path("models/sft"), Path("data/prepared/sft.parquet"), Path("models/control"),
-        work / "checkpoints", "control",
+        Path("checkpoints"), "control",
     )  # fmt: skip
-    return {"steps": steps, "rows_per_step": settings.per_device_train_batch_size, **metrics}
 
 
 def round_row(report: dict) -> dict:
@@ -144,6 +141,27 @@ def round_row(report: dict) -> dict:
     }
 
 
+def score(folder: Path) -> None:
+    """Stage `score`: every model on every suite, and each round's counts and verdict."""
+    os.chdir(folder)
+    sys.path.insert(0, str(folder))
+    from rlhf.tasks import get_task
+    from stages import load_model_stage
+    from stages.improve import evaluate_models
+
+    params = load_model_stage()
+    models = {"sft": Path("models/sft"), **{name: Path(f"models/rounds/{name}") for name in ROUNDS}}
+    models[f"control ({control_steps(params)} steps)"] = Path("models/control")
+    evaluated = evaluate_models(params, get_task(params["task"]), models, list(SUITES))
+    rounds = {name: json.loads((models[name] / "round.json").read_text()) for name in ROUNDS}
+    results = {
+        "rounds": {name: round_row(report) for name, report in rounds.items()},
+        "models": {name: {s: e["metrics"] for s, e in suites.items()} for name, suites in evaluated.items()},
+    }
+    Path(METRICS).parent.mkdir(parents=True, exist_ok=True)
+    Path(METRICS).write_text(json.dumps(results, indent=2) + "\n")
+
+
 def fmt(metrics: dict, level: str | None = None) -> str:
     if level is None:
         return f"{metrics['accuracy']:.3f} [{metrics['accuracy_low']:.3f}, {metrics['accuracy_high']:.3f}]"
@@ -151,86 +169,93 @@ def fmt(metrics: dict, level: str | None = None) -> str:
     return f"{metrics['accuracy_by_difficulty'][level]:.3f} [{low:.3f}, {high:.3f}]"
 
 
-def table(results: dict, split: str) -> str:
+def table(run: dict, split: str) -> str:
+    """One experiment, per model: `split` (3-5 numbers) and `split`_long by length."""
     long = f"{split}_long"
     lines = [
         f"| model | {split} (3-5) | {long}: 6 | 7 | 8 | kept samples | gate |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, entry in results["models"].items():
-        short, longer = entry["eval"][split], entry["eval"][long]
-        info = results["rounds"].get(name.split("/")[0], {}).get(name.split("/")[-1]) if "/" in name else None
+    for name, suites in run["models"].items():
+        info = run["rounds"].get(name)
         kept = f"{info['kept_samples']} of {info['samples']}" if info and info["samples"] else ""
         verdict = ""
         if info and info["passed"] is None:
             verdict = f"not run: the loop stopped at {info['stopped_at']}"
         elif info:
             verdict = "passed" if info["passed"] else f"rejected: {'; '.join(info['failures'])}"
-        cells = [fmt(short), *(fmt(longer, level) for level in ("6", "7", "8")), kept, verdict]
+        cells = [fmt(suites[split]), *(fmt(suites[long], level) for level in ("6", "7", "8")), kept, verdict]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def over_seeds(runs: list[dict]) -> str:
+    """After three rounds, test: SFT, the winner and the control, per seed (mean)."""
+    lines = ["| setting, model | 3-5 numbers | 6 | 7 | 8 |", "|---|---|---|---|---|"]
+    for key in sorted({(r["setting"], r["check"]) for r in runs}):
+        chosen = sorted((r for r in runs if (r["setting"], r["check"]) == key), key=lambda r: r["seed"])
+        for model in chosen[0]["models"]:
+            if model in ("r1", "r2"):
+                continue
+            values = [
+                [r["models"][model]["test"]["accuracy"] for r in chosen],
+                *([r["models"][model]["test_long"]["accuracy_by_difficulty"][n] for r in chosen] for n in "678"),
+            ]
+            cells = [
+                " / ".join(f"{v:.3f}" for v in vs) + (f" ({statistics.mean(vs):.3f})" if len(vs) > 1 else "")
+                for vs in values
+            ]
+            lines.append(f"| {key[0]} ({key[1]}), {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "studies/curriculum/runs/curriculum")
-    parser.add_argument("--work", type=Path, default=None)
-    parser.add_argument("--sft-steps", type=int, default=2500)
-    parser.add_argument("--nope-layers", type=int, nargs="*", default=[1, 3], help="base.nope_layers")
-    parser.add_argument("--rope-window", type=int, default=8, help="base.rope_window (0: none)")
-    parser.add_argument("--checks", nargs="+", default=["answer", "vote"], choices=["answer", "steps", "vote", "prm"])
-    parser.add_argument(
-        "--round-set", nargs="*", default=[], help="improve.defaults keys, e.g. train.learning_rate=3e-4"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model, SFT and rounds seed (not the eval suites')")
-    parser.add_argument("--no-control", action="store_true")
-    parser.add_argument("--rounds", type=int, default=len(ROUNDS), help="run the first N rounds only (trials on dev)")
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=["rpo-ewc1e7"])
+    parser.add_argument("--checks", nargs="+", default=["answer"], choices=["answer", "steps", "vote", "prm"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--jobs", type=int, default=1, help="experiments at once (each with 2 / jobs threads)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a params change for all")
+    parser.add_argument("--work", type=Path, help="the scratch DVC project's folder (kept; default: temporary)")
+    parser.add_argument("--out", type=Path, default=ROOT / "studies/curriculum")
+    parser.add_argument("--control", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--score", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rounds = dict(list(ROUNDS.items())[: args.rounds])
-    args.rope_window = args.rope_window or None
-    out = args.out.resolve()
-    work = (args.work or Path(tempfile.mkdtemp(prefix="curriculum-"))).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    copy_code(work)  # a --work folder with its SFT model runs this checkout's code too
-    if not (work / "models/sft/config.json").is_file():
-        setup(work, args)
-    round_defaults(work, args)
-    env = enter(work)
-    print(f"scratch project: {work}", flush=True)
-    if not (work / "models/sft/config.json").is_file():
-        for name in ("stages.check_params", "stages.prepare", "stages.base"):
-            run_module(env, name)
-        run_module(env, "rlhf.cli.launch", "stages.sft")
-        print("sft: trained", flush=True)
-    if "prm" in args.checks and not (work / "models/prm").is_dir():
-        run_module(env, "rlhf.cli.launch", "stages.verifier")
-        run_module(env, "stages.prm")
-
-    results: dict = {"settings": vars(args) | {"out": str(out), "work": str(work)}, "rounds": {}, "models": {}}
-    for check in args.checks:
-        results["rounds"][check] = {name: round_row(r) for name, r in run_rounds(work, env, check, rounds).items()}
-    from rlhf.tasks import get_task
-    from stages import load_model_stage
-    from stages.improve import evaluate_models
-
-    params = load_model_stage()
-    steps = params["improve"].defaults.train.max_steps * len(rounds)  # the rounds' optimizer steps
-    if not args.no_control:
-        results["control"] = train_control(work, steps)
-    models = {"sft": Path("models/sft")}
-    for check in args.checks:
-        models |= {f"{check}/{name}": Path(f"models/rounds_{check}/{name}") for name in rounds}
-    if not args.no_control:
-        models[f"control ({steps} steps)"] = Path("models/control")
-    evaluated = evaluate_models(params, get_task(params["task"]), models, list(SUITES))
-    results["models"] = {
-        name: {"eval": {s: e["metrics"] for s, e in suites.items()}} for name, suites in evaluated.items()
+    if args.control or args.score:
+        train_control(args.control) if args.control else score(args.score)
+        return
+    work = args.work or Path(tempfile.mkdtemp(prefix="curriculum-"))
+    root = scratch_project(work)
+    env = sweep.environment(max(1, 2 // args.jobs))
+    print(f"scratch DVC project: {root}", flush=True)
+    jobs = {
+        f"{setting}-{check}-seed{seed}": (setting, check, seed)
+        for seed in args.seeds
+        for setting in args.settings
+        for check in args.checks
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(table(results, "test"))
-    print()
-    print(table(results, "dev"))
+    experiments = {
+        name: (
+            sweep.overrides(
+                {**{key: seed for key in SEEDED}, "improve.defaults.checks": f"[{check}]", **SETTINGS[setting]},
+                args.set,
+            ),
+            "score",
+        )
+        for name, (setting, check, seed) in jobs.items()
+    }
+    finished, minutes, failed = sweep.sweep(root, env, experiments, args.jobs)
+    runs = [
+        {"setting": setting, "check": check, "seed": seed, "experiment": name, **finished[name]["metrics"][METRICS]}
+        for name, (setting, check, seed) in jobs.items()
+        if name in finished
+    ]
+    results = {"round_settings": ROUND_SETTINGS, "settings": {s: SETTINGS[s] for s in args.settings}, "runs": runs}
+    sections = [
+        f"## {r['setting']} ({r['check']}), seed {r['seed']}\n\n{table(r, 'test')}\n\n{table(r, 'dev')}" for r in runs
+    ]
+    text = "\n\n".join([*sections, f"## After three rounds, test\n\n{over_seeds(runs)}"] if runs else sections)
+    sweep.conclude(args.out, results, text, len(finished), minutes, args.jobs, failed, None if args.work else work)
 
 
 if __name__ == "__main__":

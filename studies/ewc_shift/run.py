@@ -1,35 +1,41 @@
 """Elastic weight consolidation on a shift, measured: what a round that trains on long
-problems only forgets of the short ones, with and without EWC.
+problems only forgets of the short ones, with and without EWC; a params sweep over EWC
+strengths and seeds, run through DVC's experiment queue (studies/sweep.py).
 
-    .venv/bin/python studies/ewc_shift/run.py --out studies/ewc_shift      # 3 seeds, ~32 min on 2 cores
-    .venv/bin/python studies/ewc_shift/run.py --seeds 0 --strengths 0 1e4 --out /tmp/ewc
+    .venv/bin/python studies/ewc_shift/run.py                      # 3 seeds x 5 strengths, two at a time
+    .venv/bin/python studies/ewc_shift/run.py --seeds 0 --strengths 0 1e4 --jobs 1
 
-For each seed, in a scratch project of its own (studies/scratch.py; this checkout is not
-touched), every seed of the run (data, initialisation, data order, the round's problems and
-samples) set to it:
+The study makes a scratch DVC project (`--work`; a temporary folder by default): this
+checkout's code, dvc.yaml and params.yaml with no planted habit (`shortcut_rate: 0`) and one
+round, `shift`, in `improve.rounds`, committed to a git repository of its own. Each (seed,
+strength) is one queued experiment, a params change and nothing else:
 
-1. the built-in task with no planted habit (`shortcut_rate: 0`), the default model and SFT
-   on problems of 3-5 numbers, through the real stages prepare, base and sft;
-2. the real round stage (`python -m stages.improve shift`): SFT samples 8 completions for
-   each of 512 new problems of 5 numbers, keeps one right one per problem (the answer
-   check) and fine-tunes on those alone, with no replay of shorter problems (`replay: 0`):
-   the shift. Its training table is data/rounds/shift/train.parquet;
-3. that round's training (`stages.improve.train_candidate`, the round's own settings: 200
-   steps at lr 1e-3) on that same table once per --strengths value of `ewc.strength`, each
-   from SFT with the Fisher information of the SFT data (0: plain training, no EWC);
-4. SFT and every candidate scored greedily on dev and test (stages.improve.evaluate_models),
-   accuracy with 95% bootstrap intervals, and per number of operands.
+    dvc exp run --queue --name seed0-ewc10000 -S ++base.seed=0 -S ++sft.seed=0 \
+        -S ++improve.defaults.seed=0 -S ++improve.defaults.train.seed=0 \
+        -S ++improve.rounds.shift.ewc.strength=10000.0 improve@shift
 
-What the issue asks: the share of the accuracy that plain training loses on the retention
-suite (3-5 numbers) that EWC keeps, (ewc - plain) / (sft - plain). The strength is chosen
-on dev (the highest dev accuracy, mean over seeds) before test is read; the table gives
-test per seed and mean ± sd. Results: --out/results.json, the table in --out/table.md.
+`improve@shift` pulls in check_params, prepare, base and sft (on problems of 3-5 numbers;
+DVC's run cache restores them for a seed's later experiments). The round: SFT samples 8
+completions for each of 512 new problems of 5 numbers, keeps one right one per problem (the
+answer check) and fine-tunes on those alone, with no replay of shorter problems (`replay:
+0`): the shift; the round's training settings (200 steps at lr 1e-3), with EWC towards SFT
+at the experiment's `ewc.strength` (Fisher information of the SFT data; 0: plain training).
+The round's problems and samples depend on the seed only, so a seed's experiments train on
+the same table (the driver checks their counts agree). The round evaluates SFT and its
+candidate greedily on dev and test (3-5 numbers), accuracy with 95% bootstrap intervals and
+per number of operands; its gate reads dev only (progress and retention), and the study
+reads the candidate whether the gate passed it or not (reports/rounds/shift.json, read back
+with `dvc exp show --json`).
+
+What is measured: the share of the accuracy that plain training loses on the retention
+suite (3-5 numbers) that EWC keeps, (ewc - plain) / (sft - plain). The strength is chosen on
+dev (the highest dev accuracy, mean over seeds) before test is read; the table gives test
+per seed and mean ± sd. Results: --out/results.json, the table in --out/table.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -38,46 +44,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from studies.scratch import edit_params, no_habit_sft, run_module, write_results  # noqa: E402
+from studies import sweep  # noqa: E402
 
-SHIFT = {"after": "sft", "operands": [5, 5], "replay": 0.0, "suites": ["dev"]}  # the round `shift`
-SUITES = ("dev", "test")
+ROUND = {"after": "sft", "operands": [5, 5], "replay": 0.0, "suites": ["dev", "test"]}  # the round `shift`
 STRENGTHS = (0.0, 1e3, 1e4, 1e5, 1e6)
+METRICS = "reports/rounds/shift.json"
+COUNTS = ("problems", "samples", "kept_samples", "training_rows")
 
 
-def run_seed(work: Path, seed: int, strengths: list[float]) -> dict:
-    """One seed: SFT, the shift round, a candidate per strength, every model evaluated."""
-    env = no_habit_sft(work, seed)
-    edit_params(work, lambda params: params["improve"].update(rounds={"shift": SHIFT}))
-    if not (work / "data/rounds/shift/train.parquet").is_file():
-        print(run_module(env, "stages.improve", "shift").strip().splitlines()[-1][:300], flush=True)
-    report = json.loads((work / "models/rounds/shift/round.json").read_text())
+def experiment_name(seed: int, strength: float) -> str:
+    return f"seed{seed}-ewc{strength:g}".replace("+", "")
 
-    from rlhf.tasks import get_task
-    from rlhf.training.params import EwcParams
-    from stages import load_model_stage
-    from stages.improve import SFT_DATA, SFT_DIR, evaluate_models, train_candidate
 
-    params = load_model_stage()
-    settings = params["improve"].settings("shift")
-    models = {"sft": SFT_DIR}
-    for strength in strengths:
-        out = Path(f"models/ewc/{strength:g}")
-        if not (out / "config.json").is_file():
-            ewc = EwcParams(strength=strength, samples=settings.ewc.samples)
-            train_candidate(
-                settings.model_copy(update={"ewc": ewc}), params, SFT_DIR, Path("data/rounds/shift/train.parquet"),
-                out, f"round-shift-ewc{strength:g}", SFT_DATA,
-            )  # fmt: skip
-            print(f"seed {seed}: ewc.strength {strength:g} trained", flush=True)
-        models[f"{strength:g}"] = out
-    evaluated = evaluate_models(params, get_task(params["task"]), models, list(SUITES))
-    return {
-        "round": {k: report["data"][k] for k in ("problems", "samples", "kept_samples", "training_rows")},
-        "train": settings.train.model_dump(mode="json"),
-        "ewc_samples": settings.ewc.samples,
-        "models": {name: {s: e["metrics"] for s, e in suites.items()} for name, suites in evaluated.items()},
-    }
+def collected(finished: dict[str, dict], jobs: dict[str, tuple[int, float]]) -> dict:
+    """{seed: {"round": the round's counts, "models": {"sft" or strength: {suite: metrics}}}};
+    a seed whose experiments drew different tables is an error (the study compares like
+    with like)."""
+    seeds: dict[str, dict] = {}
+    for name, (seed, strength) in sorted(jobs.items(), key=lambda job: job[1]):
+        if name not in finished:
+            continue
+        summary = finished[name]["metrics"][METRICS]
+        if "candidate_eval" not in summary:  # the round stopped before training: nothing to compare
+            print(f"{name}: the round stopped before training ({summary.get('data')}); left out", flush=True)
+            continue
+        counts = {k: summary["data"][k] for k in COUNTS}
+        entry = seeds.setdefault(str(seed), {"round": counts, "models": {"sft": summary["start_eval"]}})
+        if entry["round"] != counts or entry["models"]["sft"] != summary["start_eval"]:
+            raise SystemExit(f"{name}: the round's table or SFT's scores differ from the seed's other experiments")
+        entry["models"][f"{strength:g}"] = summary["candidate_eval"]
+    return seeds
 
 
 def kept_share(models: dict, strength: str, suite: str) -> float | None:
@@ -102,12 +98,18 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name in names:
-        runs = [seeds[s]["models"][name] for s in seeds]
+        runs = [seeds[s]["models"][name] for s in seeds if name in seeds[s]["models"]]
+        if not runs:
+            continue
         per_seed = ", ".join(
             f"{r['test']['accuracy']:.3f} [{r['test']['accuracy_low']:.3f}, {r['test']['accuracy_high']:.3f}]"
             for r in runs
         )
-        shares = [kept_share(seeds[s]["models"], name, "test") for s in seeds] if name not in ("sft", "0") else []
+        shares = [
+            kept_share(seeds[s]["models"], name, "test")
+            for s in seeds
+            if name not in ("sft", "0") and {name, "0"} <= set(seeds[s]["models"])
+        ]
         shares = [x for x in shares if x is not None]
         label = {"sft": "SFT (no training)", "0": "ewc.strength 0 (plain)"}.get(name, f"ewc.strength {name}")
         if name == chosen:
@@ -126,26 +128,38 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "studies/ewc_shift")
-    parser.add_argument("--work", type=Path, default=None, help="scratch folder (a project per seed under it)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--strengths", type=float, nargs="+", default=list(STRENGTHS), help="ewc.strength values")
+    parser.add_argument("--jobs", type=int, default=2, help="experiments at once (each with 2 / jobs threads)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a params change for all")
+    parser.add_argument("--work", type=Path, help="the scratch DVC project's folder (kept; default: temporary)")
+    parser.add_argument("--out", type=Path, default=ROOT / "studies/ewc_shift")
     args = parser.parse_args()
     strengths = sorted({0.0, *args.strengths})
-    out = args.out.resolve()
-    work = (args.work or Path(tempfile.mkdtemp(prefix="ewc-shift-"))).resolve()
-    results: dict = {"strengths": strengths, "seeds": {}}
-    for seed in args.seeds:
-        results["seeds"][str(seed)] = run_seed(work / f"seed{seed}", seed, strengths)
+    work = args.work or Path(tempfile.mkdtemp(prefix="ewc-shift-"))
+    root = sweep.round_project(work, "ewc_shift", "shift", ROUND)
+    env = sweep.environment(max(1, 2 // args.jobs))
+    print(f"scratch DVC project: {root}", flush=True)
+    # Strength by strength, each seed in turn: a seed's first experiment makes its SFT model,
+    # which DVC's run cache gives the seed's later ones.
+    jobs = {experiment_name(seed, s): (seed, s) for s in strengths for seed in args.seeds}
+    experiments = {
+        name: (sweep.round_overrides(seed, {"improve.rounds.shift.ewc.strength": float(s)}, args.set), "improve@shift")
+        for name, (seed, s) in jobs.items()
+    }
+    finished, minutes, failed = sweep.sweep(root, env, experiments, args.jobs)
+    results: dict = {"round": ROUND, "strengths": strengths, "seeds": collected(finished, jobs)}
     # The strength is chosen on dev: the highest dev accuracy, mean over seeds.
     dev = {
         f"{s:g}": statistics.mean(r["models"][f"{s:g}"]["dev"]["accuracy"] for r in results["seeds"].values())
         for s in strengths
-        if s > 0
+        if s > 0 and all(f"{s:g}" in r["models"] for r in results["seeds"].values())
     }
     results["chosen"] = max(dev, key=dev.get) if dev else None
     results["chosen_on_dev"] = dev
-    write_results(out, results, table(results))
+    sweep.conclude(
+        args.out, results, table(results), len(finished), minutes, args.jobs, failed, None if args.work else work
+    )
 
 
 if __name__ == "__main__":
