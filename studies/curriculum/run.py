@@ -1,8 +1,8 @@
 """The easy-to-hard curriculum of the self-improvement rounds, measured end to end; a params
 sweep over round settings and seeds, run through DVC's experiment queue (studies/sweep.py).
 
-    .venv/bin/python studies/curriculum/run.py                                   # the chosen setting, seed 0
-    .venv/bin/python studies/curriculum/run.py --settings rpo-ewc1e7 sft --seeds 0 1 2 --checks answer
+    .venv/bin/python studies/curriculum/run.py                      # the chosen setting, seeds 0-2, two at a time
+    .venv/bin/python studies/curriculum/run.py --settings sft rpo rpo-ewc1e6 rpo-ewc1e7 --checks answer vote
 
 The study makes a scratch DVC project (`--work`; a temporary folder by default), this
 checkout's code committed to a git repository of its own, with params.yaml set for the
@@ -130,15 +130,25 @@ def train_control(folder: Path) -> None:
 
 
 def round_row(report: dict) -> dict:
+    """A round's counts and verdict, as a DVC metric keeps them (numbers and text: `dvc exp
+    show` leaves out lists and nulls)."""
     data = report.get("data") or {}
     keys = ("problems", "samples", "kept_samples", "sample_accuracy", "kept_accuracy", "training_rows")
-    return {
-        **{k: data.get(k) for k in keys},
-        "passed": report.get("passed"),
-        "failures": report.get("failures") or ([report["stop_reason"]] if report.get("stop_reason") else []),
-        "stopped_at": report.get("stopped_at"),
-        "seconds": report.get("seconds"),
-    }
+    failures = report.get("failures") or ([report["stop_reason"]] if report.get("stop_reason") else [])
+    verdict = {None: "not run", True: "passed", False: "rejected"}[report.get("passed")]
+    row = {**{k: data.get(k) for k in keys}, "verdict": verdict, "failures": "; ".join(failures)}
+    row |= {"stopped_at": report.get("stopped_at") or "", "seconds": report.get("seconds")}
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def metric_values(metrics: dict) -> dict:
+    """An evaluation's metrics with the per-length intervals as two maps of numbers (`dvc exp
+    show` leaves out lists)."""
+    out = {k: v for k, v in metrics.items() if k != "accuracy_by_difficulty_interval"}
+    intervals = metrics.get("accuracy_by_difficulty_interval") or {}
+    out["accuracy_by_difficulty_low"] = {level: pair[0] for level, pair in intervals.items()}
+    out["accuracy_by_difficulty_high"] = {level: pair[1] for level, pair in intervals.items()}
+    return out
 
 
 def score(folder: Path) -> None:
@@ -156,7 +166,9 @@ def score(folder: Path) -> None:
     rounds = {name: json.loads((models[name] / "round.json").read_text()) for name in ROUNDS}
     results = {
         "rounds": {name: round_row(report) for name, report in rounds.items()},
-        "models": {name: {s: e["metrics"] for s, e in suites.items()} for name, suites in evaluated.items()},
+        "models": {
+            name: {s: metric_values(e["metrics"]) for s, e in suites.items()} for name, suites in evaluated.items()
+        },
     }
     Path(METRICS).parent.mkdir(parents=True, exist_ok=True)
     Path(METRICS).write_text(json.dumps(results, indent=2) + "\n")
@@ -165,7 +177,7 @@ def score(folder: Path) -> None:
 def fmt(metrics: dict, level: str | None = None) -> str:
     if level is None:
         return f"{metrics['accuracy']:.3f} [{metrics['accuracy_low']:.3f}, {metrics['accuracy_high']:.3f}]"
-    low, high = metrics["accuracy_by_difficulty_interval"][level]
+    low, high = metrics["accuracy_by_difficulty_low"][level], metrics["accuracy_by_difficulty_high"][level]
     return f"{metrics['accuracy_by_difficulty'][level]:.3f} [{low:.3f}, {high:.3f}]"
 
 
@@ -178,12 +190,12 @@ def table(run: dict, split: str) -> str:
     ]
     for name, suites in run["models"].items():
         info = run["rounds"].get(name)
-        kept = f"{info['kept_samples']} of {info['samples']}" if info and info["samples"] else ""
+        kept = f"{info['kept_samples']} of {info['samples']}" if info and info.get("samples") else ""
         verdict = ""
-        if info and info["passed"] is None:
+        if info and info["verdict"] == "not run":
             verdict = f"not run: the loop stopped at {info['stopped_at']}"
         elif info:
-            verdict = "passed" if info["passed"] else f"rejected: {'; '.join(info['failures'])}"
+            verdict = info["verdict"] + (f": {info['failures']}" if info["failures"] else "")
         cells = [fmt(suites[split]), *(fmt(suites[long], level) for level in ("6", "7", "8")), kept, verdict]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -213,8 +225,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=["rpo-ewc1e7"])
     parser.add_argument("--checks", nargs="+", default=["answer"], choices=["answer", "steps", "vote", "prm"])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--jobs", type=int, default=1, help="experiments at once (each with 2 / jobs threads)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=2, help="experiments at once (each with 2 / jobs threads)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a params change for all")
     parser.add_argument("--work", type=Path, help="the scratch DVC project's folder (kept; default: temporary)")
     parser.add_argument("--out", type=Path, default=ROOT / "studies/curriculum")
@@ -228,11 +240,13 @@ def main() -> None:
     root = scratch_project(work)
     env = sweep.environment(max(1, 2 // args.jobs))
     print(f"scratch DVC project: {root}", flush=True)
+    # Setting by setting, each seed in turn: a seed's first experiment makes its SFT model and
+    # control, which DVC's run cache gives the seed's later ones.
     jobs = {
         f"{setting}-{check}-seed{seed}": (setting, check, seed)
-        for seed in args.seeds
         for setting in args.settings
         for check in args.checks
+        for seed in args.seeds
     }
     experiments = {
         name: (
