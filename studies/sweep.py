@@ -74,6 +74,12 @@ def round_overrides(seed: int, changes: dict | None = None, extra: list[str] = (
     return overrides({**{key: seed for key in ROUND_SEEDS}, **(changes or {})}, extra)
 
 
+def enter_project(folder: Path) -> None:
+    """Run a study's own stage in `folder` (the experiment's workspace), on its code."""
+    os.chdir(folder)
+    sys.path.insert(0, str(folder))
+
+
 def environment(threads: int) -> dict:
     """What the queue's workers run with: this interpreter first on PATH, `threads` threads
     a stage, each experiment's MLflow runs in its own workspace's store."""

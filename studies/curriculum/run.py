@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,6 @@ SETTINGS = {  # name: params changes over ROUND_SETTINGS
     "rpo-ewc1e6": {**RPO, "improve.defaults.rpo.ewc.strength": 1e6},
     "rpo-ewc1e7": {**RPO, "improve.defaults.rpo.ewc.strength": 1e7},  # chosen on dev
 }
-SEEDED = (*sweep.ROUND_SEEDS, "improve.defaults.rpo.seed")  # the eval suites (prepare.seed) stay the same
 SUITES = ("dev", "dev_long", "test", "test_long")
 METRICS = "metrics/curriculum.json"
 
@@ -116,8 +114,7 @@ def control_steps(params: dict) -> int:
 def train_control(folder: Path) -> None:
     """Stage `control`: SFT continued on its own data for `control_steps` steps of the
     rounds' training settings."""
-    os.chdir(folder)
-    sys.path.insert(0, str(folder))
+    sweep.enter_project(folder)
     from rlhf.training.methods.sft import train_sft
     from stages import load_model_stage
 
@@ -153,8 +150,7 @@ def metric_values(metrics: dict) -> dict:
 
 def score(folder: Path) -> None:
     """Stage `score`: every model on every suite, and each round's counts and verdict."""
-    os.chdir(folder)
-    sys.path.insert(0, str(folder))
+    sweep.enter_project(folder)
     from rlhf.tasks import get_task
     from stages import load_model_stage
     from stages.improve import evaluate_models
@@ -250,8 +246,9 @@ def main() -> None:
     }
     experiments = {
         name: (
-            sweep.overrides(
-                {**{key: seed for key in SEEDED}, "improve.defaults.checks": f"[{check}]", **SETTINGS[setting]},
+            sweep.round_overrides(  # rpo's data order is seeded too
+                seed,
+                {"improve.defaults.rpo.seed": seed, "improve.defaults.checks": f"[{check}]", **SETTINGS[setting]},
                 args.set,
             ),
             "score",

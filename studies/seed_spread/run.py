@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -91,8 +90,7 @@ def score(folder: Path) -> dict:
     """Greedy test-suite accuracy of each model in `folder`, with its bootstrap interval and
     per number of operands: the scratch project's `score` stage, which writes them to
     metrics/test_scores.json."""
-    os.chdir(folder)
-    sys.path.insert(0, str(folder))
+    sweep.enter_project(folder)
     from rlhf.data.prepared import read_prepared
     from rlhf.evaluation.statistics import bootstrap_interval, group_by
     from rlhf.models.generation import generate
