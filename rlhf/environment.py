@@ -6,6 +6,11 @@ downloaded (and cached) when online, and the default pipeline never asks the Hub
 anything. Offline mode is the user's choice (`HF_HUB_OFFLINE=1`); when it is set, a Hub id
 that is not in the local cache fails with a message that names it and says what to do.
 Values already set by the user win (`setdefault`).
+
+Some libraries read their settings when they are imported (Prefect builds its settings
+context then), and an import sorter may put `import prefect` above `import rlhf`: a
+setting made here after Prefect was imported is handed to Prefect by refreshing its global
+settings context, so the environment takes effect whatever the import order.
 """
 
 from __future__ import annotations
@@ -44,10 +49,30 @@ QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
 
 
 def configure_environment() -> None:
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+    added = [key for key in QUIET_ENV if key not in os.environ]
+    for key in added:
+        os.environ[key] = QUIET_ENV[key]
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    if any(key.startswith("PREFECT_") for key in added):
+        refresh_prefect_settings()
+
+
+def refresh_prefect_settings() -> None:
+    """Make an already imported Prefect read the environment again: it built its global
+    settings context at import, before these settings were made (a flow would then wait
+    the default 20 s for its ephemeral server, not 120). Nothing when Prefect is not
+    imported yet: it reads the environment when it is."""
+    import sys
+
+    context = sys.modules.get("prefect.context")
+    if context is None or not hasattr(context, "GLOBAL_SETTINGS_CONTEXT"):
+        return
+    refresh = getattr(context, "refresh_global_settings_context", None)
+    if refresh is not None:
+        refresh()
+    else:  # Prefect before 3.5 has no refresh function; the same, by hand
+        context.GLOBAL_SETTINGS_CONTEXT = context.root_settings_context()
 
 
 def hub_offline() -> bool:

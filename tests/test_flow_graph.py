@@ -245,3 +245,30 @@ def test_sigterm_to_the_flow_stops_its_stages_and_then_frees_the_workspace(tmp_p
     assert not (root / "b.txt").exists() and not (root / "a.txt").exists()
     with open(root / LOCK_FILE, "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: no BlockingIOError
+
+
+SEEN = """\
+import prefect  # first, as an import sorter may put it: Prefect reads its settings here
+import flows.pipeline  # noqa: F401
+from prefect import flow
+from prefect.settings import get_current_settings
+
+@flow
+def seen():
+    return get_current_settings().server.ephemeral.startup_timeout_seconds
+
+print("SEEN", seen(), flush=True)
+"""
+
+
+def test_the_running_flow_sees_the_environments_server_startup_timeout(tmp_path):
+    """rlhf.environment sets Prefect's ephemeral-server startup timeout to 120 s (a busy
+    2-core machine needs more than the default 20); Prefect reads its settings at import, so
+    a flow module that imports prefect before rlhf ran with 20 s. A flow run in a fresh
+    process, on an ephemeral server, sees 120 whatever the import order."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    out = subprocess.run([sys.executable, "-c", SEEN], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert "SEEN 120" in out.stdout, (out.stdout + out.stderr)[-3000:]
