@@ -151,8 +151,12 @@ def builtin_difficulties(params: dict, suite: str) -> set[str] | None:
 
 
 def generated_difficulties(prepare, suite: str) -> set[str] | None:
-    """The numbers of operands of the built-in task's problems in `suite`; None when the
-    built-in task does not generate that suite."""
+    """The difficulty labels of a generated suite's problems (the arithmetic task's numbers
+    of operands, the word problems' families); None when no generator writes that suite."""
+    if prepare.source == "word_problems":
+        from rlhf.tasks.word_problems import SUITE_FAMILIES
+
+        return set(SUITE_FAMILIES[suite]) if suite in SUITE_FAMILIES else None
     builtin = prepare.builtin
     generated = {"dev", "test"} | ({"dev_long", "test_long"} if builtin.long_operands else set())
     if prepare.source != "builtin" or suite not in generated:

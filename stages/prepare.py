@@ -8,10 +8,13 @@ Out: data/prepared/<name>.parquet for sft, prefs, prefs_eval, unpaired, prm, prm
      eval suite (the built-in task writes `dev`, for tuning and the gate, and `test`, only
      reported); and data/prepared/manifest.json (rows and origin of every file).
 
-Sources. `source: builtin` generates the built-in task from a seed (rlhf.tasks.arithmetic),
-so it is never committed; any `files` given too are added to its tables (for example
-extra human preference pairs) or become extra eval suites. `source: files` reads only the
-user's files. Files are JSONL, JSON, Parquet, CSV, a `save_to_disk` folder or a Hugging Face
+Sources. `source: builtin` generates the built-in arithmetic task from a seed
+(rlhf.tasks.arithmetic), so it is never committed; `source: word_problems` generates the
+built-in word problems (rlhf.tasks.word_problems: GSM8K-style, read by task kind gsm8k,
+with the suites dev, test and test_unseen, a family no training table holds), as
+conversations unless `word_problems.chat` is off. Any `files` given too are added to a
+generated task's tables (for example extra human preference pairs) or become extra eval
+suites. `source: files` reads only the user's files. Files are JSONL, JSON, Parquet, CSV, a `save_to_disk` folder or a Hugging Face
 dataset name (with `split` and `config`), standard or conversational; their columns are
 mapped onto the contract, and every row of every file is validated before anything is
 written: all problems in all files are reported together, naming file, row and field.
@@ -47,12 +50,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf.artifacts import write_json
 from rlhf.data.readers import looks_like_hub_dataset
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
+from rlhf.tasks.word_problems import SUITE_FAMILIES, WordProblemSizes
 from stages import DATA_DIR, EVAL_DIR, EVAL_PREFIX, FEEDBACK_FILE, load_all
 
 # File names in data/prepared and the contract each follows; eval_<suite> are prompts.
@@ -92,14 +96,36 @@ class BuiltinTask(StageConfig):
             raise ValueError(
                 f"long_operands {list(self.long_operands)}: want [fewest, most] with 2 <= fewest <= most <= 12"
             )
-        known = set(TaskSizes.__dataclass_fields__)
-        unknown = sorted(set(self.sizes) - known)
-        if unknown:
-            raise ValueError(f"sizes: unknown file(s) {unknown}; known: {sorted(known)}")
-        bad = {k: v for k, v in self.sizes.items() if v <= 0}
-        if bad:
-            raise ValueError(f"sizes must be positive, got {bad}")
+        checked_sizes(self.sizes, TaskSizes)
         return self
+
+
+class WordProblems(StageConfig):
+    chat: bool = Field(
+        True, description="rows as conversations (a user turn, an assistant turn): an instruct model reads them "
+        "through its chat template"
+    )
+    sizes: dict[str, int] = Field(
+        default_factory=dict, description="rows per file, overriding rlhf.tasks.word_problems.WordProblemSizes"
+    )
+
+    @field_validator("sizes")
+    @classmethod
+    def _check_sizes(cls, sizes):
+        return checked_sizes(sizes, WordProblemSizes)
+
+
+def checked_sizes(sizes: dict[str, int], known) -> dict[str, int]:
+    """`sizes` when every name is a file of the generator's `known` sizes and every count positive."""
+    names = set(known.__dataclass_fields__)
+    unknown = sorted(set(sizes) - names)
+    if unknown:
+        raise ValueError(f"sizes: unknown file(s) {unknown}; known: {sorted(names)}")
+    bad = {k: v for k, v in sizes.items() if v <= 0}
+    if bad:
+        raise ValueError(f"sizes must be positive, got {bad}")
+    return sizes
+
 
 
 class UserFile(StageConfig):
@@ -117,11 +143,16 @@ class UserFile(StageConfig):
 
 
 class Config(StageConfig):
-    source: Literal["builtin", "files"] = Field(
-        "builtin", description="builtin: generate the built-in task (plus any files); files: only the files"
+    source: Literal["builtin", "word_problems", "files"] = Field(
+        "builtin",
+        description="builtin: generate the arithmetic task; word_problems: generate GSM8K-style word problems "
+        "(task.kind gsm8k); either plus any files; files: only the files",
     )
-    seed: int = Field(0, description="generator seed of the built-in task, and of the held-out split")
+    seed: int = Field(0, description="generator seed of a built-in task, and of the held-out split")
     builtin: BuiltinTask = Field(default_factory=BuiltinTask, description="difficulty and sizes of the built-in task")
+    word_problems: WordProblems = Field(
+        default_factory=WordProblems, description="source word_problems: its format and sizes"
+    )
     files: dict[SafeName, UserFile] = Field(
         default_factory=dict, description="name (sft, prefs, ..., eval_<suite>) -> file; added to builtin tables"
     )
@@ -165,6 +196,31 @@ class Config(StageConfig):
             raise ValueError("; ".join(problems))
         return self
 
+    @model_validator(mode="after")
+    def _keys_of_the_other_generator(self):
+        changed = []
+        for block, source in (("builtin", "builtin"), ("word_problems", "word_problems")):
+            if self.source != source:
+                config = getattr(self, block)
+                defaults = type(config)()
+                changed += [f"{block}.{key}" for key in type(config).model_fields
+                            if getattr(config, key) != getattr(defaults, key)]  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)}: not read with source {self.source!r} (each block shapes its own generator); "
+                "remove, or set source"
+            )
+        return self
+
+    def cross_problems(self, run, section: str) -> list[str]:
+        """The word problems end in GSM8K's `#### N`, which task kind gsm8k reads."""
+        if self.source == "word_problems" and run.task.name != "gsm8k":
+            return [
+                f"task.kind: {run.task.name!r} cannot read the word problems' answers (`#### N`, GSM8K's answer "
+                "line), which prepare.source word_problems generates: set task.kind: gsm8k"
+            ]
+        return []
+
     def given(self) -> set[str]:
         """The names of the tables this config provides before derivation."""
         names = set(self.files)
@@ -172,6 +228,8 @@ class Config(StageConfig):
             names |= set(FILE_KINDS) | {EVAL_PREFIX + "dev", EVAL_PREFIX + "test"}
             if self.builtin.long_operands:
                 names |= {EVAL_PREFIX + "dev_long", EVAL_PREFIX + "test_long"}
+        elif self.source == "word_problems":
+            names |= set(FILE_KINDS) | {EVAL_PREFIX + suite for suite in SUITE_FAMILIES}
         return names
 
     def available(self) -> set[str]:
@@ -253,11 +311,8 @@ def prepare(root: Path, config: Config, task, feedback=None) -> dict:
 
     with atomic_dir(root) as tmp:
         tables = Tables(tmp, config)
-        if config.source == "builtin":
-            spec = TaskSpec(**config.builtin.model_dump(exclude={"sizes"}))
-            sizes = TaskSizes(**config.builtin.sizes)
-            for name, rows in generate_datasets(spec, sizes, config.seed).items():
-                tables.write(name, pd.DataFrame(rows), "builtin")
+        for name, frame in generated_tables(config):
+            tables.write(name, frame, config.source)
         write_files(tables, config, task)
         if feedback is not None and len(feedback):
             add_feedback(tables, feedback, config)
@@ -274,6 +329,26 @@ def prepare(root: Path, config: Config, task, feedback=None) -> dict:
         }
         write_json(tmp / "manifest.json", manifest)
     return manifest
+
+
+def generated_tables(config: Config):
+    """(file name, frame) of every table the built-in generator `config.source` names
+    writes; nothing for source files."""
+    import pandas as pd
+
+    from rlhf.data.contracts import as_conversation
+
+    if config.source == "builtin":
+        spec = TaskSpec(**config.builtin.model_dump(exclude={"sizes"}))
+        for name, rows in generate_datasets(spec, TaskSizes(**config.builtin.sizes), config.seed).items():
+            yield name, pd.DataFrame(rows)
+    elif config.source == "word_problems":
+        from rlhf.tasks import word_problems
+
+        sizes = WordProblemSizes(**config.word_problems.sizes)
+        for name, rows in word_problems.generate_datasets(sizes, config.seed).items():
+            frame = pd.DataFrame(rows)
+            yield name, as_conversation(frame) if config.word_problems.chat else frame
 
 
 class Tables:

@@ -104,7 +104,8 @@ def test_the_loader_collects_each_sections_own_cross_section_rules():
     ]
     # The real sections: stages/__init__.py holds no rule of its own; each is a Config's.
     assert [s for s, c in stages.all_configs().items() if hasattr(c, "cross_problems")] == [
-        "sft", "verifier", "rm", "prm", "policy", "merge", "evaluate", "validate", "gate", "infer", "improve",
+        "prepare", "sft", "verifier", "rm", "prm", "policy", "merge", "evaluate", "validate", "gate", "infer",
+        "improve",
     ]  # fmt: skip
     source = (REPO / "stages/__init__.py").read_text()  # reads prepare's suites only, of the stages' sections
     read = [s for s, c in stages.SECTIONS.items() if c.startswith("stages.") and f'params["{s}"]' in source]
