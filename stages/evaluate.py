@@ -1,7 +1,9 @@
 """Stage `evaluate`: every candidate and the reference on the same eval suites.
 
 In:  models/sft (the reference), models/policy/<method> for each policy method,
-     models/merged (when stage merge wrote one), models/rm (the judge),
+     models/merged (when stage merge wrote one), models/rm (the judge), models/base
+     (scored only when `evaluate.baselines` names it: the model as it came, a row to
+     compare with, never a candidate),
      data/prepared/eval/<suite>.parquet for each of `evaluate.suites`.
 Out: reports/eval.json (DVC metrics: per suite, per model), reports/outcomes.json (per
      problem, per model: what the gate's paired tests read; with each problem's difficulty), reports/samples.json (a few
@@ -34,6 +36,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -44,6 +47,7 @@ from rlhf.params import SafeName, StageConfig
 from rlhf.tasks import get_task
 from stages import (
     MERGED_DIR,
+    MODELS_DIR,
     REPORTS_DIR,
     RM_DIR,
     candidate_dir,
@@ -103,6 +107,10 @@ class Config(StageConfig):
         None, description="this stage's own keys of params `model` (e.g. quantization for large candidates)"
     )
     harness: Harness | None = Field(None, description="lm-evaluation-harness tasks (null: none)")
+    baselines: list[Literal["base"]] = Field(
+        default_factory=list,
+        description="models scored beside the candidates and never gated: base (the model as it came, before SFT)",
+    )
 
     def cross_problems(self, run, section: str) -> list[str]:
         """The suites named, and, with `suites` set, that they hold the ones the validator
@@ -151,6 +159,11 @@ def candidate_dirs(methods: list[str]) -> dict[str, Path]:
     return dirs
 
 
+def baseline_dirs(config: Config) -> dict[str, Path]:
+    """The models `evaluate.baselines` names, scored as the candidates are but never gated."""
+    return {name: MODELS_DIR / name for name in config.baselines}
+
+
 def harness_tasks(config: Config, task_config, workdir: Path) -> tuple[list[str], list[str]]:
     """The harness task names to run and the folders to find them in: the user's tasks,
     and each of `harness.suites` written as a local task `rlhf_<suite>` into `workdir`."""
@@ -183,7 +196,7 @@ def run(
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble
 
-    dirs = candidate_dirs(methods)
+    dirs = {**candidate_dirs(methods), **baseline_dirs(config)}
     suites = {}
     for name in suite_names:
         path = eval_suite_path(name)
@@ -202,7 +215,13 @@ def run(
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
     reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
     judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code)
-    report: dict = {"reference": REFERENCE, "candidates": [n for n in dirs if n != REFERENCE], "suites": {}}
+    baselines = list(baseline_dirs(config))
+    report: dict = {
+        "reference": REFERENCE,
+        "candidates": [n for n in dirs if n != REFERENCE and n not in baselines],
+        "baselines": baselines,
+        "suites": {},
+    }
     outcomes: dict = {"suites": {name: {**suite_identity(s), "models": {}} for name, s in suites.items()}}
     samples: dict = {name: {} for name in suites}
     completions: dict = {"suites": {n: {"prompts": s["prompt"].tolist(), "models": {}} for n, s in suites.items()}}
@@ -219,7 +238,8 @@ def run(
             metrics["seconds"] = time.perf_counter() - start
             report["suites"].setdefault(suite_name, {})[model_name] = metrics
             outcomes["suites"][suite_name]["models"][model_name] = per_problem
-            completions["suites"][suite_name]["models"][model_name] = texts
+            if model_name not in baselines:  # what validate checks: the candidates against the reference
+                completions["suites"][suite_name]["models"][model_name] = texts
             samples[suite_name][model_name] = [
                 {"prompt": p, "completion": c} for p, c in zip(suite["prompt"][: config.samples], texts)
             ]
@@ -238,13 +258,13 @@ def run(
     return report, outcomes, samples, completions
 
 
-def log_models(report: dict, methods: list[str]) -> None:
+def log_models(report: dict, methods: list[str], config: Config) -> None:
     """Each eval suite as an MLflow dataset input of the run, and each model evaluated as an
     MLflow logged model (external: DVC keeps the weights) with its metrics on each suite
     linked to it and to that dataset."""
     from rlhf.tracking.runs import log_model_metrics, log_table, numeric_metrics
 
-    dirs = candidate_dirs(methods)
+    dirs = {**candidate_dirs(methods), **baseline_dirs(config)}
     datasets = {
         suite: log_table(eval_suite_path(suite), "evaluation")
         for suite in report["suites"]
@@ -331,7 +351,7 @@ def main() -> None:
                 write_csv(plots / f"{suite}.csv", rows)
         mlflow.log_metrics(numeric_metrics(report["suites"]))
         mlflow.log_artifact(str(REPORT))
-        log_models(report, methods)
+        log_models(report, methods, config)
         print_report(report)
 
 
