@@ -3,7 +3,8 @@
 In:  models/sft (the reference), models/policy/<method> for each policy method,
      models/merged (when stage merge wrote one), models/rm (the judge), models/base
      (scored only when `evaluate.baselines` names it: the model as it came, a row to
-     compare with, never a candidate),
+     compare with, never a candidate: its accuracy, format and text metrics, with its own
+     generation budget `baseline_max_new_tokens`; no reward, win-rate or KL),
      data/prepared/eval/<suite>.parquet for each of `evaluate.suites`.
 Out: reports/eval.json (DVC metrics: per suite, per model), reports/outcomes.json (per
      problem, per model: what the gate's paired tests read; with each problem's difficulty), reports/samples.json (a few
@@ -109,7 +110,14 @@ class Config(StageConfig):
     harness: Harness | None = Field(None, description="lm-evaluation-harness tasks (null: none)")
     baselines: list[Literal["base"]] = Field(
         default_factory=list,
-        description="models scored beside the candidates and never gated: base (the model as it came, before SFT)",
+        description="models scored beside the candidates and never gated: base (the model as it came, before SFT); "
+        "accuracy, format and text metrics only (no reward, win-rate or KL)",
+    )
+    baseline_max_new_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="the baselines' generation budget (null: max_new_tokens): an instruct model as it came answers "
+        "in prose, longer than the fine-tuned solutions",
     )
 
     def cross_problems(self, run, section: str) -> list[str]:
@@ -228,11 +236,14 @@ def run(
     reference_rewards: dict = {}
     for model_name, path in dirs.items():
         model = reference if model_name == REFERENCE else load_causal_lm(path, config.trust_remote_code, what=str(path))
+        baseline = model_name in baselines  # scored for what it answers: no judge, no KL to the reference
         for suite_name, suite in suites.items():
             start = time.perf_counter()
             metrics, per_problem, rewards, texts = evaluate_model(
-                config, task, model, reference, tokenizer, judge, suite, reference_rewards.get(suite_name)
-            )
+                config, task, model, None if baseline else reference, tokenizer, None if baseline else judge, suite,
+                reference_rewards.get(suite_name),
+                max_new_tokens=config.baseline_max_new_tokens if baseline else None,
+            )  # fmt: skip
             if model_name == REFERENCE:
                 reference_rewards[suite_name] = rewards
             metrics["seconds"] = time.perf_counter() - start

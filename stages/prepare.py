@@ -196,22 +196,6 @@ class Config(StageConfig):
             raise ValueError("; ".join(problems))
         return self
 
-    @model_validator(mode="after")
-    def _keys_of_the_other_generator(self):
-        changed = []
-        for block, source in (("builtin", "builtin"), ("word_problems", "word_problems")):
-            if self.source != source:
-                config = getattr(self, block)
-                defaults = type(config)()
-                changed += [f"{block}.{key}" for key in type(config).model_fields
-                            if getattr(config, key) != getattr(defaults, key)]  # fmt: skip
-        if changed:
-            raise ValueError(
-                f"{', '.join(changed)}: not read with source {self.source!r} (each block shapes its own generator); "
-                "remove, or set source"
-            )
-        return self
-
     def cross_problems(self, run, section: str) -> list[str]:
         """The word problems end in GSM8K's `#### N`, which task kind gsm8k reads."""
         if self.source == "word_problems" and run.task.name != "gsm8k":

@@ -173,6 +173,9 @@ def test_kl_does_not_depend_on_batching(policy, reference, tokenizer):
     one_by_one = completion_kl(policy, reference, tokenizer, PROMPTS, COMPLETIONS, batch_size=1)
     together = completion_kl(policy, reference, tokenizer, PROMPTS, COMPLETIONS, batch_size=32)
     torch.testing.assert_close(one_by_one, together, atol=1e-4, rtol=0)
+    # A memory budget of one byte: every row of the batch goes through the models alone.
+    within_budget = completion_kl(policy, reference, tokenizer, PROMPTS, COMPLETIONS, batch_size=32, budget=1)
+    torch.testing.assert_close(within_budget, together, atol=1e-4, rtol=0)
 
 
 def test_kl_of_an_empty_completion_is_zero(policy, reference, tokenizer):

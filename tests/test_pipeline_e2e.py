@@ -62,6 +62,7 @@ UNREAD_BY_DESIGN = {
     ("policy@dpo", "data/prepared/sft.parquet"): "EWC's previous data, read only with policy.<method>.ewc.strength > 0",
     ("gate", "models/policy"): "read only when a policy is promoted (here: dpo)",
     ("gate", "models/merged"): "read only when the merge is promoted",
+    ("evaluate", "models/base"): "read only when evaluate.baselines names it (the model as it came)",
 }
 TRACE = Path(__file__).resolve().parent / "trace"
 

@@ -53,7 +53,11 @@ def project(tmp_path_factory):
     import stages.validate
     import stages.verifier
 
-    root = make_project(tmp_path_factory.mktemp("stages") / "project")
+    from tests.conftest import deep_update, tiny_params
+
+    # The model as it came, scored beside the candidates (evaluate.baselines).
+    params = deep_update(tiny_params(), {"evaluate": {"baselines": ["base"]}})
+    root = make_project(tmp_path_factory.mktemp("stages") / "project", params)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
@@ -142,9 +146,10 @@ def test_dpo_changes_the_policy(project):
 def test_evaluate_reports_every_metric_for_reference_and_candidates(project):
     report = json.loads((project / "reports/eval.json").read_text())
     assert report["reference"] == "sft" and report["candidates"] == ["dpo", "merged"]
+    assert report["baselines"] == ["base"]  # scored, never a candidate
     assert set(report["suites"]) == {"dev", "test"}
     dev = report["suites"]["dev"]
-    for name in ("sft", "dpo", "merged"):
+    for name in ("sft", "dpo", "merged", "base"):
         assert set(dev[name]) >= {
             "accuracy", "accuracy_low", "accuracy_high", "accuracy_by_difficulty", "format_rate", "kl_to_ref",
             "reward", "reward_std", "win_rate", "distinct_1", "distinct_2",
@@ -158,12 +163,21 @@ def test_evaluate_reports_every_metric_for_reference_and_candidates(project):
         assert set(intervals) == set(by_level)
         assert all(low <= by_level[k] <= high for k, (low, high) in intervals.items())
     assert dev["sft"]["kl_to_ref"] == 0.0 and dev["sft"]["win_rate"] == 0.5
+    assert dev["base"]["reward"] is None and dev["base"]["kl_to_ref"] is None  # a baseline is not judged
     assert dev["dpo"]["kl_to_ref"] >= 0.0
     outcomes = json.loads((project / "reports/outcomes.json").read_text())
     per_problem = outcomes["suites"]["dev"]["models"]["dpo"]["accuracy"]
     assert len(per_problem) == 24 and sum(per_problem) / 24 == pytest.approx(dev["dpo"]["accuracy"])
     labels = outcomes["suites"]["dev"]["difficulty"]  # aligned with the accuracy outcomes
     assert len(labels) == 24 and {label: labels.count(label) for label in set(labels)} == counts
+    # The baseline's outcomes are kept (a paired comparison with it), its completions are not
+    # validate's to check, and the gate judges the candidates only.
+    assert len(outcomes["suites"]["test"]["models"]["base"]["accuracy"]) == 24
+    completions = json.loads((project / "reports/completions.json").read_text())
+    assert set(completions["suites"]["dev"]["models"]) == {"sft", "dpo", "merged"}
+    assert set(json.loads((project / "reports/gate.json").read_text())["candidates"]) == {"dpo", "merged"}
+    samples = json.loads((project / "reports/samples.json").read_text())
+    assert set(samples["dev"]) == {"sft", "dpo", "merged", "base"}
 
 
 def test_gate_promotes_into_models_champion_and_the_registry(project):

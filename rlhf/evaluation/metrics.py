@@ -55,17 +55,38 @@ def completion_batches(tokenizer, prompts: Sequence, completions: Sequence[str],
     tokenizer.padding_side = "left"
 
 
+# The float32 vocabulary-wide tensors one KL forward may hold at once, in bytes: the two
+# models' log-probs and their temporaries, about six rows x T x vocabulary each.
+KL_BUDGET = 2**30
+
+
 @torch.inference_mode()
 def completion_kl(
-    policy, reference, tokenizer, prompts: Sequence, completions: Sequence[str], batch_size: int = 32
+    policy,
+    reference,
+    tokenizer,
+    prompts: Sequence,
+    completions: Sequence[str],
+    batch_size: int = 32,
+    budget: int = KL_BUDGET,
 ) -> torch.Tensor:
-    """Per-prompt sum over completion tokens of KL(policy || reference)."""
+    """Per-prompt sum over completion tokens of KL(policy || reference). The rows of a batch
+    go through both models a few at a time, so that their full-vocabulary log-probs stay
+    within `budget` bytes whatever the batch, the length and the vocabulary (32 sequences of
+    400 tokens over a 150k vocabulary would otherwise hold some 40 GB)."""
     policy.eval()
     reference.eval()
+    vocab = policy.get_output_embeddings().weight.shape[0]
     results = []
     for batch, mask in completion_batches(tokenizer, prompts, completions, batch_size, policy.device):
-        logp = F.log_softmax(policy(**batch).logits.float()[:, :-1], -1)
-        logq = F.log_softmax(reference(**batch).logits.float()[:, :-1], -1)
-        per_token = (logp.exp() * (logp - logq)).sum(-1)  # (B, T - 1): KL of the next-token distributions
-        results.append((per_token.cpu() * mask).sum(-1))
+        length = batch["input_ids"].shape[1]
+        rows = max(1, budget // (6 * length * vocab * 4))
+        for start in range(0, batch["input_ids"].shape[0], rows):
+            part = {key: value[start : start + rows] for key, value in batch.items()}
+            logp = F.log_softmax(policy(**part).logits.float()[:, :-1], -1)
+            logq = F.log_softmax(reference(**part).logits.float()[:, :-1], -1)
+            logq.neg_().add_(logp)  # logp - logq, in place
+            per_token = (logp.exp_() * logq).sum(-1)  # (rows, T - 1): KL of the next-token distributions
+            del logp, logq
+            results.append((per_token.cpu() * mask[start : start + rows]).sum(-1))
     return torch.cat(results) if results else torch.empty(0)

@@ -93,8 +93,12 @@ def suite_identity(suite) -> dict:
     return identity
 
 
-def evaluate_model(config, task: Task, model, reference, tokenizer, judge, suite, ref_rewards) -> tuple:
-    """(metrics, per-problem outcomes, completions) of one model on one suite."""
+def evaluate_model(
+    config, task: Task, model, reference, tokenizer, judge, suite, ref_rewards, max_new_tokens: int | None = None
+) -> tuple:
+    """(metrics, per-problem outcomes, completions) of one model on one suite. No
+    `reference` (None): KL is not measured; no `judge`: reward and win-rate are not.
+    `max_new_tokens`: the generation budget (default: the config's)."""
     import pandas as pd
     import torch
 
@@ -103,12 +107,12 @@ def evaluate_model(config, task: Task, model, reference, tokenizer, judge, suite
 
     prompts = suite["prompt"].tolist()
     answers = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
-    texts = generate(model, tokenizer, prompts, config.max_new_tokens, config.batch_size)
+    texts = generate(model, tokenizer, prompts, max_new_tokens or config.max_new_tokens, config.batch_size)
     rewards = judge.score(prompts, texts) if judge is not None else None
     kl_n = min(config.kl_prompts, len(prompts))
     if model is reference:
         kl = torch.zeros(1)
-    elif kl_n:
+    elif kl_n and reference is not None:
         kl = completion_kl(model, reference, tokenizer, prompts[:kl_n], texts[:kl_n])
     else:  # kl_prompts 0: not measured (None), not a KL of 0 that a gate test would pass
         kl = None
