@@ -113,8 +113,10 @@ def stage_times(log: str) -> dict[str, float]:
     return seconds
 
 
-def run_seed(work: Path, seed: int, extra: dict) -> dict:
-    """Seed `seed`'s project, run through the flow unless it has run already; its run facts."""
+def run_seed(work: Path, seed: int, extra: dict, jobs: int | None = None, threads: int | None = None) -> dict:
+    """Seed `seed`'s project, run through the flow unless it has run already; its run facts.
+    `jobs` and `threads`: the flow's `--jobs` and each stage's OMP_NUM_THREADS (two seeds at
+    once on 2 cores: one stage at a time with one thread each)."""
     folder = work / f"seed{seed}"
     root = sweep.project(folder, f"real-model seed {seed}", seeded_recipe(seed, extra))
     facts_file = root / "study_run.json"
@@ -122,16 +124,19 @@ def run_seed(work: Path, seed: int, extra: dict) -> dict:
         return json.loads(facts_file.read_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RLHF_", "DVC_", "OMP_", "MKL_"))}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     memory = PeakMemory()
     memory.start()
     start = time.monotonic()
-    flow = subprocess.run([sys.executable, "-m", "flows.pipeline"], cwd=root, env=env, capture_output=True, text=True)
+    command = [sys.executable, "-m", "flows.pipeline", *(["--jobs", str(jobs)] if jobs else [])]
+    flow = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
     minutes = (time.monotonic() - start) / 60
     memory.done.set()
     (root / "study_flow.log").write_text(flow.stdout + flow.stderr)
     if flow.returncode != 0:
         raise SystemExit(f"seed {seed}: the flow failed (log: {root / 'study_flow.log'}):\n{flow.stderr[-3000:]}")
-    facts = {"minutes": round(minutes, 1), "stage_seconds": stage_times(flow.stdout + flow.stderr),
+    facts = {"minutes": round(minutes, 1), "jobs": jobs, "threads": threads, "stage_seconds": stage_times(flow.stdout + flow.stderr),
              "peak_gib": memory.peaks}  # fmt: skip
     facts_file.write_text(json.dumps(facts, indent=2) + "\n")
     return facts
@@ -166,11 +171,17 @@ def scores(root: Path) -> dict:
 
 
 def handwritten(root: Path) -> dict:
-    """The hand-written problems, answered by the instruct model as it came and the champion."""
+    """The hand-written problems, answered by the instruct model as it came, SFT, and the
+    champion when the gate promoted one."""
     out = root / "study_handwritten.json"
     if not out.is_file():
-        subprocess.run([sys.executable, str(HERE / "handwritten.py"), str(root / "models/base"),
-                        str(root / "models/champion"), "--out", str(out)], check=True, cwd=root)  # fmt: skip
+        from rlhf.tracking.champion import read_champion
+
+        models = [root / "models/base", root / "models/sft"]
+        if read_champion(root / "models/champion"):
+            models.append(root / "models/champion")
+        subprocess.run([sys.executable, str(HERE / "handwritten.py"), *map(str, models), "--out", str(out)],
+                       check=True, cwd=root)  # fmt: skip
     data = json.loads(out.read_text())
     return {Path(k).name: {key: v for key, v in value.items() if key != "replies"} for k, value in data.items()}
 
@@ -203,6 +214,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--work", type=Path, default=Path("/tmp/rlhf-real-model"), help="scratch projects")
     parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument("--jobs", type=int, default=None, help="the flow's --jobs (default: the flow's own)")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every stage")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a params change (all seeds)")
     args = parser.parse_args()
     import yaml
@@ -213,7 +226,7 @@ def main() -> None:
     if previous.is_file() and not extra:
         results["seeds"] = json.loads(previous.read_text()).get("seeds", {})
     for seed in args.seeds:
-        run = run_seed(args.work, seed, extra)
+        run = run_seed(args.work, seed, extra, args.jobs, args.threads)
         root = args.work / f"seed{seed}" / "project"
         results["seeds"][str(seed)] = {"run": run, "scores": scores(root), "handwritten": handwritten(root)}
         sweep.write_results(args.out, results, table(results))
