@@ -186,26 +186,95 @@ def handwritten(root: Path) -> dict:
     return {Path(k).name: {key: v for key, v in value.items() if key != "replies"} for k, value in data.items()}
 
 
+def _cell(value: dict, low: str = "low", high: str = "high", key: str = "difference", sign: bool = True) -> str:
+    form = "+.3f" if sign else ".3f"
+    return f"{value[key]:{form}} [{value[low]:{form}}, {value[high]:{form}}]"
+
+
+def _spread(values: list[float], sign: bool = False) -> str:
+    form = "+.3f" if sign else ".3f"
+    if len(values) > 1:
+        return f"{statistics.mean(values):{form}} ± {statistics.stdev(values):.3f}"
+    return f"{values[0]:{form}}" if values else "-"
+
+
 def table(results: dict) -> str:
-    """The markdown table of the study page: test accuracy per model per seed, mean and spread."""
+    """The study page's tables: test accuracy per model per seed, the paired gains, accuracy
+    per family, inference-time compute, the gate, the hand-written problems, each stage's
+    wall time and peak memory."""
     seeds = sorted(results["seeds"], key=int)
-    models = ["base", "sft", *METHODS]
-    lines = [f"Test accuracy (95% bootstrap interval over problems), per seed; {len(seeds)} seeds.", ""]
+    runs = [results["seeds"][s] for s in seeds]
+    header = "| " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |"
+    rule = "|---|" + "---|" * (len(seeds) + 1)
+    lines = [f"Accuracy [95% bootstrap interval over problems] per seed; {len(seeds)} seed(s).", ""]
     for suite in SUITES:
-        lines += [f"**{suite}**", "", "| model | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |",
-                  "|---|" + "---|" * (len(seeds) + 1)]  # fmt: skip
-        for model in models:
+        lines += [f"**{suite}**", "", "| model " + header, rule]
+        for model in ["base", "sft", *METHODS]:
             cells, values = [], []
-            for seed in seeds:
-                m = results["seeds"][seed]["scores"]["accuracy"][suite].get(model)
+            for run in runs:
+                m = run["scores"]["accuracy"][suite].get(model)
                 if m is None or m["accuracy"] is None:
                     cells.append("n/a")
                     continue
                 values.append(m["accuracy"])
-                cells.append(f"{m['accuracy']:.3f} [{m['accuracy_low']:.3f}, {m['accuracy_high']:.3f}]")
-            spread = f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else "-"
-            lines.append(f"| {model} | " + " | ".join(cells) + f" | {spread} |")
+                cells.append(_cell(m, "accuracy_low", "accuracy_high", "accuracy", sign=False))
+            lines.append(f"| {model} | " + " | ".join(cells) + f" | {_spread(values)} |")
         lines.append("")
+    lines += ["**Paired differences** on the same problems [95% paired bootstrap interval]", "",
+              "| suite | difference " + header, "|---|---|" + "---|" * (len(seeds) + 1)]  # fmt: skip
+    for suite in SUITES:
+        for name in ["sft_over_base", *(f"{m}_over_sft" for m in METHODS)]:
+            values = [run["scores"]["paired"][suite].get(name) for run in runs]
+            if any(v is None for v in values):
+                continue
+            row = " | ".join(_cell(v) for v in values)
+            label = name.replace("_over_", " − ")
+            lines.append(f"| {suite} | {label} | {row} | {_spread([v['difference'] for v in values], sign=True)} |")
+    lines += ["", "**Accuracy per family** (test; mean over seeds)", ""]
+    families = sorted(runs[0]["scores"]["accuracy"]["test"]["sft"]["accuracy_by_difficulty"])
+    lines += ["| model | " + " | ".join(families) + " |", "|---|" + "---|" * len(families)]
+    for model in ["base", "sft", *METHODS]:
+        cells = []
+        for family in families:
+            values = [(run["scores"]["accuracy"]["test"].get(model) or {}).get("accuracy_by_difficulty", {}).get(family)
+                      for run in runs]  # fmt: skip
+            values = [v for v in values if v is not None]
+            cells.append(f"{statistics.mean(values):.2f}" if values else "n/a")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    lines += ["", "**Inference-time compute** (the SFT model, the first problems of test)", "",
+              "| strategy " + header.replace(" mean ± sd |", " mean ± sd | tokens a problem |"),
+              "|---|" + "---|" * (len(seeds) + 2)]  # fmt: skip
+    for strategy in runs[0]["scores"]["infer"]["strategies"]:
+        facts = [run["scores"]["infer"]["strategies"][strategy] for run in runs]
+        cells = " | ".join(_cell(f, "accuracy_low", "accuracy_high", "accuracy", sign=False) + f" ({f['seconds']:.0f} s)"
+                           for f in facts)  # fmt: skip
+        tokens = statistics.mean(f["tokens_per_problem"] for f in facts)
+        lines.append(f"| {strategy} | {cells} | {_spread([f['accuracy'] for f in facts])} | {tokens:.0f} |")
+    lines += ["", "**The gate** (on dev): " + "; ".join(
+        f"seed {s}: " + (f"promoted {run['scores']['gate']['champion']}" if run["scores"]["gate"]["promoted"]
+                         else "nothing promoted") for s, run in zip(seeds, runs))]  # fmt: skip
+    lines += ["", "**Hand-written problems** (60; plain transformers, greedy, the chat template)", "",
+              "| model " + header, rule]  # fmt: skip
+    for model in runs[0]["handwritten"]:
+        values = [run["handwritten"].get(model) for run in runs]
+        cells = " | ".join(_cell(v, key="accuracy", sign=False) if v else "n/a" for v in values)
+        lines.append(f"| {model} | {cells} | {_spread([v['accuracy'] for v in values if v])} |")
+        over = [v.get("over_base") for v in values if v and v.get("over_base")]
+        if over:
+            lines.append(f"| {model} − base | " + " | ".join(_cell(v) for v in over)
+                         + f" | {_spread([v['difference'] for v in over], sign=True)} |")  # fmt: skip
+    stages = sorted({name for run in runs for name in run["run"]["stage_seconds"]})
+    lines += ["", "**Wall time (min) and peak resident memory (GiB) of each stage**", "",
+              "| stage " + header.replace(" mean ± sd |", " |"), "|---|" + "---|" * len(seeds)]  # fmt: skip
+    for stage in stages:
+        cells = []
+        for run in runs:
+            seconds = run["run"]["stage_seconds"].get(stage)
+            peak = run["run"]["peak_gib"].get(stage)
+            cells.append(f"{seconds / 60:.1f}" if seconds is not None else "-")
+            cells[-1] += f" ({peak:.1f} GiB)" if peak is not None else ""
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    lines.append("| **the flow** | " + " | ".join(f"{run['run']['minutes']:.1f}" for run in runs) + " |")
     return "\n".join(lines)
 
 
