@@ -68,10 +68,11 @@ def seeded_recipe(seed: int, extra: dict):
 
 class PeakMemory(threading.Thread):
     """The peak resident memory of each stage's processes (`python -m stages.<name> ...`,
-    launched or not), sampled each second."""
+    launched or not) that run in the project `root`, sampled each second."""
 
-    def __init__(self):
+    def __init__(self, root: Path):
         super().__init__(daemon=True)
+        self.root = str(root.resolve())
         self.peaks: dict[str, float] = {}
         self.done = threading.Event()
 
@@ -79,10 +80,10 @@ class PeakMemory(threading.Thread):
         import psutil
 
         while not self.done.is_set():
-            for process in psutil.process_iter(["cmdline", "memory_info"]):
+            for process in psutil.process_iter(["cmdline", "memory_info", "cwd"]):
                 try:
                     command = process.info["cmdline"] or []
-                    if "stages." not in " ".join(command):
+                    if "stages." not in " ".join(command) or process.info["cwd"] != self.root:
                         continue
                     module = next(a for a in command if a.startswith("stages."))
                     index = command.index(module)
@@ -126,7 +127,7 @@ def run_seed(work: Path, seed: int, extra: dict, jobs: int | None = None, thread
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    memory = PeakMemory()
+    memory = PeakMemory(root)
     memory.start()
     start = time.monotonic()
     command = [sys.executable, "-m", "flows.pipeline", *(["--jobs", str(jobs)] if jobs else [])]
@@ -265,7 +266,7 @@ def table(results: dict) -> str:
                          + f" | {_spread([v['difference'] for v in over], sign=True)} |")  # fmt: skip
     stages = sorted({name for run in runs for name in run["run"]["stage_seconds"]})
     lines += ["", "**Wall time (min) and peak resident memory (GiB) of each stage**", "",
-              "| stage " + header.replace(" mean ± sd |", " |"), "|---|" + "---|" * len(seeds)]  # fmt: skip
+              "| stage " + header.replace(" mean ± sd |", ""), "|---|" + "---|" * len(seeds)]  # fmt: skip
     for stage in stages:
         cells = []
         for run in runs:
