@@ -224,7 +224,7 @@ def accuracy_by_flaw(kinds: list, chosen, rejected) -> dict[str, float]:
 
 def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out_dir: Path) -> tuple[dict, list[dict]]:
     from rlhf.data.prepared import prepared_dataset
-    from rlhf.models.compute import is_main, world_size
+    from rlhf.models.compute import is_main, release_memory, world_size
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
     from rlhf.rewards.likelihood_rm import pairs_dataset
@@ -255,10 +255,12 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     else:
         head, dataset, fit = likelihood_start(config, init, pairs, tokenizer)
         train = (head, dataset)
+        release_memory()  # the frozen LM of the head's fit
     root = checkpoint_dir(CHECKPOINTS_DIR, stage, fingerprint(config, [init, data]))
     curve: list[dict] = []
     for index in range(config.num_members):
         curve += train_member(config, index, init, train, tokenizer, root)
+        release_memory()  # the member's trainer and optimizer, before the next one loads
     if not is_main():  # another process of a multi-process launch: rank 0 evaluates and publishes
         return {}, curve
     for index in range(config.num_members):

@@ -210,3 +210,24 @@ def sharded_launch() -> bool:
 def is_main() -> bool:
     """The process that publishes: writes outputs, metrics and the MLflow run."""
     return rank() == 0
+
+
+def release_memory() -> None:
+    """Give memory that Python and torch freed back to the system: between the parts of a
+    stage that each load a model (the reward ensemble's members, then its evaluation), the
+    process's resident memory would otherwise keep the high-water mark of the part before
+    (glibc keeps freed heap pages; the CUDA allocator keeps its cache)."""
+    import ctypes
+    import gc
+    import sys
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import torch
 
-LOGITS_BUDGET = 2**30  # bytes of float32 logits one forward may hold (a 150k vocabulary: about 7k tokens)
+# Bytes of float32 vocabulary-wide tensors one forward may hold: the logits and the
+# temporaries of their log-softmax, about three rows x T x vocabulary each (a 150k
+# vocabulary: about 2k tokens a forward).
+LOGITS_BUDGET = 2**30
 
 
 def token_logprobs(
     lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_budget: int = LOGITS_BUDGET
 ) -> torch.Tensor:
     """(B, T - 1): entry t - 1 is log p(token t | tokens < t), differentiable. The rows go
-    through the LM a few at a time, so that their float32 logits (rows x T x vocabulary)
-    stay within `logits_budget` bytes whatever the batch: a large vocabulary's full logits
-    would otherwise take tens of GB for one scoring batch."""
+    through the LM a few at a time, so that their float32 logits and the log-softmax's
+    temporaries (about 3 x rows x T x vocabulary) stay within `logits_budget` bytes
+    whatever the batch: a large vocabulary's full logits would otherwise take tens of GB
+    for one scoring batch."""
     vocab = lm.get_output_embeddings().weight.shape[0]
-    rows = max(1, logits_budget // (input_ids.shape[1] * vocab * 4))
+    rows = max(1, logits_budget // (3 * input_ids.shape[1] * vocab * 4))
     parts = []
     for start in range(0, input_ids.shape[0], rows):
         ids, mask = input_ids[start : start + rows], attention_mask[start : start + rows]
