@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from rlhf.cli import dvc_deps
-from rlhf.cli.dvc_deps import LAUNCHER, imported_modules
+from rlhf.cli.dvc_deps import LAUNCHER, imported_modules, parsed
 from stages import SECTIONS, load_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def sections_read(path: Path, own_section: str) -> set[str]:
     `load_config(variable)` reads the stage's own section (stage verifier runs stage sft's
     trainer with its own section); the `stages` helpers read theirs (HELPER_SECTIONS)."""
     sections = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in HELPER_SECTIONS:
             sections.update(HELPER_SECTIONS[node.func.id])
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_config" and node.args:

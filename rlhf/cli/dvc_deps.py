@@ -24,6 +24,7 @@ import argparse
 import ast
 import re
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 INFRASTRUCTURE = {"rlhf/__init__.py", "rlhf/environment.py", "rlhf/params.py", "rlhf/tracking/runs.py"}
@@ -31,15 +32,33 @@ LAUNCHER = "rlhf/cli/launch.py"  # what dvc.yaml starts a stage through where it
 COMMAND = re.compile(r"python -m (rlhf\.cli\.launch )?(stages\.\w+)")
 
 
+def parsed(path: Path) -> ast.Module:
+    """`path`'s syntax tree, parsed once for as long as the file is unchanged (every
+    stage's closure walks the same modules; the tree must not be modified)."""
+    stat = path.stat()
+    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=None)
+def _parsed(path: Path, mtime_ns: int, size: int) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def imported_modules(path: Path) -> set[str]:
     """Every module `path` imports, at its top or inside a function."""
+    stat = path.stat()
+    return set(_imported(path, stat.st_mtime_ns, stat.st_size))
+
+
+@lru_cache(maxsize=None)
+def _imported(path: Path, mtime_ns: int, size: int) -> frozenset[str]:
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parsed(path, mtime_ns, size)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-    return names
+    return frozenset(names)
 
 
 def module_file(root: Path, name: str) -> Path | None:
@@ -52,7 +71,7 @@ def module_file(root: Path, name: str) -> Path | None:
 
 
 def docstring_only(path: Path) -> bool:
-    body = ast.parse(path.read_text()).body
+    body = parsed(path).body
     return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
 
 

@@ -5,6 +5,10 @@ answer check (task kind gsm8k, with its flexible fallback: the instruct model st
 answers in prose). Prints one JSON line per model and, with two or more, the paired
 difference of each later model against the first.
 
+It generates with transformers alone on purpose, not through rlhf.models.generation: what
+it checks is that a model folder the pipeline wrote works for someone who has only
+transformers (its chat template, its generation config, its weights).
+
     .venv/bin/python studies/real_model/handwritten.py models/base models/champion
 """
 
