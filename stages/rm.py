@@ -101,8 +101,9 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
     from rlhf.training.trainer_setup import (
         final_weights,
         log_history_rows,
-        merged_model,
+        plain_model,
         tracking_callbacks,
+        trainable_in_compute_dtype,
         train_resumable,
         trainer_loading,
         trl_config,
@@ -137,6 +138,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
             callbacks=tracking_callbacks(),
             **loader_kwargs,
         )
+        trainable_in_compute_dtype(trainer)
     else:
         head, dataset = train
         set_seed(seed)
@@ -155,11 +157,17 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
         train_resumable(trainer, f"rm member {index}", str(member_root))
     # Atomically: `final` existing is what marks the member done for a resumed run.
     with atomic_dir(final) as tmp:  # rank 0's is renamed into place, another rank's discarded
+        # A QLoRA member is merged into its base loaded again unquantized (plain_model).
         if config.kind == "classifier":
-            model, state_dict = final_weights(trainer)  # every process takes part in a sharded gather
+            from transformers import AutoModelForSequenceClassification
+
+            model, state_dict = final_weights(  # every process takes part in a sharded gather
+                trainer, init, trust_remote_code=config.trust_remote_code,
+                auto_class=AutoModelForSequenceClassification, num_labels=1,
+            )  # fmt: skip
             save_model(model, tokenizer, tmp, state_dict)
         else:
-            trainer.model.save(tokenizer, tmp, lm=merged_model(trainer.model.lm))
+            trainer.model.save(tokenizer, tmp, lm=plain_model(trainer.model.lm, init, config.trust_remote_code))
     return [{**row, "member": index} for row in log_history_rows(trainer.state.log_history, ("loss", "accuracy"))]
 
 

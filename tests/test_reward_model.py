@@ -212,7 +212,15 @@ def run_stage(tmp_path, monkeypatch, **config):
     write_pairs(tmp_path)
     settings = {"max_steps": 2, "num_members": 2, "per_device_train_batch_size": 4, "save_steps": 2, **config}
     config = stage.Config(logging_steps=1, **settings)
-    monkeypatch.setattr(stage, "load_model_stage", lambda *args, **kwargs: {"rm": config, "task": TaskConfig()})
+
+    def load_model_stage(*args, **kwargs):  # as the stage's own: the rm's `model:` block configures loading
+        import rlhf.models.settings as model_settings
+
+        monkeypatch.setattr(model_settings, "_current", model_settings._current)  # restored after the test
+        model_settings.configure(None, config.model)
+        return {"rm": config, "task": TaskConfig()}
+
+    monkeypatch.setattr(stage, "load_model_stage", load_model_stage)
     stage.main()
     return json.loads((tmp_path / "metrics/rm.json").read_text())
 
@@ -251,6 +259,35 @@ def test_classifier_stage_trains_differing_score_heads(tmp_path, monkeypatch, ml
     assert not (tmp_path / "models/rm/member_0" / HEAD_FILE).exists()
     scores = RewardEnsemble.load(tmp_path / "models/rm").score(["1+2\n"], ["1+2=3; answer 3"])
     assert scores.members.shape == (2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["likelihood", "classifier"])
+def test_a_qlora_member_is_merged_into_its_base_unquantized(tmp_path, monkeypatch, mlflow_store, kind):
+    """QLoRA members (a 4-bit base through bitsandbytes' CPU backend, LoRA r 4): what is
+    saved is the unquantized init plus the adapter's low-rank update. Merged into the 4-bit
+    weights and quantized again, every weight of an adapted layer would move by its
+    quantization error (a full-rank difference), and updates below a quantization step
+    would round away. The tiny model, not the micro one: bitsandbytes' AVX512-BF16 CPU
+    kernel cannot run the micro model's 32-wide layers in inference."""
+    pytest.importorskip("bitsandbytes")
+    from rlhf.models.loading import build_tiny_model, save_model
+
+    tokenizer = build_tokenizer()
+    micro_dir = tmp_path / "models/sft"
+    save_model(build_tiny_model("tiny", tokenizer, seed=0), tokenizer, micro_dir)
+    run_stage(tmp_path, monkeypatch, kind=kind, num_members=1, learning_rate=1e-2,
+              model={"quantization": {"bits": 4}}, lora={"enabled": True, "r": 4})  # fmt: skip
+    member = tmp_path / "models/rm/member_0"
+    assert "quantization_config" not in json.loads((member / "config.json").read_text())
+    initial, trained = weights(micro_dir), weights(member)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert trained[name].dtype == torch.float32  # the compute dtype on this CPU
+    update = trained[name] - initial[name]
+    assert update.abs().max() > 1e-4, "the adapter trained and was merged"
+    assert torch.linalg.matrix_rank(update, atol=1e-6) <= 4, "the difference is the adapter's rank-4 update"
+    scores = RewardEnsemble.load(tmp_path / "models/rm").score(["1+2\n"] * 2, ["1+2=3; answer 3", "1+2=4; answer 4"])
+    assert torch.isfinite(scores.members).all()
 
 
 def test_a_missing_init_model_fails_naming_the_param(tmp_path, monkeypatch, mlflow_store):

@@ -250,16 +250,21 @@ def resized_copy(path: str | Path, tokenizer, out_dir: str | Path, trust_remote_
     save_model(model, tokenizer, out_dir)
 
 
-def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, trust_remote_code: bool = False) -> PreTrainedModel:
+def merge_adapter(
+    base_dir: str | Path, adapter_dir: str | Path, trust_remote_code: bool = False, auto_class=None, **kwargs
+) -> PreTrainedModel:
     """The LoRA adapter in `adapter_dir` merged into the base in `base_dir`, the base loaded
     on the CPU in the compute dtype, unquantized (a QLoRA adapter's base trained in 4 bits:
-    the merged weights are the unquantized base's plus B·A, as QLoRA's users merge)."""
+    the merged weights are the unquantized base's plus B·A, as QLoRA's users merge).
+    `auto_class` (a causal LM unless given) and `kwargs` load the base as it was trained
+    (a reward model: AutoModelForSequenceClassification with num_labels=1)."""
     from peft import PeftModel
 
     dtype = current().torch_dtype
-    base = AutoModelForCausalLM.from_pretrained(
-        str(resolve_model_dir(base_dir)), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-    )
+    base = (auto_class or AutoModelForCausalLM).from_pretrained(
+        str(resolve_model_dir(base_dir)), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True,
+        **kwargs,
+    )  # fmt: skip
     return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
 
 

@@ -236,6 +236,26 @@ def merged_model(model):
     return model
 
 
+def plain_model(model, base_dir: str | Path, trust_remote_code: bool = False, auto_class=None, **kwargs):
+    """`merged_model`, except over a quantized base (QLoRA): peft would merge the adapter
+    into the 4-bit weights and quantize the sum again, so that updates smaller than a
+    quantization step round away. There the adapter is saved and merged into the base
+    loaded again unquantized from `base_dir` (`merge_adapter`; `auto_class` and `kwargs`
+    load it as it was trained), as `save_trained` does for the policies."""
+    if not (hasattr(model, "peft_config") and quantized(model)):
+        return merged_model(model)
+    import tempfile
+
+    from rlhf.models.loading import merge_adapter
+
+    with tempfile.TemporaryDirectory() as adapter:
+        model.save_pretrained(adapter, safe_serialization=True)
+        plain = merge_adapter(base_dir, adapter, trust_remote_code, auto_class, **kwargs)
+    if getattr(plain.config, "pad_token_id", None) is None:  # a classifier scores padded batches
+        plain.config.pad_token_id = model.config.pad_token_id
+    return plain
+
+
 def sharded_weights(trainer) -> bool:
     """Whether the launch's accelerate strategy gives each process a slice of the weights
     (FSDP, DeepSpeed ZeRO-3) instead of a whole copy (DDP, ZeRO-1/2)."""
@@ -249,12 +269,15 @@ def sharded_weights(trainer) -> bool:
     return False
 
 
-def final_weights(trainer) -> tuple[Any, dict | None]:
+def final_weights(trainer, base_dir: str | Path | None = None, **base) -> tuple[Any, dict | None]:
     """What to save after training: (the plain model, LoRA merged; None), or under a
     sharding strategy (the unwrapped model; its full state dict, gathered from every
     process by accelerate's `get_state_dict`). Every process of a launch calls it; rank 0
-    saves (`save_model(model, tokenizer, path, state_dict)`)."""
+    saves (`save_model(model, tokenizer, path, state_dict)`). `base_dir` (and `base`, how
+    to load it): where the model was loaded from, for a QLoRA merge (`plain_model`)."""
     if not sharded_weights(trainer):
+        if base_dir is not None:
+            return plain_model(trainer.model, base_dir, **base), None
         return merged_model(trainer.model), None
     return trainer.accelerator.unwrap_model(trainer.model), trainer.accelerator.get_state_dict(trainer.model)
 
@@ -278,6 +301,22 @@ def adapters_without_casts(trainer) -> None:
             return compute_loss(model, inputs, *args, **kwargs)
 
     trainer.compute_loss = without_casts
+
+
+def trainable_in_compute_dtype(trainer) -> None:
+    """Undo TRL's cast of a quantized model's trainable parameters to bfloat16 where no
+    half-precision autocast runs (a CPU computing in float32). TRL's RewardTrainer casts
+    them all, as QLoRA's paper stores adapters, which peft's LoRA layers survive (they cast
+    their input) but a fully trained head does not (a sequence classifier's `score`, kept by
+    peft's modules_to_save): its matmul would meet a float32 input with bfloat16 weights."""
+    import torch
+
+    if trainer.args.bf16 or trainer.args.fp16 or not quantized(trainer.model):
+        return
+    dtype = current().torch_dtype
+    for parameter in trainer.model.parameters():
+        if parameter.requires_grad and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
 
 
 def quantized(model) -> bool:
