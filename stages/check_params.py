@@ -25,7 +25,9 @@ is checked again by the round that reads it (before sampling), and by the gate. 
 lm-evaluation-harness tasks named (evaluate.harness), it looks them up in lm-eval's task
 index (about 10 s, lm-eval imported: only then), so that a misspelt task stops here and not
 in stage evaluate after every policy has trained; a suite run as a harness task must hold
-text prompts (read from its file, as above).
+text prompts (read from its file, as above). Under an accelerate config that shards the
+weights (FSDP, ZeRO-3), a stage that would train a LoRA adapter or the likelihood reward
+model (which the sharded save cannot gather) is named here, not after its training.
 
     python -m stages.check_params
 """
@@ -52,6 +54,7 @@ def main() -> None:
     problems += harness_problems(params)
     problems += listed_params_problems(read_params(PARAMS_FILE), params)
     problems += package_problems(params)  # this machine's packages (attention, bitsandbytes, vLLM, lm-eval)
+    problems += sharding_problems(params)
     compute = params["compute"]
     if compute.device not in ("auto", "cpu") or compute.processes > 1:  # torch imported only then
         from rlhf.models.compute import placement_problem
@@ -175,6 +178,51 @@ def listed_params_problems(data: dict, params: dict, dvc_file: str = "dvc.yaml")
             f"{key}: missing, and {dvc_file}'s stage {', '.join(stages)} reads it: DVC refuses to run a stage whose "
             f"params are missing from {PARAMS_FILE}; write {write}"
         )
+    return problems
+
+
+def sharded_config(path: str | None) -> str | None:
+    """The strategy an accelerate config names when it shards the weights (FSDP, DeepSpeed
+    ZeRO-3), else None."""
+    import yaml
+
+    if path is None:  # launcher accelerate without a config: configs/accelerate/ddp.yaml
+        return None
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    if config.get("distributed_type") == "FSDP":
+        return "FSDP"
+    deepspeed = config.get("deepspeed_config") or {}
+    if config.get("distributed_type") == "DEEPSPEED" and str(deepspeed.get("zero_stage")) == "3":
+        return "DeepSpeed ZeRO-3"
+    return None
+
+
+def sharding_problems(params: dict) -> list[str]:
+    """Under FSDP or ZeRO-3 the pipeline gathers and saves plain Hugging Face models only:
+    a LoRA adapter, or the likelihood reward model (an LM with a head of ours), would fail
+    at the end of its stage's training, after the model had loaded and trained. Each stage
+    that would is named here, with its key. (PPO, our own loop, replicates its models on
+    every process whatever the config says.)"""
+    compute = params["compute"]
+    strategy = compute.launcher == "accelerate" and sharded_config(compute.accelerate_config)
+    if not strategy:
+        return []
+    trained = {"sft": params["sft"], "verifier": params["verifier"], "rm": params["rm"], "prm": params["prm"]}
+    policy = params["policy"]
+    trained |= {f"policy.{m}": getattr(policy, m) for m in [*policy.offline, *policy.online] if m != "ppo"}
+    problems = []
+    for key, config in trained.items():
+        if key == "prm" and config.kind == "likelihood":
+            continue  # fitted by rank 0 alone, nothing sharded
+        if getattr(getattr(config, "lora", None), "enabled", False):
+            problems.append(f"{key}.lora.enabled: {strategy} (compute.accelerate_config {compute.accelerate_config}) "
+                            "saves plain models only, not a LoRA adapter; train it in full, or use "
+                            "configs/accelerate/ddp.yaml or deepspeed_zero2.yaml")  # fmt: skip
+        if key == "rm" and config.kind == "likelihood":
+            problems.append(f"rm.kind: likelihood under {strategy} (compute.accelerate_config "
+                            f"{compute.accelerate_config}): the likelihood reward model is not a plain model the "
+                            "sharded save can gather; set rm.kind: classifier, or use configs/accelerate/ddp.yaml "
+                            "or deepspeed_zero2.yaml")  # fmt: skip
     return problems
 
 

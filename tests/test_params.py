@@ -472,6 +472,35 @@ def test_check_params_names_a_device_this_machine_lacks(tmp_path, repo_params):
     assert "compute.device is 'cuda' but torch sees no CUDA GPU; use compute.device: auto or cpu" in done.stderr
 
 
+def test_check_params_names_what_a_sharded_launch_cannot_save(tmp_path, repo_params):
+    """FSDP or ZeRO-3 gather plain models only: a LoRA stage, or the likelihood reward
+    model, failed at the end of its own training (after loading, sharding and DPO's
+    reference pass). The check names each such key first; DDP and ZeRO-2 pass."""
+    from stages.check_params import sharding_problems
+
+    def problems(config: str, **sections) -> list[str]:
+        params = copy.deepcopy(repo_params)
+        params["compute"].update(launcher="accelerate", processes=2, accelerate_config=str(REPO / config))
+        for section, values in sections.items():
+            params[section].update(values)
+        return sharding_problems(stages.load_all(write_params(tmp_path, params)))
+
+    fsdp = problems("configs/accelerate/fsdp.yaml", sft={"lora": {"enabled": True}})
+    assert [p.split(":")[0] for p in fsdp] == ["sft.lora.enabled", "rm.kind"]
+    assert fsdp[0].startswith(f"sft.lora.enabled: FSDP (compute.accelerate_config {REPO}/configs/accelerate/fsdp.yaml)")
+    assert "set rm.kind: classifier" in fsdp[1]
+    zero3 = problems("configs/accelerate/deepspeed_zero3.yaml", rm={"kind": "classifier"})
+    assert zero3 == []
+    zero3 = problems("configs/accelerate/deepspeed_zero3.yaml", rm={"kind": "classifier", "lora": {"enabled": True}})
+    assert len(zero3) == 1 and zero3[0].startswith("rm.lora.enabled: DeepSpeed ZeRO-3")
+    policy = copy.deepcopy(repo_params["policy"])
+    policy["dpo"] = {**policy.get("dpo", {}), "lora": {"enabled": True}}
+    found = problems("configs/accelerate/fsdp.yaml", rm={"kind": "classifier"}, policy=policy)
+    assert [p.split(":")[0] for p in found] == ["policy.dpo.lora.enabled"]
+    assert problems("configs/accelerate/ddp.yaml", sft={"lora": {"enabled": True}}) == []
+    assert problems("configs/accelerate/deepspeed_zero2.yaml", sft={"lora": {"enabled": True}}) == []
+
+
 def test_a_ppo_batch_the_processes_cannot_share_is_named_before_any_stage(tmp_path, repo_params):
     """Each process samples an equal share of PPO's rollout batch: a batch of 3 over 2
     processes failed in every rank after the models loaded."""
