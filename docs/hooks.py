@@ -31,7 +31,10 @@ def cli_reference() -> str:
 
     def help_of(*args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "rlhf.cli", *args], cwd=ROOT, capture_output=True, text=True)
-        return (done.stdout or done.stderr).rstrip()
+        if done.returncode != 0 or not done.stdout.startswith("usage:"):
+            raise RuntimeError(f"`rlhf {' '.join(args)}` did not print its usage (exit {done.returncode}): "
+                               f"{(done.stderr or done.stdout)[-2000:]}")  # fmt: skip
+        return done.stdout.rstrip()
 
     out = ["# The rlhf command", "", "`rlhf <command> [options]`: generated from the command's own help.", ""]
     out += ["```text", help_of("--help"), "```"]

@@ -131,7 +131,7 @@ def apply(name: str, params_file: Path = PARAMS, dry_run: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlhf.recipes", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="rlhf recipes", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the recipes in configs/recipes/")
     show = commands.add_parser("apply", help="merge a recipe into params.yaml")

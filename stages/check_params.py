@@ -251,4 +251,10 @@ def harness_problems(params: dict) -> list[str]:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    # No options: `rlhf check --help` (or a stray argument) must answer, not run the check.
+    argparse.ArgumentParser(
+        prog="rlhf check", description=__doc__.split("\n\n")[0], epilog="Run in the project (where params.yaml is)."
+    ).parse_args()
     main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,18 @@ def test_a_subcommand_takes_its_modules_options():
     # The flow and the params check run as programs of their own (rlhf never imports them).
     run = rlhf("run", "--help")
     assert run.returncode == 0 and "usage: rlhf run" in run.stdout and "--deploy" in run.stdout, run.stderr
+
+
+def test_help_only_helps(tmp_path):
+    """`rlhf check --help` ran the check and wrote reports/params.ok; `rlhf launch --help`
+    tried to run a module named --help. Each prints its usage, exits 0, writes nothing."""
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    for name in ("check", "launch"):
+        out = subprocess.run([sys.executable, "-m", "rlhf.cli", name, "--help"], cwd=tmp_path, capture_output=True,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        assert out.returncode == 0 and out.stdout.startswith(f"usage: rlhf {name}"), out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+    assert "usage: rlhf launch MODULE" in rlhf("launch").stderr
 
 
 def test_status_reads_the_champion_and_the_last_verdict(tmp_path):

@@ -62,8 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     from rlhf.params import input_errors_exit, load_section
 
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        raise SystemExit("usage: python -m rlhf.cli.launch MODULE [ARGS], e.g. python -m rlhf.cli.launch stages.sft")
+    usage = "usage: rlhf launch MODULE [ARGS] (python -m rlhf.cli.launch MODULE [ARGS]), e.g. rlhf launch stages.sft"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__}")
+        return
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit(usage)
     with input_errors_exit("launch: "):  # the rest of the file: the stage validates it, first thing
         config = load_section("compute", ComputeConfig)
     cmd = command(argv[0], argv[1:], config)
