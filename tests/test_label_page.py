@@ -78,6 +78,25 @@ def test_a_large_request_is_refused_before_it_is_read(page):
     assert big.status_code == 413 and not lines(out)
 
 
+def test_a_chunked_body_is_refused_at_the_limit_not_read_whole(page):
+    """A body sent in chunks declares no Content-Length: the page read it whole before its
+    413 (a 200 MB post grew the server by 401 MiB). Here the body never ends: the 413 must
+    come once the limit is passed, while the client is still sending."""
+    import socket
+
+    client, out, _ = page
+    host, port = client.base_url.host, client.base_url.port
+    with socket.create_connection((host, port), timeout=10) as conn:
+        conn.sendall(f"POST /choose HTTP/1.1\r\nHost: {host}:{port}\r\nTransfer-Encoding: chunked\r\n"
+                     "Content-Type: application/x-www-form-urlencoded\r\n\r\n".encode())  # fmt: skip
+        chunk = b"x" * 1024
+        for _ in range(64):  # 64 KB, and no final chunk
+            conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        reply = conn.recv(4096).decode("latin-1")
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert not lines(out)
+
+
 def test_a_second_answer_to_one_pair_gets_409(page):
     client, out, _ = page
     fields = form(client)

@@ -527,9 +527,9 @@ def create_app(
     @app.post("/choose")
     async def choose(request: Request):
         # The form is parsed here: FastAPI's Form() needs python-multipart, for three fields.
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            return plain(413, f"a choice is a small form; this request has {len(body)} bytes")
+        body = await bounded_body(request, MAX_BODY)
+        if body is None:
+            return plain(413, f"a choice is a small form; this request has more than {MAX_BODY} bytes")
         fields = parse_qs(body.decode("utf-8", "replace"))
         pair_id, choice = fields.get("pair", [""])[0], fields.get("choice", [""])[0]
         if not tokens.take(fields.get("token", [""])[0]):
@@ -547,6 +547,18 @@ def create_app(
         return JSONResponse(session.counts())
 
     return app
+
+
+async def bounded_body(request: Request, limit: int) -> bytes | None:
+    """The request's body, read a chunk at a time; None as soon as it passes `limit` bytes,
+    the rest unread. The Content-Length check (`refusal`) turns a declared large body away
+    first; a chunked body declares no length, and `request.body()` would read it whole."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
 
 
 def plain(status: int, text: str) -> HTMLResponse:
