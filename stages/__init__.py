@@ -97,7 +97,68 @@ def load_all(path: str = PARAMS_FILE) -> dict:
     problems = cross_section_problems(params, run_facts(params))
     if problems:
         raise ParamsError(path, problems)
+    if path == PARAMS_FILE:
+        warn_if_started_by_hand_on_changed_inputs()
     return params
+
+
+def hand_run_stage() -> str | None:
+    """The dvc.yaml stage this process is, when it was started by hand (`python -m
+    stages.<name> [item]`, not by `dvc repro` or the flow, which run under DVC_STAGE) in a
+    project whose dvc.lock records it; else None."""
+    import os
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if os.environ.get("DVC_STAGE") or spec is None or not spec.name.startswith("stages."):
+        return None
+    lock = Path("dvc.lock")
+    if not lock.is_file():
+        return None
+    import yaml
+
+    recorded = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    name = spec.name.split(".", 1)[1]
+    for stage in ([f"{name}@{sys.argv[1]}"] if len(sys.argv) > 1 else []) + [name]:
+        if stage in recorded:
+            return stage
+    return None
+
+
+def changed_inputs(stage: str) -> list[str]:
+    """The deps of `stage` whose content differs from what dvc.lock recorded, as `dvc
+    status` reports them (DVC's own state keeps the hashes of unchanged files: cheap)."""
+    from dvc.repo import Repo
+
+    with Repo(".") as repo:
+        status = repo.status(targets=[stage])
+    changed = []
+    for entry in status.get(stage, []):
+        for path, how in (entry.get("changed deps") or {}).items() if isinstance(entry, dict) else []:
+            if isinstance(how, dict):  # a params file: the keys that changed
+                changed += [f"{path}: {key} ({what})" for key, what in how.items()]
+            else:
+                changed.append(f"{path} ({how})")
+    return changed
+
+
+def warn_if_started_by_hand_on_changed_inputs() -> None:
+    """A stage started by hand reads what is on disk; DVC compares it with dvc.lock only
+    when it runs the stage. A model damaged on disk (a flipped bit) or an input changed
+    since the last run would be read without a word: say which, before anything loads."""
+    stage = hand_run_stage()
+    if stage is None:
+        return
+    try:
+        changed = changed_inputs(stage)
+    except Exception as error:  # the comparison is advice: it never stops the stage
+        print(f"{stage}: could not compare its inputs with dvc.lock ({type(error).__name__}: {error})",
+              file=sys.stderr)  # fmt: skip
+        return
+    if changed:
+        shown = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
+        print(f"{stage}: started by hand, and what it reads differs from what dvc.lock recorded: {shown}. It reads "
+              f"them as they are now; `dvc status {stage}` shows the difference, `dvc checkout <path>` restores a "
+              f"recorded output, `dvc repro {stage}` reruns what changed first", file=sys.stderr)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- eval suites

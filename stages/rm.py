@@ -103,8 +103,8 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
         log_history_rows,
         plain_model,
         tracking_callbacks,
-        trainable_in_compute_dtype,
         train_resumable,
+        trainable_in_compute_dtype,
         trainer_loading,
         trl_config,
     )

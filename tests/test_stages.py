@@ -52,7 +52,6 @@ def project(tmp_path_factory):
     import stages.sft
     import stages.validate
     import stages.verifier
-
     from tests.conftest import deep_update, tiny_params
 
     # The model as it came, scored beside the candidates (evaluate.baselines).
@@ -591,3 +590,51 @@ def test_policy_plots_find_a_reward_under_the_name_trl_logs():
         {"step": 2, "rewards/1_answer_match/mean": 0.5},
     ]
     assert set(plotted) == {"loss", "reward", "accuracy"}
+
+
+@pytest.mark.slow
+def test_a_stage_started_by_hand_names_inputs_that_differ_from_dvc_lock(tmp_path):
+    """A bit flipped in a model after its run: `dvc status` sees it, but a stage started by
+    hand (`python -m stages.<name>`, as the fault table starts them) read the damaged model
+    without a word. In a real DVC repo: after `dvc repro`, a hand-run stage says nothing;
+    with a byte of a dep flipped and params.yaml edited, it names both before it runs; run
+    by DVC (DVC_STAGE set) it leaves the comparison to DVC."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+    }
+    env.pop("DVC_STAGE", None)
+    (tmp_path / "models/sft").mkdir(parents=True)
+    (tmp_path / "models/sft/model.safetensors").write_bytes(bytes(range(256)) * 64)
+    shutil.copy(repo / "params.yaml", tmp_path / "params.yaml")
+    stage = {
+        "cmd": "python -m stages.check_params",
+        "deps": ["params.yaml", "models/sft"],
+        "outs": ["reports/params.ok"],
+    }
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"check_params": stage}}))
+
+    def call(*command: str, **extra) -> subprocess.CompletedProcess:
+        done = subprocess.run(command, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    call("git", "init", "-q")
+    call(sys.executable, "-m", "dvc", "init", "-q")
+    call(sys.executable, "-m", "dvc", "repro", "-q")
+    assert "dvc.lock" not in call(sys.executable, "-m", "stages.check_params").stderr
+    weights = tmp_path / "models/sft/model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[1000] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with open(tmp_path / "params.yaml", "a") as params:
+        params.write("# edited\n")
+    said = call(sys.executable, "-m", "stages.check_params").stderr
+    assert "check_params: started by hand, and what it reads differs from what dvc.lock recorded: " in said
+    assert "models/sft (modified)" in said and "params.yaml (modified)" in said
+    assert "dvc.lock" not in call(sys.executable, "-m", "stages.check_params", DVC_STAGE="check_params").stderr

@@ -24,7 +24,7 @@ import argparse
 import ast
 import re
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 INFRASTRUCTURE = {"rlhf/__init__.py", "rlhf/environment.py", "rlhf/params.py", "rlhf/tracking/runs.py"}
@@ -39,7 +39,7 @@ def parsed(path: Path) -> ast.Module:
     return _parsed(path, stat.st_mtime_ns, stat.st_size)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _parsed(path: Path, mtime_ns: int, size: int) -> ast.Module:
     return ast.parse(path.read_text())
 
@@ -50,7 +50,7 @@ def imported_modules(path: Path) -> set[str]:
     return set(_imported(path, stat.st_mtime_ns, stat.st_size))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _imported(path: Path, mtime_ns: int, size: int) -> frozenset[str]:
     names = set()
     for node in ast.walk(_parsed(path, mtime_ns, size)):

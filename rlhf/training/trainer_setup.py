@@ -309,8 +309,6 @@ def trainable_in_compute_dtype(trainer) -> None:
     them all, as QLoRA's paper stores adapters, which peft's LoRA layers survive (they cast
     their input) but a fully trained head does not (a sequence classifier's `score`, kept by
     peft's modules_to_save): its matmul would meet a float32 input with bfloat16 weights."""
-    import torch
-
     if trainer.args.bf16 or trainer.args.fp16 or not quantized(trainer.model):
         return
     dtype = current().torch_dtype
