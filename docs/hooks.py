@@ -64,10 +64,11 @@ def included(source: str, page: str) -> str:
 
 
 def on_files(files, config):
+    if str(ROOT) not in sys.path:  # the checkout's own code, installed or not
+        sys.path.insert(0, str(ROOT))
     import stages
     from rlhf.reference import params_reference
 
-    sys.path.insert(0, str(ROOT))
     generated = {
         "reference/params.md": params_reference(stages.all_configs()),
         "reference/cli.md": cli_reference(),
