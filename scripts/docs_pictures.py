@@ -4,8 +4,8 @@
     python scripts/docs_pictures.py --screens    # and the screenshots, from a run of this project
 
 The DAG: `dvc dag --mermaid`, without check_params (every stage depends on it), written
-between the `<!-- dag -->` and `<!-- /dag -->` markers of README.md and
-docs/concepts/dag.md; GitHub and the site draw it.
+between the `<!-- dag -->` and `<!-- /dag -->` markers of docs/concepts/dag.md; the
+site and GitHub draw it (README links to it).
 
 The screenshots (`--screens`, after `bash scripts/pipeline.sh`): `python -m tests.ui_check`
 runs the flow against a Prefect and an MLflow server on 127.0.0.1 and photographs the flow
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = (ROOT / "README.md", ROOT / "docs/concepts/dag.md")
+PAGES = (ROOT / "docs/concepts/dag.md",)
 IMAGES = ROOT / "docs/images"
 
 
