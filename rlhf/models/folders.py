@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 from rlhf.params import InputError
@@ -89,12 +90,28 @@ def check_model_dir(path: str | Path, what: str = "model") -> Path:
     return path
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file is not whole (its header unreadable, or the file shorter or
+    longer than the header describes); None when it is. Reads the header only."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                return f"{path.name}: header of {length} bytes in a {size}-byte file (truncated)"
+            header = json.loads(handle.read(length))
+    except (struct.error, ValueError, UnicodeDecodeError) as error:
+        return f"{path.name}: unreadable header ({error})"
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + length + end != size:
+        return f"{path.name}: {size} bytes, its header describes {8 + length + end} (truncated or damaged)"
+    return None
+
+
 def damaged_weights(path: Path) -> list[str]:
     """The safetensors files of a model folder that are shorter than their header says (cut
     short by a kill mid-write, a full disk or a partial copy): named before transformers
     fails on them with a bare SafetensorError. Reads the headers only."""
-    from rlhf.training.checkpoints import safetensors_problem
-
     return [problem for file in sorted(path.glob("*.safetensors")) if (problem := safetensors_problem(file))]
 
 

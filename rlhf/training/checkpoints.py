@@ -17,28 +17,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import struct
 import zipfile
 from pathlib import Path
 
+from rlhf.models.folders import safetensors_problem
+
 STATE_FILES = ("trainer_state.json", "state.json")  # Trainer's, and our PPO loop's
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-
-
-def safetensors_problem(path: Path) -> str | None:
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if length > size - 8:
-                return f"{path.name}: header of {length} bytes in a {size}-byte file (truncated)"
-            header = json.loads(handle.read(length))
-    except (struct.error, ValueError, UnicodeDecodeError) as error:
-        return f"{path.name}: unreadable header ({error})"
-    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    if 8 + length + end != size:
-        return f"{path.name}: {size} bytes, its header describes {8 + length + end} (truncated or damaged)"
-    return None
 
 
 def torch_file_problem(path: Path) -> str | None:
