@@ -174,8 +174,9 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     from rlhf.models.compute import is_main
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.prm import load_prm
-    from rlhf.rewards.prm_classifier import build_dataset, load_prm_model, prm_trainer, save_prm
+    from rlhf.rewards.prm_classifier import build_dataset, load_prm_model, save_prm
     from rlhf.rewards.steps import prm_metrics
+    from rlhf.training.prm_trainer import prm_trainer
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
         final_weights,

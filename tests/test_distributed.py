@@ -228,7 +228,8 @@ def test_two_gloo_processes_train_as_one_process_on_the_same_global_batch(in_pro
 def test_the_prm_loss_divides_by_the_labelled_positions_of_the_whole_step():
     """Alone it is the mean over labelled positions; given the step's count of them (every
     process and accumulation step), each process's share sums to that mean."""
-    from rlhf.rewards.prm_classifier import IGNORE, labelled_token_loss
+    from rlhf.rewards.prm_classifier import IGNORE
+    from rlhf.training.prm_trainer import labelled_token_loss
 
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 2)

@@ -22,7 +22,6 @@ from rlhf.rewards.prm_classifier import (
     build_dataset,
     encode_steps,
     load_prm_model,
-    prm_trainer,
     save_prm,
     truncate_to_steps,
 )
@@ -30,6 +29,7 @@ from rlhf.rewards.steps import DEFAULT_SEPARATOR, aggregate, prm_metrics, split_
 from rlhf.tasks import TaskConfig
 from rlhf.tasks.arithmetic import ArithmeticTask, TaskSizes, TaskSpec, generate_datasets
 from rlhf.training.params import TrainingParams
+from rlhf.training.prm_trainer import prm_trainer
 from rlhf.training.trainer_setup import train_resumable
 
 # The built-in task's step separator: the PRM functions default to DEFAULT_SEPARATOR ("\n"),

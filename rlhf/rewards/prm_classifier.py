@@ -16,8 +16,8 @@ Every other position is -100 (ignored by the loss). Because the model is causal,
 of step i depends only on the prompt and steps 1..i, so the same layout scores a prefix of
 k steps as k scores: what Best-of-N, MCTS and a step-level policy reward need.
 
-Training wraps transformers' `Trainer` (TRL 1.x has no PRM trainer); the loss is
-cross-entropy over the labelled positions. Rows longer than `max_length` are cut after the
+Training (rlhf.training.prm_trainer) wraps transformers' `Trainer` (TRL 1.x has no PRM
+trainer); the loss is cross-entropy over the labelled positions. Rows longer than `max_length` are cut after the
 last whole step that fits (their labels stay valid: a step's label depends only on the
 steps before it); a row whose first step does not fit is dropped. Both are counted.
 
@@ -34,14 +34,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 from datasets import Dataset, Features, List, Value
-from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, Trainer, TrainingArguments
+from transformers import AutoModelForTokenClassification
 
 from rlhf.models.folders import PRM_FILE, UnusableModelError, check_model_dir, resolve_model_dir
 from rlhf.models.generation import format_prompt
 from rlhf.models.loading import init_kwargs, load_tokenizer, missing_classifier_type, save_model
 from rlhf.rewards.steps import DEFAULT_SEPARATOR, StepScorer, locate_steps
-from rlhf.training.params import LoraParams, TrainingParams
-from rlhf.training.trainer_setup import tracking_callbacks, trl_config
 
 BAD, GOOD = 0, 1
 IGNORE = -100
@@ -161,57 +159,6 @@ def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str 
         str(path), num_labels=2, id2label={BAD: "bad", GOOD: "good"}, label2id={"bad": BAD, "good": GOOD}, **kwargs
     )
     return model if sharded_launch() else model.to(current().device)  # FSDP / ZeRO-3: accelerate shards it
-
-
-def prm_trainer(
-    params: TrainingParams,
-    model,
-    tokenizer,
-    train: Dataset,
-    output_dir: str | Path,
-    lora: LoraParams | None = None,
-    run_name: str = "prm",
-) -> Trainer:
-    """transformers' Trainer over tokenized PRM rows: token-level cross-entropy on the
-    labelled positions (the model's own loss), checkpoints in `output_dir`."""
-    args = trl_config(TrainingArguments, params, Path(output_dir), key="prm", run_name=run_name)
-    peft_config = lora.peft_config("TOKEN_CLS") if lora is not None else None
-    if peft_config is not None:
-        from peft import get_peft_model
-
-        # The new head is trained whole (peft's modules_to_save for TOKEN_CLS); "all-linear"
-        # would also put an adapter on it, which peft refuses.
-        peft_config.exclude_modules = ["score", "classifier"]
-        model = get_peft_model(model, peft_config)
-    # Right padding keeps every real token at the position it has at scoring time (Llama
-    # numbers positions from the first slot, padding or not).
-    tokenizer.padding_side = "right"
-    return Trainer(
-        model=model,
-        args=args,
-        train_dataset=train,
-        data_collator=DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE),
-        processing_class=tokenizer,
-        callbacks=tracking_callbacks(),
-        compute_loss_func=labelled_token_loss,
-    )
-
-
-def labelled_token_loss(outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-    """Cross-entropy summed over the labelled positions, divided by the labelled positions
-    of the whole optimizer step (every process, every accumulation step: the Trainer's
-    `num_items_in_batch`), so that data-parallel processes train what one process trains.
-
-    transformers' token-classification models take `**kwargs` but do not pass
-    `num_items_in_batch` on to their loss; the Trainer, seeing the kwargs, scales the loss by
-    the number of processes all the same, and 2 processes trained at twice the step."""
-    logits = outputs["logits"].float()
-    labels = labels.to(logits.device).view(-1)
-    total = torch.nn.functional.cross_entropy(
-        logits.view(-1, logits.size(-1)), labels, ignore_index=IGNORE, reduction="sum"
-    )
-    count = num_items_in_batch if num_items_in_batch is not None else (labels != IGNORE).sum().clamp(min=1)
-    return total / count
 
 
 def save_prm(

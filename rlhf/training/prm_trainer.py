@@ -1,0 +1,68 @@
+"""Training the classifier PRM (rlhf.rewards.prm_classifier lays out its rows and loads
+it): transformers' `Trainer` over tokenized PRM rows (TRL 1.x has no PRM trainer), with a
+loss over the labelled positions that data-parallel processes share as one process would.
+Here, not beside the model's layout in rewards/, so that rewards/ imports nothing from
+training/ (training reads rewards, not the other way round)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import DataCollatorForTokenClassification, Trainer, TrainingArguments
+
+from rlhf.rewards.prm_classifier import IGNORE
+from rlhf.training.params import LoraParams, TrainingParams
+from rlhf.training.trainer_setup import tracking_callbacks, trl_config
+
+
+def prm_trainer(
+    params: TrainingParams,
+    model,
+    tokenizer,
+    train: Dataset,
+    output_dir: str | Path,
+    lora: LoraParams | None = None,
+    run_name: str = "prm",
+) -> Trainer:
+    """transformers' Trainer over tokenized PRM rows: token-level cross-entropy on the
+    labelled positions (the model's own loss), checkpoints in `output_dir`."""
+    args = trl_config(TrainingArguments, params, Path(output_dir), key="prm", run_name=run_name)
+    peft_config = lora.peft_config("TOKEN_CLS") if lora is not None else None
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        # The new head is trained whole (peft's modules_to_save for TOKEN_CLS); "all-linear"
+        # would also put an adapter on it, which peft refuses.
+        peft_config.exclude_modules = ["score", "classifier"]
+        model = get_peft_model(model, peft_config)
+    # Right padding keeps every real token at the position it has at scoring time (Llama
+    # numbers positions from the first slot, padding or not).
+    tokenizer.padding_side = "right"
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        data_collator=DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE),
+        processing_class=tokenizer,
+        callbacks=tracking_callbacks(),
+        compute_loss_func=labelled_token_loss,
+    )
+
+
+def labelled_token_loss(outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Cross-entropy summed over the labelled positions, divided by the labelled positions
+    of the whole optimizer step (every process, every accumulation step: the Trainer's
+    `num_items_in_batch`), so that data-parallel processes train what one process trains.
+
+    transformers' token-classification models take `**kwargs` but do not pass
+    `num_items_in_batch` on to their loss; the Trainer, seeing the kwargs, scales the loss by
+    the number of processes all the same, and 2 processes trained at twice the step."""
+    logits = outputs["logits"].float()
+    labels = labels.to(logits.device).view(-1)
+    total = torch.nn.functional.cross_entropy(
+        logits.view(-1, logits.size(-1)), labels, ignore_index=IGNORE, reduction="sum"
+    )
+    count = num_items_in_batch if num_items_in_batch is not None else (labels != IGNORE).sum().clamp(min=1)
+    return total / count
