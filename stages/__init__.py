@@ -131,13 +131,16 @@ def changed_inputs(stage: str) -> list[str]:
 
     with Repo(".") as repo:
         status = repo.status(targets=[stage])
+    deps = {}
+    for entry in status.get(stage, []):  # dicts of what changed ("changed deps", "changed outs", ...)
+        if isinstance(entry, dict):
+            deps.update(entry.get("changed deps") or {})
     changed = []
-    for entry in status.get(stage, []):
-        for path, how in (entry.get("changed deps") or {}).items() if isinstance(entry, dict) else []:
-            if isinstance(how, dict):  # a params file: the keys that changed
-                changed += [f"{path}: {key} ({what})" for key, what in how.items()]
-            else:
-                changed.append(f"{path} ({how})")
+    for path, how in deps.items():
+        if isinstance(how, dict):  # a params file: the keys that changed
+            changed += [f"{path}: {key} ({what})" for key, what in how.items()]
+        else:
+            changed.append(f"{path} ({how})")
     return changed
 
 
