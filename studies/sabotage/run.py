@@ -27,13 +27,15 @@ Then, in the scratch project: `python -m stages.evaluate`-equivalent on the deci
 `python -m stages.gate` (real stage processes, their own MLflow store). Results
 (per candidate: the validator's failed checks, the gate's verdict, whether the targeted
 check is among the reasons; the champion folder and registry before and after) go to
---out/results.json and stdout.
+--out/results.json and stdout, and --out/table.md gets a markdown table of every results*.json
+in --out (`table()`: this run's first, then the runs kept beside it, e.g. results_weak_rm.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -45,7 +47,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from studies.scratch import copy_code, edit_params, enter, run_module  # noqa: E402
+from studies.scratch import copy_code, edit_params, enter, run_module, write_results  # noqa: E402
 
 FILLER = " (each step carries the running total on to the next number, and the total was checked once more)"
 TARGET = {
@@ -127,6 +129,55 @@ def train_rm_rl(work: Path, env: dict, steps: int, penalty: float) -> dict:
     shutil.move(work / "models/policy/grpo", work / "models/policy/rm_rl")
     metrics = json.loads((work / "metrics/policy/grpo.json").read_text())
     return {"train_steps": steps, "penalty": penalty, "train_reward_last": metrics.get("reward")}
+
+
+def failed_tests(failures: list[str]) -> str:
+    """The names of the gate's failed tests, without the suite or the numbers
+    ("accuracy[dev] >= sft+0: -0.0880 ..." is `accuracy`, "validator:length: ..." `validator:length`)."""
+    names = [f.split(": ")[0] if f.startswith("validator:") else re.split(r"[\[ ]", f)[0] for f in failures]
+    return ", ".join(f"`{name}`" for name in names) or "none"
+
+
+def table(runs: dict[str, dict]) -> str:
+    """Sabotage runs (a results file's name -> its results) as markdown: per run, what the
+    candidates were trained against and what the gate did, then a row per candidate beside SFT."""
+    lines = []
+    for name, run in runs.items():
+        weak = run.get("weak_rm")
+        rm = "the project's RM ensemble"
+        if weak:
+            rm = (
+                f"a weak RM ({weak['kind']}, {weak['members']} member, {weak['steps']} steps, "
+                f"pair accuracy {weak['pair_accuracy']:.2f})"
+            )
+        champion = "unchanged" if run["champion_unchanged"] else f"now {run['champion_after']}"
+        lines += [
+            f"**`{name}`**: candidates trained against and scored by {rm}, on the {run['suite']} suite; "
+            f"promoted: {run['promoted'] or 'none'}; registry versions: {run['registry_versions']}; "
+            f"champion {champion}.",
+            "",
+            "| candidate | training | targeted check | verdict | rejected by the targeted check | failed tests "
+            "| accuracy | RM reward | mean length |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        ref = run["reference"]
+        lines.append(
+            f"| sft (reference) | | | | | | {ref['accuracy']:.3f} | {ref['reward']:.3g} | {ref['mean_length']:.1f} |"
+        )
+        for kind, result in run["candidates"].items():
+            if "train_steps" in result:  # rm_rl: GRPO against the RM
+                charge = f", charge {result['penalty']:g}" if "penalty" in result else ""
+                training = f"GRPO, {result['train_steps']} steps{charge}"
+            else:
+                training = f"SFT on {result['training_rows']} rows"
+            verdict = "rejected" if result["rejected"] else "promoted" if run["promoted"] == kind else "passed"
+            lines.append(
+                f"| {kind} | {training} | `{result['targeted_check']}` | {verdict} "
+                f"| {'yes' if result['rejected_for_target'] else 'no'} | {failed_tests(result['failures'])} "
+                f"| {result['accuracy']:.3f} | {result['reward']:.3g} | {result['mean_length']:.1f} |"
+            )
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def main() -> None:
@@ -218,8 +269,8 @@ def main() -> None:
     champion_after = read_champion(work / "models/champion")
     results["champion_after"] = champion_after and champion_after["candidate"]
     results["champion_unchanged"] = champion_after == champion_before
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    kept = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("results_*.json"))}
+    write_results(out, results, table({"results.json": results, **kept}))
     for kind, result in results["candidates"].items():
         print(f"{kind}: rejected={result['rejected']} for_target={result['rejected_for_target']} {result['failures']}")
     print(f"promoted: {results['promoted']}; champion unchanged: {results['champion_unchanged']}")
