@@ -2,8 +2,9 @@
 look (the champion, the prepared prompts, the labelling page's file).
 
 One small module, read by stages/ (which re-exports it) and by rlhf/cli; dvc.yaml names the
-same paths as each stage's deps and outs. The library below them (data, training, models,
-rewards, evaluation) takes paths from its callers and names none of these.
+same paths as each stage's deps and outs. The library below them (training, models,
+rewards, evaluation) takes paths from its callers and names none of these; of the data
+library, rlhf/data/preparation.py, which assembles data/prepared, reads its shape here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ RAW_DIR = Path("data/raw")  # the user's own files (and the labelling page's)
 FEEDBACK_FILE = RAW_DIR / "feedback_prefs.jsonl"  # the labelling page's pairs, which prepare adds to prefs
 DATA_DIR = Path("data/prepared")
 EVAL_DIR = DATA_DIR / "eval"  # one <suite>.parquet per eval suite
+EVAL_PREFIX = "eval_"  # prepare.files.eval_<suite>: the user's file of eval suite <suite>
 PROMPTS_FILE = DATA_DIR / "prompts.parquet"
 MODELS_DIR = Path("models")
 SFT_DIR = MODELS_DIR / "sft"

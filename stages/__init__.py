@@ -27,6 +27,7 @@ from rlhf.layout import (  # noqa: F401  (the pipeline's folders, for the stage 
     CHECKPOINTS_DIR,
     DATA_DIR,
     EVAL_DIR,
+    EVAL_PREFIX,
     FEEDBACK_FILE,
     MERGED_DIR,
     MODELS_DIR,
@@ -77,7 +78,6 @@ SECTIONS = {
     "improve": "stages.improve:Config",
 }
 
-EVAL_PREFIX = "eval_"  # prepare.files.eval_<suite>: the user's file of eval suite <suite>
 
 
 def config_class(section: str) -> type:

@@ -220,3 +220,25 @@ def test_dvc_yaml_lists_what_rlhf_dvc_deps_writes_and_the_command_repairs_a_stag
 
     assert sorted_deps(repaired) == sorted_deps(text)
     assert dvc_deps.rewritten(REPO, repaired)[1] == {}
+
+
+def test_each_stage_lists_what_it_reads_before_its_code():
+    """A reader finds a stage's edges (data, models, configs) at the top of its deps, the
+    generated code deps after them; `rlhf dvc-deps` puts a data dep listed among the code
+    back above it, and reports the stage."""
+    text = (REPO / "dvc.yaml").read_text()
+    for name, stage in dvc_stages().items():
+        deps = stage.get("do", stage)["deps"]
+        code = [dvc_deps.is_code(dep) for dep in deps]
+        if name != "check_params":  # it validates with every stage's Config: its deps are code
+            assert code == sorted(code), f"{name}: {deps}"
+    lines = text.split("\n")
+    start = lines.index("  sft:")
+    data = next(i for i in range(start, len(lines)) if lines[i].strip() == "- data/prepared/sft.parquet")
+    moved = lines[data]
+    del lines[data]
+    last_code = next(i for i in range(data, len(lines)) if lines[i].strip() == "params:") - 1
+    lines.insert(last_code + 1, moved)
+    repaired, changes = dvc_deps.rewritten(REPO, "\n".join(lines))
+    assert changes == {"sft": ([], [])}
+    assert repaired == text

@@ -195,7 +195,7 @@ def test_prompts_derived_from_sft_get_references_their_own_demonstrations_meet()
     gets none, not its last number)."""
     import pandas as pd
 
-    from stages.prepare import prompts_from_sft
+    from rlhf.data.preparation import prompts_from_sft
 
     math = MathTask()
     demos = [r"so \boxed{\frac{\pi}{4}}.", r"\boxed{x^2+1}", r"\boxed{(1, 2)}", r"\boxed{\infty}", "no box"]

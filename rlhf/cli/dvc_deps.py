@@ -10,7 +10,8 @@ infrastructure that cannot change an output (INFRASTRUCTURE: the environment, pa
 validation, MLflow tracking; docstring-only package files). This command computes that set
 from the source (Python's `ast`, nothing imported) and rewrites the `- rlhf/...` lines of
 each stage's `deps`, keeping a listed folder whose every module the stage imports, and
-every other line (comments, data deps, params) as written. The test suite checks that the
+every other line (comments, data deps, params) as written; the deps in reading order:
+what the stage reads (data, models, configs) first, its code after them. The test suite checks that the
 committed dvc.yaml is what this command writes (tests/test_project_shape.py).
 
 Why our own: DVC has no notion of a Python import graph (its deps are paths), and the
@@ -128,7 +129,9 @@ def stage_code(root: Path, cmd: str) -> tuple[bool, Path, set[str]]:
 
 def rewritten(root: Path, text: str) -> tuple[str, dict[str, tuple[list[str], list[str]]]]:
     """dvc.yaml's `text` with each stage's rlhf/ deps made its imports (the module
-    docstring), and {stage: (added, dropped)} for those that changed."""
+    docstring) and its deps in reading order: what the stage reads (data, models, configs)
+    first, then its code (its module, the launcher, the rlhf/ modules, sorted); and
+    {stage: (added, dropped)} for those that changed (both empty: only reordered)."""
     import yaml
 
     stages = yaml.safe_load(text)["stages"]
@@ -142,25 +145,61 @@ def rewritten(root: Path, text: str) -> tuple[str, dict[str, tuple[list[str], li
             continue  # check_params: it lists whole packages (it validates with every stage's Config)
         _, _, needed = stage_code(root, body["cmd"])
         block = lines[start:end]
-        listed = [(j, line.strip()[2:].split("#")[0].strip()) for j, line in enumerate(block)]
-        listed = [(j, dep) for j, dep in listed if re.match(r"^\s+- rlhf/", block[j])]
-        keep = [j for j, dep in listed if module_files(root, dep) <= needed]
-        covered = set().union(*(module_files(root, dep) for j, dep in listed if j in keep))
+        first, last, indent = deps_items(block)
+        groups = dep_groups(block[first:last])
+        listed = [(k, dep) for k, (dep, _) in enumerate(groups) if dep.startswith("rlhf/")]
+        keep = {k for k, dep in listed if module_files(root, dep) <= needed}
+        covered = set().union(*(module_files(root, dep) for k, dep in listed if k in keep))
         missing = sorted(needed - covered)
-        dropped = [dep for j, dep in listed if j not in keep]
-        if not missing and not dropped:
-            continue
-        changes[name] = (missing, dropped)
-        indent = re.match(r"^(\s+)- ", block[listed[0][0]]).group(1) if listed else " " * 8
-        after = max(keep) if keep else next(j for j, line in enumerate(block) if line.strip().startswith("- stages/"))
-        new_block = []
-        for j, line in enumerate(block):
-            if j not in {k for k, _ in listed} - set(keep):
-                new_block.append(line)
-            if j == after:
-                new_block += [f"{indent}- {dep}" for dep in missing]
-        lines[start:end] = new_block
+        dropped = [dep for k, dep in listed if k not in keep]
+        kept = [group for k, group in enumerate(groups) if k not in {k for k, _ in listed} - keep]
+        kept += [(dep, [f"{indent}- {dep}"]) for dep in missing]
+        reads = [lines for dep, lines in kept if not is_code(dep)]
+        code = sorted((group for group in kept if is_code(group[0])), key=code_order)
+        new_block = block[:first] + [line for group in reads for line in group]
+        new_block += [line for _, group in code for line in group] + block[last:]
+        if new_block != block:
+            changes[name] = (missing, dropped)
+            lines[start:end] = new_block
     return "\n".join(lines), changes
+
+
+def deps_items(block: list[str]) -> tuple[int, int, str]:
+    """(first, end) line of the items of a stage block's `deps:` list, and their indent."""
+    key = next(j for j, line in enumerate(block) if line.strip() == "deps:")
+    outer = len(block[key]) - len(block[key].lstrip())
+    end = key + 1
+    while end < len(block) and (not block[end].strip() or len(block[end]) - len(block[end].lstrip()) > outer):
+        end += 1
+    while not block[end - 1].strip():  # the blank lines after the list belong to the stage
+        end -= 1
+    item = next(line for line in block[key + 1 : end] if line.lstrip().startswith("- "))
+    return key + 1, end, item[: len(item) - len(item.lstrip())]
+
+
+def dep_groups(items: list[str]) -> list[tuple[str, list[str]]]:
+    """The deps of a `deps:` list, each with its lines: the comment lines just above it too."""
+    groups, comments = [], []
+    for line in items:
+        if line.lstrip().startswith("#") or not line.strip():
+            comments.append(line)
+            continue
+        groups.append((line.strip()[2:].split("#")[0].strip(), [*comments, line]))
+        comments = []
+    if comments:  # a comment under the last dep stays with it
+        dep, lines = groups[-1]
+        groups[-1] = (dep, lines + comments)
+    return groups
+
+
+def is_code(dep: str) -> bool:
+    return dep.startswith(("stages/", "rlhf/"))
+
+
+def code_order(group: tuple[str, list[str]]) -> tuple[int, str]:
+    """The stage's own module first, then the launcher, then the rlhf/ modules by path."""
+    dep = group[0]
+    return (0 if dep.startswith("stages/") else 1 if dep == LAUNCHER else 2, dep)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,10 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     root = args.file.resolve().parent
     text, changes = rewritten(root, args.file.read_text())
     for name, (added, dropped) in sorted(changes.items()):
-        print(
-            f"{name}: "
-            + "; ".join(p for p in (f"add {added}" if added else "", f"drop {dropped}" if dropped else "") if p)
-        )
+        said = [f"add {added}" if added else "", f"drop {dropped}" if dropped else ""]
+        print(f"{name}: " + ("; ".join(p for p in said if p) or "deps put in reading order"))
     if args.check:
         if changes:
             raise SystemExit(
