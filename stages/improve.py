@@ -49,7 +49,8 @@ for easy-to-hard generalisation (Lee et al., 2025):
 6. the winner is the candidate if it passed, else the starting model, and the loop stops:
    every later round passes its start through unchanged and says where it stopped.
 
-Settings, problems, checks and training rows: rlhf/training/rounds.py.
+Settings, problems, checks, training rows and training: rlhf/training/rounds.py; evaluation,
+gate and summary: rlhf/training/round_gate.py.
 
 Changing one round's entry reruns that round and the rounds after it (their start
 changed); changing `improve.defaults` reruns them all.
@@ -70,16 +71,21 @@ from pydantic import Field, ValidationError, model_validator
 from rlhf.artifacts import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import PARAMS_FILE, ParamsError, SafeName, StageConfig, format_validation_error
+from rlhf.training.round_gate import default_tests, earlier_evals, evaluate_models, gate, metrics_only, round_summary
 from rlhf.training.rounds import (
     Settings,
+    data_report,
     eval_prompts,
     judge_samples,
     kept_rows,
-    majority,
+    merged,
+    nothing_kept_reason,
     operands_problem,
-    preference_pairs,
+    repair_rejected,
     round_problems,
-    sft_rows,
+    round_seed,
+    train_candidate,
+    training_table,
 )
 from stages import (
     CHECKPOINTS_DIR,
@@ -105,10 +111,8 @@ KEPT_FILE = "kept.parquet"  # every self-generated row kept up to this round
 SFT_DATA = DATA_DIR / "sft.parquet"
 PROMPTS = PROMPTS_FILE
 STARTS = ("sft", "champion", "merged")  # besides policy/<method> and rounds/<earlier round>
-# What a round's summary keeps of each suite's metrics.
-ACCURACY_KEYS = (
-    "accuracy", "accuracy_low", "accuracy_high", "accuracy_by_difficulty", "accuracy_by_difficulty_interval",
-)  # fmt: skip
+# The model a round's KL is measured to, and where its suites are.
+EVALUATED_AGAINST = {"reference": SFT_DIR, "eval_dir": EVAL_DIR}
 
 
 class Config(StageConfig):
@@ -218,65 +222,6 @@ class Config(StageConfig):
         return Settings.model_validate(merged(self.defaults.model_dump(mode="json"), own))
 
 
-def round_seed(seed: int, name: str) -> int:
-    """A round's seed: `seed` plus a number from the round's name, so that rounds draw
-    different problems and samples, and a round's draw does not depend on the others."""
-    import zlib
-
-    return seed + zlib.crc32(name.encode()) % 100_000
-
-
-def merged(base: dict, own: dict) -> dict:
-    out = dict(base)
-    for key, value in own.items():
-        out[key] = merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return out
-
-
-def nothing_kept_reason(data: dict, settings: Settings) -> str:
-    """Why a round stops with no kept sample, with the likely cause when every sample was
-    cut at max_new_tokens (never kept): too few tokens, or a model that does not end its
-    reply with the EOS token generation stops at."""
-    reason = "no sample passed the checks: nothing to train on"
-    if data["samples"] and data["unfinished_samples"] == data["samples"]:
-        reason += (
-            f" (every one of the {data['samples']} samples was cut at max_new_tokens {settings.max_new_tokens} before "
-            "it ended: raise max_new_tokens, or check that the model ends its reply with its tokenizer's EOS token, "
-            "e.g. a chat model's end-of-turn token)"
-        )
-    return reason
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-
-def evaluate_models(
-    params: dict, task, models: dict[str, Path], suites: list[str], trust_remote_code: bool = False
-) -> dict:
-    """{name: {suite: {"metrics", "outcomes", "digest"}}} of each model on each suite, greedy,
-    with KL to SFT (params `evaluate`; custom modelling code with its or the caller's
-    `trust_remote_code`)."""
-    from rlhf.data.prepared import read_prepared
-    from rlhf.evaluation.suites import SUITE_COLUMNS, evaluate_model, suite_identity
-    from rlhf.models.loading import load_causal_lm, load_tokenizer
-
-    config = params["evaluate"]
-    trust = config.trust_remote_code or trust_remote_code
-    tokenizer = load_tokenizer(SFT_DIR, trust)
-    reference = load_causal_lm(SFT_DIR, trust, what="models/sft")
-    tables = {suite: read_prepared(EVAL_DIR / f"{suite}.parquet", "improve", SUITE_COLUMNS) for suite in suites}
-    identities = {suite: suite_identity(table) for suite, table in tables.items()}
-    results: dict = {}
-    for name, path in models.items():
-        model = reference if path == SFT_DIR else load_causal_lm(path, trust, what=str(path))
-        results[name] = {}
-        for suite, table in tables.items():
-            metrics, outcomes, _, _ = evaluate_model(config, task, model, reference, tokenizer, None, table, None)
-            results[name][suite] = {"metrics": metrics, "outcomes": outcomes, **identities[suite]}
-        del model
-    return results
-
-
 def round_tests(settings: Settings, params: dict) -> tuple[list[str], list[CapabilityTest]]:
     """The suites a round evaluates, and its gate's tests with every suite named."""
     from stages import decision_suite, eval_suites
@@ -284,68 +229,6 @@ def round_tests(settings: Settings, params: dict) -> tuple[list[str], list[Capab
     suites, decision = settings.suites or eval_suites(params), decision_suite(params)
     tests = settings.tests or default_tests(settings, suites, decision)
     return suites, [t if t.suite else t.model_copy(update={"suite": decision}) for t in tests]
-
-
-def default_tests(settings: Settings, suites: list[str], decision: str) -> list[CapabilityTest]:
-    progress = settings.progress_suite or ("dev_long" if "dev_long" in suites else decision)
-    retention = settings.retention_suite or decision
-    at = "" if settings.progress_difficulty is None else "@" + ",".join(settings.progress_difficulty)
-    tests = [
-        CapabilityTest(
-            name=f"progress{at}",
-            metric="accuracy",
-            suite=progress,
-            difficulty=settings.progress_difficulty,
-            relative_to="champion",
-            op=">",
-        )
-    ]
-    tests.append(
-        CapabilityTest(
-            name="retention",
-            metric="accuracy",
-            suite=retention,
-            relative_to="sft",
-            op=">=",
-            threshold=-settings.retention_margin,
-        )
-    )
-    return tests
-
-
-def gate(settings: Settings, tests, name: str, sft: dict, start: dict, candidate: dict) -> dict:
-    """The round's verdict (rlhf.evaluation.gate.decide): `candidate` against SFT and
-    against the round's start as the champion, paired on the same problems."""
-    from rlhf.evaluation.gate import decide
-
-    suites = list(candidate)
-    report = {
-        "reference": "sft",
-        "candidates": [name],
-        "suites": {s: {"sft": sft[s]["metrics"], name: candidate[s]["metrics"]} for s in suites},
-    }
-    outcomes = {
-        "suites": {
-            s: {
-                "digest": candidate[s]["digest"],
-                "difficulty": candidate[s].get("difficulty"),
-                "models": {"sft": sft[s]["outcomes"], name: candidate[s]["outcomes"]},
-            }
-            for s in suites
-        }
-    }
-    champion = {
-        "metrics": {s: start[s]["metrics"] for s in suites},
-        "outcomes": {s: {"digest": start[s]["digest"], "values": start[s]["outcomes"]} for s in suites},
-    }
-    select = tests[0].suite
-    confidence, resamples = settings.confidence, settings.bootstrap_samples
-    return decide(
-        tests, report, champion, "accuracy", select, outcomes, confidence, resamples, champion_name="the round's start"
-    )
-
-
-# ----------------------------------------------------------------------------- the round
 
 
 def check_difficulties(params: dict, name: str) -> None:
@@ -431,13 +314,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     kept = pd.DataFrame(kept_rows(prompts, verdicts, settings.keep_per_prompt), columns=["prompt", "completion"])
     earlier = pd.read_parquet(start_dir / KEPT_FILE) if (start_dir / KEPT_FILE).is_file() else kept.iloc[0:0]
     all_kept = pd.concat([earlier, kept], ignore_index=True)
-    if settings.method == "rpo":  # pairs of this round's samples, no replay (the reference anchors)
-        pairs = preference_pairs(prompts, verdicts, settings.keep_per_prompt)
-        train, replay_rows = pd.DataFrame(pairs, columns=["prompt", "chosen", "rejected"]), 0
-    else:
-        pool = pd.concat([sft_rows(SFT_DATA), earlier], ignore_index=True)
-        replay_rows = min(len(pool), round(len(kept) * settings.replay / (1 - settings.replay)))
-        train = pd.concat([kept, pool.sample(n=replay_rows, random_state=seed)], ignore_index=True)
+    train, replay_rows = training_table(settings, prompts, verdicts, kept, earlier, SFT_DATA, seed)
     sample_rows = [
         {"prompt": p, "answer": a, **row} for p, a, group in zip(prompts, answers, verdicts) for row in group
     ]
@@ -445,33 +322,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     pd.DataFrame(sample_rows).to_parquet(data_dir / "samples.parquet", index=False)
     train.to_parquet(data_dir / "train.parquet", index=False)
     all_kept.to_parquet(out_dir / KEPT_FILE, index=False)
-    # The model's own samples (repairs are counted under `repair`).
-    flat = [row for group in verdicts for row in group if row.get("source") != "refined"]
-    report["data"] = {
-        "problems": len(prompts),
-        "samples": len(flat),
-        "kept_samples": sum(row["kept"] for row in flat),
-        # cut at max_new_tokens before they ended: never kept
-        "unfinished_samples": sum(not row["finished"] for row in flat),
-        "kept_share": _mean([row["kept"] for row in flat]),
-        "problems_with_a_kept_sample": _mean([any(r["kept"] for r in g) for g in verdicts]),
-        "sample_accuracy": _mean([row["correct"] for row in flat if row["correct"] is not None]),
-        "kept_accuracy": _mean([row["correct"] for row in flat if row["kept"] and row["correct"] is not None]),
-        **(
-            {
-                "kept_preferred_samples": sum(row["kept"] and row["preferred"] for row in flat),
-                "problems_with_a_preferred_sample": _mean(
-                    [any(r["kept"] and r["preferred"] for r in g) for g in verdicts]
-                ),
-            }
-            if settings.prefer
-            else {}
-        ),
-        "training_rows": len(train),
-        "new_rows": len(kept),
-        "replay_rows": replay_rows,
-        "repair": repair,
-    }
+    report["data"] = data_report(settings, prompts, verdicts, train, kept, replay_rows, repair)
     if kept.empty:
         return stop(report, name, start_dir, out_dir, previous, nothing_kept_reason(report["data"], settings))
     if train.empty:
@@ -481,25 +332,32 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     candidate_dir = out_dir / "candidate"
     previous_data = start_dir / KEPT_FILE if not earlier.empty else SFT_DATA
     train_metrics, curve = train_candidate(
-        settings, params, start_dir, data_dir / "train.parquet", candidate_dir, f"round-{name}", previous_data
-    )
+        settings, partial(config.key, name), start_dir, data_dir / "train.parquet", candidate_dir, f"round-{name}",
+        previous_data,
+        trust_remote_code=trust or params["evaluate"].trust_remote_code,
+        checkpoints=CHECKPOINTS_DIR, sft_data=SFT_DATA, ref_cache=REF_LOGPS_CACHE,
+    )  # fmt: skip
     report["train"] = train_metrics
     report["curve"] = curve
 
     # 5: evaluate and gate.
     if previous is None:  # one pass loads each model once
         models = {"sft": SFT_DIR, **({"start": start_dir} if after != "sft" else {}), "candidate": candidate_dir}
-        results = evaluate_models(params, task, models, suites, trust)
+        results = evaluate_models(params["evaluate"], task, models, suites, trust, **EVALUATED_AGAINST)
         sft_eval, start_eval = results["sft"], results.get("start", results["sft"])
     else:
-        sft_eval, start_eval = earlier_evals(params, task, suites, previous, start_dir, trust)
-        results = evaluate_models(params, task, {"candidate": candidate_dir}, suites, trust)
+        sft_eval, start_eval = earlier_evals(
+            params["evaluate"], task, suites, previous, start_dir, trust, **EVALUATED_AGAINST
+        )
+        results = evaluate_models(
+            params["evaluate"], task, {"candidate": candidate_dir}, suites, trust, **EVALUATED_AGAINST
+        )
     verdict = gate(settings, tests, name, sft_eval, start_eval, results["candidate"])
     passed = verdict["promote"] == name
     report |= {
         "sft": sft_eval,
-        "start_eval": _metrics_only(start_eval),
-        "candidate_eval": _metrics_only(results["candidate"]),
+        "start_eval": metrics_only(start_eval),
+        "candidate_eval": metrics_only(results["candidate"]),
         "tests": verdict["candidates"][name]["tests"],
         "failures": verdict["candidates"][name]["failures"],
         "passed": passed,
@@ -529,48 +387,6 @@ def check_start(name: str, after: str, start_dir: Path) -> None:
     check_model_dir(start_dir, f"improve.rounds.{name}.after ({after})")
 
 
-def earlier_evals(params, task, suites: list[str], previous: dict, start_dir: Path, trust: bool):
-    """(SFT's, the start's) evaluation on `suites`, from the report of the round before (the
-    start): a suite that round did not evaluate (this round evaluates more) is evaluated here."""
-    sft_eval, start_eval = dict(previous["sft"]), dict(previous["winner_eval"])
-    if missing := [s for s in suites if s not in sft_eval]:
-        sft_eval |= evaluate_models(params, task, {"sft": SFT_DIR}, missing, trust)["sft"]
-    if missing := [s for s in suites if s not in start_eval]:
-        start_eval |= evaluate_models(params, task, {"start": start_dir}, missing, trust)["start"]
-    return sft_eval, start_eval
-
-
-def train_candidate(
-    settings: Settings, params: dict, start: Path, table: Path, out_dir: Path, stage: str, previous_data: Path
-) -> tuple[dict, list[dict]]:
-    """The round's candidate, `start` trained on `table` by `settings.method` into `out_dir`
-    (checkpoints under checkpoints/<stage>): sft on kept rows (EWC, when on, with the Fisher
-    information of `previous_data`), or rpo on pairs with `start` as the reference."""
-    name = stage.removeprefix("round-")  # the caller's f"round-{name}"
-    if settings.method == "rpo":
-        from rlhf.training.methods import dpo
-        from rlhf.training.trl_training import TrainingJob
-
-        job = TrainingJob(
-            stage=stage,
-            key=params["improve"].key(name, "rpo"),
-            start=start,
-            data=table,
-            checkpoints=CHECKPOINTS_DIR,
-            trust_remote_code=settings.trust_remote_code or params["evaluate"].trust_remote_code,
-            sft_data=SFT_DATA,
-            ref_cache=REF_LOGPS_CACHE,
-        )
-        return dpo.train(job, settings.rpo, out_dir)
-    from rlhf.training.methods.sft import train_sft
-
-    ewc = (settings.ewc, previous_data) if settings.ewc.strength else None
-    train = settings.train
-    if settings.trust_remote_code:
-        train = train.model_copy(update={"trust_remote_code": True})
-    return train_sft(train, start, table, out_dir, CHECKPOINTS_DIR, stage, ewc, params["improve"].key(name, "train"))
-
-
 def stop(report: dict, name: str, start_dir: Path, out_dir: Path, previous: dict | None, reason: str) -> dict:
     """A round that did not pass: the start is the winner and the loop stops here."""
     copy_model(start_dir, out_dir)
@@ -585,46 +401,6 @@ def stop(report: dict, name: str, start_dir: Path, out_dir: Path, previous: dict
     report.setdefault("sft", previous["sft"] if previous else None)
     print(f"round {name}: stopped: {reason}")
     return report
-
-
-def repair_rejected(settings: Settings, task, model, tokenizer, prm, prompts, answers, verdicts, seed) -> dict | None:
-    """With `refine`: each rejected sample repaired from its first bad step; a repair that
-    passes the checks is kept (source `refined`). Returns the repair report."""
-    if not settings.refine:
-        return None
-    from rlhf.inference.refine import refine, repair_report
-
-    rejected = [(i, j) for i, group in enumerate(verdicts) for j, row in enumerate(group) if not row["kept"]]
-    if not rejected:
-        return {"flagged": 0, "repaired": 0}
-    results = refine(
-        model, tokenizer, prm, task,
-        [prompts[i] for i, _ in rejected], [verdicts[i][j]["completion"] for i, j in rejected],
-        threshold=settings.prm_threshold, attempts=settings.refine_attempts,
-        max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-        batch_size=settings.batch_size, seed=seed, answers=[answers[i] for i, _ in rejected],
-    )  # fmt: skip
-    repaired = [(i, r.refined) for (i, _), r in zip(rejected, results) if r.status == "repaired"]
-    if repaired:
-        own = [[row["completion"] for row in verdicts[i] if row.get("source") != "refined"] for i, _ in repaired]
-        rechecked = judge_samples(
-            settings, task, [prompts[i] for i, _ in repaired], [answers[i] for i, _ in repaired],
-            [[text] for _, text in repaired], prm, votes=[majority(task, group) for group in own],
-        )  # fmt: skip
-        for (i, _), [row] in zip(repaired, rechecked):
-            verdicts[i].append({**row, "source": "refined"})
-    report = repair_report(results, [answers[i] for i, _ in rejected], task)
-    report["kept_after_repair"] = sum(row.get("source") == "refined" and row["kept"] for g in verdicts for row in g)
-    return report
-
-
-def _mean(values) -> float | None:
-    values = [float(v) for v in values]
-    return sum(values) / len(values) if values else None
-
-
-def _metrics_only(results: dict) -> dict:
-    return {suite: entry["metrics"] for suite, entry in results.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -656,25 +432,6 @@ def main(argv: list[str] | None = None) -> None:
             mlflow.log_metrics(numeric_metrics(summary))
             mlflow.set_tags({"round.passed": str(report.get("passed")), "round.winner": str(report.get("winner"))})
         print(f"round {name}: " + ", ".join(f"{k} {v}" for k, v in summary.items() if not isinstance(v, dict)))
-
-
-def round_summary(report: dict) -> dict:
-    """The round's headline numbers (reports/rounds/<name>.json, a DVC metric)."""
-    summary = {
-        "passed": report.get("passed"),
-        "stopped": report.get("stopped"),
-        "stopped_at": report.get("stopped_at"),
-        "winner": report.get("winner"),
-        "data": {k: v for k, v in (report.get("data") or {}).items() if not isinstance(v, dict)},
-    }
-    if report.get("data", {}).get("repair"):
-        summary["repair"] = report["data"]["repair"]
-    for role in ("candidate_eval", "start_eval"):
-        if report.get(role):
-            summary[role] = {suite: {k: m.get(k) for k in ACCURACY_KEYS} for suite, m in report[role].items()}
-    if report.get("failures"):
-        summary["failures"] = report["failures"]
-    return summary
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,17 @@ import yaml
 
 from rlhf.params import ParamsError
 from rlhf.tasks.arithmetic import ArithmeticTask
-from rlhf.training.rounds import judge_samples, kept_rows, majority, preference_pairs, round_problems
-from stages.improve import Config, Settings, default_tests, gate, train_candidate
+from rlhf.training.round_gate import default_tests, gate
+from rlhf.training.rounds import (
+    judge_samples,
+    kept_rows,
+    majority,
+    preference_pairs,
+    round_problems,
+    train_candidate,
+)
+from stages import CHECKPOINTS_DIR, REF_LOGPS_CACHE
+from stages.improve import SFT_DATA, Config, Settings
 from tests.conftest import REPO, assert_each_once, make_project, params_problems, run, tiny_params
 
 TASK = ArithmeticTask()
@@ -28,7 +38,7 @@ def test_a_round_merges_its_keys_into_the_defaults():
     first, second = config.settings("r1"), config.settings("r2")
     assert (first.samples, first.train.max_steps, first.train.learning_rate) == (4, 80, 5e-4)
     assert (second.samples, second.train.max_steps) == (2, 50)
-    from stages.improve import round_seed
+    from rlhf.training.rounds import round_seed
 
     assert round_seed(0, "r1") != round_seed(0, "r2") and round_seed(3, "r1") == round_seed(0, "r1") + 3
 
@@ -279,7 +289,11 @@ def test_an_rpo_candidate_trains_from_the_round_start_against_it(in_project):
     rpo = {"sft_weight": 0.0, "max_steps": 2, "per_device_train_batch_size": 2, "logging_steps": 1, "save_steps": 2}
     settings = Settings(method="rpo", rpo=rpo)
     out = in_project / "models/rounds/r1/candidate"
-    metrics, curve = train_candidate(settings, load_model_stage(), start, table, out, "round-r1", table)
+    folders = {"checkpoints": CHECKPOINTS_DIR, "sft_data": SFT_DATA, "ref_cache": REF_LOGPS_CACHE}
+    key_of = partial(load_model_stage()["improve"].key, "r1")
+    metrics, curve = train_candidate(
+        settings, key_of, start, table, out, "round-r1", table, trust_remote_code=False, **folders
+    )
     assert metrics["steps"] == 2
     assert curve[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
     before, after = _weights(start), _weights(out)
@@ -297,7 +311,7 @@ def _suite(values: list[float]) -> dict:
 def test_a_round_with_every_sample_cut_says_so_when_it_stops():
     """Nothing kept because every sample hit max_new_tokens (a chat model whose end of turn
     is not its EOS): the stop reason names that cause; with some samples finished it does not."""
-    from stages.improve import nothing_kept_reason
+    from rlhf.training.rounds import nothing_kept_reason
 
     settings = Settings(max_new_tokens=32)
     reason = nothing_kept_reason({"samples": 256, "unfinished_samples": 256}, settings)

@@ -6,6 +6,7 @@ stage names the files (the prompts table, the eval suites, the SFT table)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -292,3 +293,149 @@ def preference_pairs(prompts, verdicts, pairs_per_prompt: int) -> list[dict]:
             for c, r in zip(chosen, rejected)
         ]
     return pairs
+
+
+def round_seed(seed: int, name: str) -> int:
+    """A round's seed: `seed` plus a number from the round's name, so that rounds draw
+    different problems and samples, and a round's draw does not depend on the others."""
+    import zlib
+
+    return seed + zlib.crc32(name.encode()) % 100_000
+
+
+def merged(base: dict, own: dict) -> dict:
+    out = dict(base)
+    for key, value in own.items():
+        out[key] = merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
+
+
+def nothing_kept_reason(data: dict, settings: Settings) -> str:
+    """Why a round stops with no kept sample, with the likely cause when every sample was
+    cut at max_new_tokens (never kept): too few tokens, or a model that does not end its
+    reply with the EOS token generation stops at."""
+    reason = "no sample passed the checks: nothing to train on"
+    if data["samples"] and data["unfinished_samples"] == data["samples"]:
+        reason += (
+            f" (every one of the {data['samples']} samples was cut at max_new_tokens {settings.max_new_tokens} before "
+            "it ended: raise max_new_tokens, or check that the model ends its reply with its tokenizer's EOS token, "
+            "e.g. a chat model's end-of-turn token)"
+        )
+    return reason
+
+
+def training_table(settings: Settings, prompts, verdicts, kept, earlier, sft_data: Path, seed: int):
+    """(the candidate's training table, its replayed rows): for rpo, pairs of this round's
+    samples and no replay (the reference anchors); for sft, the `kept` rows plus a `replay`
+    share drawn from the SFT table and the `earlier` rounds' kept rows."""
+    import pandas as pd
+
+    if settings.method == "rpo":
+        pairs = preference_pairs(prompts, verdicts, settings.keep_per_prompt)
+        return pd.DataFrame(pairs, columns=["prompt", "chosen", "rejected"]), 0
+    pool = pd.concat([sft_rows(sft_data), earlier], ignore_index=True)
+    replay_rows = min(len(pool), round(len(kept) * settings.replay / (1 - settings.replay)))
+    return pd.concat([kept, pool.sample(n=replay_rows, random_state=seed)], ignore_index=True), replay_rows
+
+
+def data_report(settings: Settings, prompts, verdicts, train, kept, replay_rows: int, repair) -> dict:
+    """What the round drew, kept and trains on (its report's `data`): the model's own
+    samples (repairs are counted under `repair`)."""
+    flat = [row for group in verdicts for row in group if row.get("source") != "refined"]
+    report = {
+        "problems": len(prompts),
+        "samples": len(flat),
+        "kept_samples": sum(row["kept"] for row in flat),
+        # cut at max_new_tokens before they ended: never kept
+        "unfinished_samples": sum(not row["finished"] for row in flat),
+        "kept_share": mean_of([row["kept"] for row in flat]),
+        "problems_with_a_kept_sample": mean_of([any(r["kept"] for r in g) for g in verdicts]),
+        "sample_accuracy": mean_of([row["correct"] for row in flat if row["correct"] is not None]),
+        "kept_accuracy": mean_of([row["correct"] for row in flat if row["kept"] and row["correct"] is not None]),
+    }
+    if settings.prefer:
+        report["kept_preferred_samples"] = sum(row["kept"] and row["preferred"] for row in flat)
+        report["problems_with_a_preferred_sample"] = mean_of(
+            [any(r["kept"] and r["preferred"] for r in g) for g in verdicts]
+        )
+    return report | {"training_rows": len(train), "new_rows": len(kept), "replay_rows": replay_rows, "repair": repair}
+
+
+def train_candidate(
+    settings: Settings,
+    key_of: Callable[[str], str],
+    start: Path,
+    table: Path,
+    out_dir: Path,
+    stage: str,
+    previous_data: Path,
+    *,
+    trust_remote_code: bool,
+    checkpoints: Path,
+    sft_data: Path,
+    ref_cache: Path,
+) -> tuple[dict, list[dict]]:
+    """The round's candidate, `start` trained on `table` by `settings.method` into `out_dir`
+    (checkpoints under `checkpoints`/<stage>): sft on kept rows (EWC, when on, with the Fisher
+    information of `previous_data`), or rpo on pairs with `start` as the reference (the NLL
+    term's rows from `sft_data`, the reference log-probs cached under `ref_cache`; custom
+    modelling code as `trust_remote_code` says). `key_of(field)`: the params key that sets
+    the round's `field` (train, rpo), for messages."""
+    if settings.method == "rpo":
+        from rlhf.training.methods import dpo
+        from rlhf.training.trl_training import TrainingJob
+
+        job = TrainingJob(
+            stage=stage,
+            key=key_of("rpo"),
+            start=start,
+            data=table,
+            checkpoints=checkpoints,
+            trust_remote_code=trust_remote_code,
+            sft_data=sft_data,
+            ref_cache=ref_cache,
+        )
+        return dpo.train(job, settings.rpo, out_dir)
+    from rlhf.training.methods.sft import train_sft
+
+    ewc = (settings.ewc, previous_data) if settings.ewc.strength else None
+    train = settings.train
+    if settings.trust_remote_code:
+        train = train.model_copy(update={"trust_remote_code": True})
+    return train_sft(train, start, table, out_dir, checkpoints, stage, ewc, key_of("train"))
+
+
+def repair_rejected(settings: Settings, task, model, tokenizer, prm, prompts, answers, verdicts, seed) -> dict | None:
+    """With `refine`: each rejected sample repaired from its first bad step; a repair that
+    passes the checks is kept (source `refined`). Returns the repair report."""
+    if not settings.refine:
+        return None
+    from rlhf.inference.refine import refine, repair_report
+
+    rejected = [(i, j) for i, group in enumerate(verdicts) for j, row in enumerate(group) if not row["kept"]]
+    if not rejected:
+        return {"flagged": 0, "repaired": 0}
+    results = refine(
+        model, tokenizer, prm, task,
+        [prompts[i] for i, _ in rejected], [verdicts[i][j]["completion"] for i, j in rejected],
+        threshold=settings.prm_threshold, attempts=settings.refine_attempts,
+        max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+        batch_size=settings.batch_size, seed=seed, answers=[answers[i] for i, _ in rejected],
+    )  # fmt: skip
+    repaired = [(i, r.refined) for (i, _), r in zip(rejected, results) if r.status == "repaired"]
+    if repaired:
+        own = [[row["completion"] for row in verdicts[i] if row.get("source") != "refined"] for i, _ in repaired]
+        rechecked = judge_samples(
+            settings, task, [prompts[i] for i, _ in repaired], [answers[i] for i, _ in repaired],
+            [[text] for _, text in repaired], prm, votes=[majority(task, group) for group in own],
+        )  # fmt: skip
+        for (i, _), [row] in zip(repaired, rechecked):
+            verdicts[i].append({**row, "source": "refined"})
+    report = repair_report(results, [answers[i] for i, _ in rejected], task)
+    report["kept_after_repair"] = sum(row.get("source") == "refined" and row["kept"] for g in verdicts for row in g)
+    return report
+
+
+def mean_of(values) -> float | None:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else None

@@ -22,7 +22,7 @@ and two stages of the study's own added to its dvc.yaml, both this file: `contro
 continued on its own 3-5-number data for as many optimizer steps as the three rounds'
 training settings give, rlhf.training.methods.sft) and `score` (SFT, each round's winner and
 the control evaluated greedily on dev, dev_long, test and test_long, with bootstrap
-intervals per number of operands: stages.improve.evaluate_models; metrics/curriculum.json).
+intervals per number of operands: rlhf.training.round_gate.evaluate_models; metrics/curriculum.json).
 Each (setting, check, seed) is one queued experiment, a params change and nothing else:
 
     dvc exp run --queue --name rpo-ewc1e7-answer-seed0 -S ++base.seed=0 -S ++sft.seed=0 \
@@ -152,13 +152,14 @@ def score(folder: Path) -> None:
     """Stage `score`: every model on every suite, and each round's counts and verdict."""
     sweep.enter_project(folder)
     from rlhf.tasks import get_task
+    from rlhf.training.round_gate import evaluate_models
     from stages import load_model_stage
-    from stages.improve import evaluate_models
+    from stages.improve import EVALUATED_AGAINST
 
     params = load_model_stage()
     models = {"sft": Path("models/sft"), **{name: Path(f"models/rounds/{name}") for name in ROUNDS}}
     models[f"control ({control_steps(params)} steps)"] = Path("models/control")
-    evaluated = evaluate_models(params, get_task(params["task"]), models, list(SUITES))
+    evaluated = evaluate_models(params["evaluate"], get_task(params["task"]), models, list(SUITES), **EVALUATED_AGAINST)
     rounds = {name: json.loads((models[name] / "round.json").read_text()) for name in ROUNDS}
     results = {
         "rounds": {name: round_row(report) for name, report in rounds.items()},
