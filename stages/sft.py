@@ -34,14 +34,21 @@ class Config(SFTParams):
         return run.adapter_problems(section, self)
 
 
-def run(
-    config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = "sft", ewc=None
-) -> tuple[dict, list[dict]]:
-    """Fine-tune `base_dir` on `data` into `out_dir` (rlhf.training.methods.sft.train_sft),
-    with checkpoints under checkpoints/<stage>/; metrics and the loss curve."""
-    from rlhf.training.methods.sft import train_sft
+def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = "sft") -> tuple[dict, list[dict]]:
+    """Fine-tune `base_dir` on `data` into `out_dir` (rlhf.training.methods.sft.train), with
+    checkpoints under checkpoints/<stage>/; metrics and the loss curve."""
+    import rlhf.training.methods.sft as sft
+    from rlhf.training.trl_training import TrainingJob
 
-    return train_sft(config, base_dir, data, out_dir, CHECKPOINTS_DIR, stage, ewc)
+    job = TrainingJob(
+        stage=stage,
+        key=stage,
+        start=base_dir,
+        data=data,
+        checkpoints=CHECKPOINTS_DIR,
+        trust_remote_code=config.trust_remote_code,
+    )
+    return sft.train(job, config, out_dir)
 
 
 def main(

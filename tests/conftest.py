@@ -116,6 +116,21 @@ def fit_texts(model, tokenizer, texts, steps: int, lr: float, optimizer: str = "
     return loss.item()
 
 
+def train_sft(params, start: Path, data: Path, out: Path, checkpoints: Path, stage: str = "sft", ewc=None,
+              key: str | None = None):  # fmt: skip
+    """SFT as a stage runs it (rlhf.training.methods.sft.train with the job a stage
+    describes): `ewc` = (EwcParams, the earlier table) as a round's; `key` the block's
+    params key (default: `stage`)."""
+    from rlhf.training.methods import sft
+    from rlhf.training.trl_training import TrainingJob
+
+    job = TrainingJob(
+        stage=stage, key=key or stage, start=start, data=data, checkpoints=checkpoints,
+        trust_remote_code=params.trust_remote_code, ewc=ewc[0] if ewc else None, sft_data=ewc[1] if ewc else None,
+    )  # fmt: skip
+    return sft.train(job, params, out)
+
+
 def write_params(root: Path, params: dict) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 

@@ -84,7 +84,8 @@ def test_a_second_flow_in_a_held_workspace_fails_at_once_and_a_killed_holder_fre
 
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.pipeline import LOCK_FILE, pipeline
+    from flows.pipeline import pipeline
+    from flows.processes import LOCK_FILE
 
     root = tmp_path / "project"
     root.mkdir()
@@ -132,7 +133,8 @@ def test_jobs_run_independent_stages_side_by_side_with_a_share_of_the_cores(tmp_
     DVC records all of them (dvc.lock, `dvc status` clean). `jobs=1` runs them in turn."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.pipeline import machine_cores, pipeline
+    from flows.pipeline import pipeline
+    from flows.processes import machine_cores
 
     root = tmp_path / "project"
     root.mkdir()
@@ -208,7 +210,7 @@ def test_sigterm_to_the_flow_stops_its_stages_and_then_frees_the_workspace(tmp_p
     import subprocess
     import time
 
-    from flows.pipeline import LOCK_FILE
+    from flows.processes import LOCK_FILE
 
     root = tmp_path / "project"
     root.mkdir()

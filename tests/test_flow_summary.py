@@ -66,7 +66,7 @@ def test_slots_run_at_most_jobs_stages_and_split_the_cores_among_those_that_can_
     d alone (None: torch's default, every core). With jobs 1 nothing is ever shared."""
     import threading
 
-    from flows.pipeline import Slots
+    from flows.processes import Slots
 
     upstream = {"a": [], "b": ["a"], "c": ["a"], "d": ["b", "c"]}
     slots = Slots(2, upstream, cores=4)
@@ -96,7 +96,7 @@ def test_slots_run_at_most_jobs_stages_and_split_the_cores_among_those_that_can_
 
 
 def test_a_failed_stage_does_not_make_its_downstream_ready():
-    from flows.pipeline import Slots
+    from flows.processes import Slots
 
     slots = Slots(2, {"a": [], "b": ["a"], "c": []}, cores=2)
     try:
@@ -110,7 +110,7 @@ def test_a_failed_stage_does_not_make_its_downstream_ready():
 def test_the_default_is_one_stage_at_a_time_when_a_stage_has_several_processes(tmp_path):
     import yaml
 
-    from flows.pipeline import default_jobs, machine_cores
+    from flows.processes import default_jobs, machine_cores
 
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"compute": {"launcher": "torchrun", "processes": 2}}))
     assert default_jobs(tmp_path) == 1

@@ -174,7 +174,7 @@ def test_prepare_reads_the_feedback_file_under_a_shared_lock(tmp_path, monkeypat
     while prepare read it (by a writer that takes no lock) fails, naming it."""
     import fcntl
 
-    import stages.prepare as prepare
+    import rlhf.data.preparation as prepare
     from rlhf.data.contracts import DataValidationError
 
     path = tmp_path / "feedback_prefs.jsonl"

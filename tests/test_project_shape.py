@@ -172,6 +172,57 @@ def test_layering_and_no_import_cycles():
         assert rel not in dvc_deps.code_closure(REPO, path, packages=True), f"{rel} imports itself through a cycle"
 
 
+# The library's floors, lowest first: a module imports its own package and the floors below
+# it, never a floor above nor a neighbour on its own floor (stages/ and flows/ stand above
+# them all: test_layering_and_no_import_cycles).
+FLOORS = (
+    {"environment", "layout", "params", "artifacts", "recipes", "reference"},
+    {"__init__", "tasks", "models"},
+    {"data"},
+    {"rewards", "tracking", "feedback"},
+    {"evaluation", "inference"},
+    {"training", "rules"},
+    {"cli"},
+)
+
+
+def test_no_import_runs_up_the_floors():
+    """rlhf/'s packages stand on floors (FLOORS): tasks and models on the ground's params and
+    files; the data (which the built-in tasks generate); rewards, tracking and feedback;
+    evaluation and inference; then training and the rules; the `rlhf` command on top. An
+    import up a floor (or sideways) is named."""
+    floor = {name: level for level, names in enumerate(FLOORS) for name in names}
+    listed = {p.relative_to(REPO / "rlhf").parts[0].removesuffix(".py") for p in (REPO / "rlhf").glob("*")}
+    assert listed - {"__pycache__"} <= set(floor), f"give each of rlhf/'s packages a floor: {listed - set(floor)}"
+    upward = []
+    for path in (REPO / "rlhf").rglob("*.py"):
+        own = path.relative_to(REPO / "rlhf").parts[0].removesuffix(".py")
+        for module in imported_modules(path):
+            parts = module.split(".")
+            if parts[0] != "rlhf":
+                continue
+            target = parts[1] if len(parts) > 1 else "__init__"
+            if target != own and floor.get(target, -1) >= floor[own]:
+                upward.append(f"{path.relative_to(REPO)} imports {module}")
+    assert not upward, upward
+
+
+def test_stage_and_flow_modules_stay_thin_and_every_method_trains_one_way():
+    """A stage or flow module reads top to bottom (at most 500 lines: its Config, run() and
+    main(), the work in the library), and every method module, SFT included, has the one
+    entry its stages call: `train(job, params, out_dir)`."""
+    import inspect
+
+    from rlhf.training.methods import METHODS
+
+    long = {p.relative_to(REPO).as_posix(): n for p in [*(REPO / "stages").glob("*.py"), *(REPO / "flows").glob("*.py")]
+            if (n := len(p.read_text().splitlines())) > 500}  # fmt: skip
+    assert not long, long
+    for name, module in METHODS.items():
+        assert list(inspect.signature(module.train).parameters) == ["job", "params", "out_dir"], name
+    assert "sft" in METHODS
+
+
 def test_stages_holds_exactly_the_dvc_stages_named_as_dvc_names_them():
     """`ls stages/` is `dvc stage list` (each foreach template once): one vocabulary for the
     stage, its module and (where it has one) its params section."""

@@ -33,7 +33,8 @@ def test_rows_beyond_max_length_are_counted_and_prompts_that_fill_it_left_out(ba
     EOS (6 tokens) fits; a 9-character prompt with a 6-character completion (16 tokens) is
     cut at its end; a 12-character prompt leaves no completion token and is left out.
     Every prompt of 12 characters or more: an error naming sft.max_length."""
-    from rlhf.training.methods.sft import SFTDataError, train_sft
+    from rlhf.training.methods.sft import SFTDataError
+    from tests.conftest import train_sft
 
     rows = {
         "prompt": ["1+1\n", "2+2\n", "123+456\n\n", "1234+5678+9\n", "3+3\n", "4+4\n"],
@@ -57,8 +58,9 @@ def test_sft_with_ewc_pulls_towards_its_start_and_a_max_length_no_earlier_row_fi
     """SFT with EWC (a round's method sft): the penalty is reported after training (the
     weights left their start). Earlier data none of whose prompts fits max_length fails
     before the model loads, naming the key (a round's train.max_length) and the file."""
-    from rlhf.training.methods.sft import SFTDataError, train_sft
+    from rlhf.training.methods.sft import SFTDataError
     from rlhf.training.params import EwcParams
+    from tests.conftest import train_sft
 
     data, earlier = tmp_path / "sft.parquet", tmp_path / "earlier.parquet"
     pd.DataFrame({"prompt": ["1+1\n", "2+2\n", "3+3\n", "4+4\n"], "completion": ["2", "4", "6", "8"]}).to_parquet(data)
@@ -85,7 +87,8 @@ def test_conversations_need_a_template_that_can_mask_the_assistant(base, tmp_pat
     built-in template (with markers) trains on the assistant's turns."""
     from transformers import AutoTokenizer
 
-    from rlhf.training.methods.sft import SFTDataError, train_sft
+    from rlhf.training.methods.sft import SFTDataError
+    from tests.conftest import train_sft
 
     conversation = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]
     data = tmp_path / "chat.parquet"
@@ -142,7 +145,7 @@ def test_packed_sft_trains_with_trls_trainer_on_the_pretokenised_rows(base, tmp_
 
     from safetensors.torch import load_file
 
-    from rlhf.training.methods.sft import train_sft
+    from tests.conftest import train_sft
 
     rows = {"prompt": [f"{a}+{a}\n" for a in range(24)], "completion": [f"{2 * a}" for a in range(24)]}
     data = tmp_path / "sft.parquet"

@@ -62,7 +62,7 @@ def test_trainers_back_to_back_end_their_runs_quickly_and_log_every_point(
     import mlflow
 
     from rlhf.tracking.runs import setup_experiment, stage_run
-    from rlhf.training.methods.sft import train_sft
+    from tests.conftest import train_sft
 
     waits = tmp_path / "waits.jsonl"
     monkeypatch.setenv("RLHF_TRACKING_WAITS", str(waits))
@@ -116,7 +116,7 @@ def test_a_tracking_server_that_goes_away_costs_training_a_warning(sft_inputs, t
     import mlflow
 
     from rlhf.tracking.runs import setup_experiment, stage_run
-    from rlhf.training.methods.sft import train_sft
+    from tests.conftest import train_sft
 
     server, uri = start_mlflow_server(tmp_path)
     try:

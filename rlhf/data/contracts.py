@@ -281,6 +281,22 @@ class ContractReader:
 TEXT_FIELDS = ("prompt", "completion", "chosen", "rejected", "messages")
 
 
+def completion_text(completion) -> str:
+    """The text of a completion: a string, or the text content of conversational messages
+    (a message without text, such as a tool call, adds none)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(_message_text(message.get("content")) for message in completion)
+
+
+def _message_text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multimodal parts: their text ones
+        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    return ""
+
+
 def value_format(value) -> str:
     """ "text" for a string, "messages" for a conversation (TRL's standard and
     conversational formats)."""

@@ -38,27 +38,12 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from rlhf.data.contracts import completion_text
 from rlhf.params import StageConfig
 from rlhf.tasks.base import Task
 
 RewardFn = Callable[..., list[float]]
 ModelDirs = Mapping[str, "str | Path"]  # reward name -> model folder, for model-based rewards without a `path`
-
-
-def completion_text(completion) -> str:
-    """The text of a completion: a string, or the text content of conversational messages
-    (a message without text, such as a tool call, adds none)."""
-    if isinstance(completion, str):
-        return completion
-    return "".join(_message_text(message.get("content")) for message in completion)
-
-
-def _message_text(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # multimodal parts: their text ones
-        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
-    return ""
 
 
 def _answers(answer, count: int) -> list:

@@ -1,5 +1,6 @@
-"""What the online policy methods (GRPO, RLOO, and PPO's rewards) share: sampling settings
-and the weighted rewards they are trained on.
+"""What the online policy methods (GRPO, RLOO, and PPO's rewards) share: sampling settings,
+the weighted rewards they are trained on, and (GRPO, RLOO) their road through TRL
+(`train_online`: TRL samples, the rewards score, rlhf.training.trl_training trains).
 
 Apart from rlhf/training/params.py because the rewards' params come from
 rlhf.rewards.functions, whose model-based rewards reach the training code (the PRM's
@@ -8,6 +9,7 @@ trainer) that imports those blocks.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
@@ -78,3 +80,38 @@ class OnlineParams(TrainingParams):
             "num_iterations": self.num_iterations,
             "reward_weights": [reward.weight for reward in self.rewards],
         }
+
+
+def train_online(job, params, trl_classes: tuple, trl_args: dict, out_dir: Path):
+    """GRPO and RLOO: TRL samples `num_generations` completions per prompt of the prompts
+    table and scores them with the configured rewards (the task reads answers); the prompt
+    table's other columns (e.g. `answer`) reach the reward functions."""
+    from rlhf.rewards.functions import build_rewards, model_paths
+    from rlhf.training.trl_training import train_trl
+
+    functions, weights = build_rewards(params.rewards, job.task, job.reward_dirs, job.trust_remote_code)
+    logged = ("loss", "reward", "reward_std", "kl", "completions/mean_length")
+
+    def keyed(trainer) -> None:
+        from rlhf.models.compute import rank
+        from rlhf.models.generation import keyed_generate
+
+        # TRL hands each process a contiguous slice of the step's rows, in rank order.
+        keyed_generate(
+            trainer.model, params.seed, lambda: trainer.state.global_step, lambda rows: rank() * rows,
+            params.temperature,
+        )  # fmt: skip
+
+    return train_trl(
+        job,
+        params,
+        trl_classes,
+        {**trl_args, "reward_weights": weights},
+        out_dir,
+        logged=logged + tuple(f"rewards/{f.__name__}/mean" for f in functions),
+        inputs=tuple(model_paths(params.rewards, job.reward_dirs)),
+        on_trainer=keyed if params.keyed_sampling else None,
+        fit_rows=False,
+        context={"task": job.task.identity()},
+        reward_funcs=functions,
+    )

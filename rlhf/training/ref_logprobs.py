@@ -100,3 +100,12 @@ def with_reference_cache(trainer_cls: type, cache_dir: str | Path) -> type:
     """`trainer_cls` (DPOTrainer, KTOTrainer) with its precomputed reference log-probs cached
     in `cache_dir` (the environment variable RLHF_REF_LOGPS_CACHE, when set, wins)."""
     return type(f"Cached{trainer_cls.__name__}", (ReferenceCacheMixin, trainer_cls), {"ref_cache_dir": Path(cache_dir)})
+
+
+def reference_trainer(trainer_cls, params, job):
+    """The trainer class of a method with a reference model (DPO, KTO): with
+    `precompute_ref_log_probs` the trainer keeps its reference log-probs in the
+    content-keyed cache `job.ref_cache` (rlhf.training.ref_logprobs)."""
+    if params.precompute_ref_log_probs and job.ref_cache is not None:
+        return with_reference_cache(trainer_cls, job.ref_cache)
+    return trainer_cls

@@ -381,28 +381,27 @@ def train_candidate(
     term's rows from `sft_data`, the reference log-probs cached under `ref_cache`; custom
     modelling code as `trust_remote_code` says). `key_of(field)`: the params key that sets
     the round's `field` (train, rpo), for messages."""
-    if settings.method == "rpo":
-        from rlhf.training.methods import dpo
-        from rlhf.training.trl_training import TrainingJob
+    import rlhf.training.methods.dpo as dpo
+    import rlhf.training.methods.sft as sft
+    from rlhf.training.trl_training import TrainingJob
 
-        job = TrainingJob(
-            stage=stage,
-            key=key_of("rpo"),
-            start=start,
-            data=table,
-            checkpoints=checkpoints,
-            trust_remote_code=trust_remote_code,
-            sft_data=sft_data,
-            ref_cache=ref_cache,
-        )
+    rpo = settings.method == "rpo"
+    consolidating = not rpo and settings.ewc.strength > 0
+    job = TrainingJob(
+        stage=stage,
+        key=key_of("rpo" if rpo else "train"),
+        start=start,
+        data=table,
+        checkpoints=checkpoints,
+        trust_remote_code=trust_remote_code if rpo else settings.trust_remote_code or settings.train.trust_remote_code,
+        sft_data=sft_data if rpo else previous_data if consolidating else None,
+        ref_cache=ref_cache if rpo else None,
+        ewc=settings.ewc if consolidating else None,
+    )
+    if rpo:
         return dpo.train(job, settings.rpo, out_dir)
-    from rlhf.training.methods.sft import train_sft
-
-    ewc = (settings.ewc, previous_data) if settings.ewc.strength else None
-    train = settings.train
-    if settings.trust_remote_code:
-        train = train.model_copy(update={"trust_remote_code": True})
-    return train_sft(train, start, table, out_dir, checkpoints, stage, ewc, key_of("train"))
+    train = settings.train.model_copy(update={"trust_remote_code": job.trust_remote_code})
+    return sft.train(job, train, out_dir)
 
 
 def repair_rejected(settings: Settings, task, model, tokenizer, prm, prompts, answers, verdicts, seed) -> dict | None:

@@ -1,6 +1,8 @@
-"""The TRL training every TRL-backed method shares (rlhf/training/methods/): a model trained
-with one of TRL's trainers, resumable from checkpoints, tracked in MLflow, saved merged;
-EWC towards its start; the content-keyed cache of reference log-probs.
+"""The TRL training every TRL-backed method shares (rlhf/training/methods/, SFT included): a
+model trained with one of TRL's trainers, resumable from checkpoints, tracked in MLflow,
+saved merged; EWC towards its start. A method adds its own trainer and hooks: its rows
+(SFT's measurement), its rewards (rlhf.training.online), its reference log-probs' cache
+(rlhf.training.ref_logprobs).
 
 The model goes to the trainer as its folder's path with `model_init_kwargs` (params
 `model`: dtype, attention, quantization), as TRL loads it: after the training arguments,
@@ -10,16 +12,17 @@ preparation. Nothing here loads the whole model before the trainer does: the LoR
 check reads an empty (meta-device) model.
 
 It reads no params file and knows no pipeline folder: its callers (stages policy@<method>,
-rl@<method>, improve@<name>) describe the job (`TrainingJob`) and pass their own blocks.
+rl@<method>, sft, verifier, improve@<name>) describe the job (`TrainingJob`) and pass their own blocks.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf.training.params import TrainingParams
+from rlhf.training.params import EwcParams, TrainingParams
 
 OFFLINE_LOGGED = ("loss", "rewards/margins", "rewards/accuracies")
 
@@ -38,6 +41,9 @@ class TrainingJob:
     ref_cache: Path | None = None  # the content-keyed reference log-probs (DPO, KTO)
     reward_dirs: dict = field(default_factory=dict)  # folders of model-based rewards with no `path`
     task: object = None  # the task rewards read answers with (rlhf.tasks.Task)
+    # EWC towards `start` with the Fisher information of `sft_data`, for a block that has no
+    # `ewc` of its own (a round's SFT: its settings hold it); a block's own `ewc` otherwise.
+    ewc: EwcParams | None = None
 
 
 def train_trl(
@@ -53,6 +59,8 @@ def train_trl(
     forced_bos: bool = False,
     context: dict | None = None,
     shuffle_rows: bool = False,
+    rows: Callable | None = None,
+    curve: tuple[str, ...] | None = None,
     **trainer_kwargs,
 ) -> tuple[dict, list[dict]]:
     """Train the model in `job.start` with one of TRL's trainers, `trl_classes` = (its config
@@ -67,7 +75,10 @@ def train_trl(
     steps depend on (the task its rewards read answers with), for the fingerprint.
     `shuffle_rows`: the table in an order drawn from `params.seed`, for a trainer that
     reads it in file order (KTO: its KL term pairs each row with its neighbour in the batch,
-    and a table derived from pairs holds each prompt's chosen and rejected side by side)."""
+    and a table derived from pairs holds each prompt's chosen and rejected side by side).
+    `rows(dataset, tokenizer)`: the method's own (rows kept, their counts), in place of
+    `fit_rows` (SFT's, which measures conversations by their template). `curve`: the logged
+    values the curve holds (default: `logged`)."""
     import rlhf.models.settings as model_settings
     from rlhf.data.prepared import prepared_dataset
     from rlhf.models.folders import check_model_dir, resolve_model_dir
@@ -91,11 +102,19 @@ def train_trl(
     model_dir = check_model_dir(resolve_model_dir(start), start.as_posix())
     tokenizer = load_tokenizer(start, job.trust_remote_code)
     dataset, counts = prepared_dataset(job.data, job.stage), {}
-    if fit_rows:
+    if rows is not None:
+        dataset, counts = rows(dataset, tokenizer)
+    elif fit_rows:
         dataset, counts = fitting_rows(dataset, tokenizer, params.max_length, f"{job.key}.max_length", job.data)
     if shuffle_rows:
         dataset = seeded_order(dataset, params.seed)
-    ewc_data = sft_ewc_examples(tokenizer, params, f"{job.key}.max_length", job.sft_data)
+    ewc_params = job.ewc if job.ewc is not None else getattr(params, "ewc", None)
+    consolidating = ewc_params is not None and ewc_params.strength > 0
+    ewc_data = (
+        sft_ewc_examples(tokenizer, params, f"{job.key}.max_length", job.sft_data, ewc_params)
+        if consolidating
+        else None
+    )
     trainer_tokenizer = tokenizer
     if forced_bos:
         trainer_tokenizer, dataset = without_forced_bos(tokenizer, dataset)
@@ -107,8 +126,8 @@ def train_trl(
     quantized_lora_problem(settings, params, job.key)
     key = fingerprint(
         params,
-        [start, job.data, *inputs, *([job.sft_data] if params.ewc.strength else [])],
-        {**(context or {}), "trust": job.trust_remote_code},
+        [start, job.data, *inputs, *([job.sft_data] if consolidating else [])],
+        {**(context or {}), "trust": job.trust_remote_code, **({"ewc": job.ewc.model_dump()} if job.ewc else {})},
     )
     loading, loader_kwargs = trainer_loading(params, job.trust_remote_code, trainer_cls)
     trainer_kwargs |= loader_kwargs
@@ -128,7 +147,8 @@ def train_trl(
     adapters_without_casts(trainer)
     if on_trainer is not None:
         on_trainer(trainer)
-    ewc = consolidate_on_sft(trainer.model, ewc_data, params, params.gradient_accumulation_steps, trainer)
+    ewc = consolidate_on_sft(trainer.model, ewc_data, params, params.gradient_accumulation_steps, trainer, ewc_params)
+    started = time.perf_counter()
     resumed = train_resumable(trainer, job.stage, key)
     history = trainer.state.log_history
     penalty = ewc.penalty() if ewc is not None else None  # before LoRA is merged away
@@ -138,6 +158,7 @@ def train_trl(
         **{name.replace("/", "_"): last_logged(history, name) for name in logged if name != "loss"},
         "steps": trainer.state.global_step,
         "processes": trainer.args.world_size,
+        "train_seconds": time.perf_counter() - started,
         "resumed": bool(resumed),
         **training_resources(trainer),
     }
@@ -146,41 +167,7 @@ def train_trl(
     metrics |= counts
     if hasattr(trainer, "ref_cache_hit"):
         metrics["ref_logps_cache_hit"] = trainer.ref_cache_hit
-    return metrics, log_history_rows(history, logged)
-
-
-def train_online(job: TrainingJob, params, trl_classes: tuple, trl_args: dict, out_dir: Path):
-    """GRPO and RLOO: TRL samples `num_generations` completions per prompt of the prompts
-    table and scores them with the configured rewards (the task reads answers); the prompt
-    table's other columns (e.g. `answer`) reach the reward functions."""
-    from rlhf.rewards.functions import build_rewards, model_paths
-
-    functions, weights = build_rewards(params.rewards, job.task, job.reward_dirs, job.trust_remote_code)
-    logged = ("loss", "reward", "reward_std", "kl", "completions/mean_length")
-
-    def keyed(trainer) -> None:
-        from rlhf.models.compute import rank
-        from rlhf.models.generation import keyed_generate
-
-        # TRL hands each process a contiguous slice of the step's rows, in rank order.
-        keyed_generate(
-            trainer.model, params.seed, lambda: trainer.state.global_step, lambda rows: rank() * rows,
-            params.temperature,
-        )  # fmt: skip
-
-    return train_trl(
-        job,
-        params,
-        trl_classes,
-        {**trl_args, "reward_weights": weights},
-        out_dir,
-        logged=logged + tuple(f"rewards/{f.__name__}/mean" for f in functions),
-        inputs=tuple(model_paths(params.rewards, job.reward_dirs)),
-        on_trainer=keyed if params.keyed_sampling else None,
-        fit_rows=False,
-        context={"task": job.task.identity()},
-        reward_funcs=functions,
-    )
+    return metrics, log_history_rows(history, curve or logged)
 
 
 def fitting_rows(dataset, tokenizer, max_length: int, key: str, path: Path, room: int = 1):
@@ -230,8 +217,8 @@ def row_lengths(batch: dict, tokenizer, max_length: int) -> dict:
     """`fitting_rows`' counts of a batch of rows: prompt tokens (as sampled: `format_prompt`),
     prompt + longest response (+1 for EOS), and whether chosen and rejected are the same
     tokens where max_length cuts them."""
+    from rlhf.data.contracts import completion_text
     from rlhf.models.generation import format_prompt
-    from rlhf.rewards.functions import completion_text
 
     def tokens(texts: list) -> list[list[int]]:
         return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
@@ -288,20 +275,22 @@ def prefixed_prompt(row: dict, start: str) -> dict:
     return {"prompt": start + row["prompt"] if isinstance(row["prompt"], str) else row["prompt"]}
 
 
-def sft_ewc_examples(tokenizer, params, key: str, sft_data: Path | None):
+def sft_ewc_examples(tokenizer, params, key: str, sft_data: Path | None, ewc: EwcParams | None = None):
     """The SFT data's examples for EWC (`rlhf.training.ewc.ewc_examples`, at
-    `params.max_length`, named `key` in its messages), or None when `ewc.strength` is 0.
-    Before the model loads: a max_length no row fits fails here."""
-    if not params.ewc.strength:
+    `params.max_length`, named `key` in its messages), or None when `ewc.strength` is 0
+    (`ewc`: the block's own `params.ewc` unless given). Before the model loads: a max_length
+    no row fits fails here."""
+    ewc = ewc or params.ewc
+    if not ewc.strength:
         return None
     from rlhf.data.prepared import read_prepared
     from rlhf.training.ewc import ewc_examples
 
-    table = read_prepared(sft_data, "sft", sample=(params.ewc.samples, params.seed))  # EWC's rows only
-    return ewc_examples(tokenizer, table, params.ewc, params.max_length, params.seed, key, sft_data)
+    table = read_prepared(sft_data, "sft", sample=(ewc.samples, params.seed))  # EWC's rows only
+    return ewc_examples(tokenizer, table, ewc, params.max_length, params.seed, key, sft_data)
 
 
-def consolidate_on_sft(model, examples, params, accumulation: int = 1, trainer=None):
+def consolidate_on_sft(model, examples, params, accumulation: int = 1, trainer=None, ewc: EwcParams | None = None):
     """EWC towards the weights `model` starts from (the SFT model's, unless a round trains
     on), with the Fisher information of the SFT data's `examples` (`sft_ewc_examples`);
     None when there are none (`ewc.strength` 0). `trainer`: the transformers Trainer that
@@ -310,15 +299,4 @@ def consolidate_on_sft(model, examples, params, accumulation: int = 1, trainer=N
         return None
     from rlhf.training.ewc import consolidate, trainer_loss_scale
 
-    return consolidate(model, examples, params.ewc.strength, 1.0 / accumulation, trainer_loss_scale(trainer))
-
-
-def reference_trainer(trainer_cls, params, job: TrainingJob):
-    """The trainer class of a method with a reference model (DPO, KTO): with
-    `precompute_ref_log_probs` the trainer keeps its reference log-probs in the
-    content-keyed cache `job.ref_cache` (rlhf.training.ref_logprobs)."""
-    if params.precompute_ref_log_probs and job.ref_cache is not None:
-        from rlhf.training.ref_logprobs import with_reference_cache
-
-        return with_reference_cache(trainer_cls, job.ref_cache)
-    return trainer_cls
+    return consolidate(model, examples, (ewc or params.ewc).strength, 1.0 / accumulation, trainer_loss_scale(trainer))

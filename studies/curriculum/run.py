@@ -115,15 +115,17 @@ def train_control(folder: Path) -> None:
     """Stage `control`: SFT continued on its own data for `control_steps` steps of the
     rounds' training settings."""
     sweep.enter_project(folder)
-    from rlhf.training.methods.sft import train_sft
+    from rlhf.training.methods import sft
+    from rlhf.training.trl_training import TrainingJob
     from stages import load_model_stage
 
     params = load_model_stage()
     settings = params["improve"].defaults.train.model_copy(update={"max_steps": control_steps(params)})
-    train_sft(
-        settings, Path("models/sft"), Path("data/prepared/sft.parquet"), Path("models/control"),
-        Path("checkpoints"), "control",
+    job = TrainingJob(
+        stage="control", key="improve.defaults.train", start=Path("models/sft"),
+        data=Path("data/prepared/sft.parquet"), checkpoints=Path("checkpoints"),
     )  # fmt: skip
+    sft.train(job, settings, Path("models/control"))
 
 
 def round_row(report: dict) -> dict:

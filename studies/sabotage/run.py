@@ -201,7 +201,9 @@ def main() -> None:
 
     from rlhf.artifacts import write_json
     from rlhf.tasks import get_task
-    from rlhf.training.methods.sft import SFTParams, train_sft
+    from rlhf.training.methods import sft
+    from rlhf.training.methods.sft import SFTParams
+    from rlhf.training.trl_training import TrainingJob
     from stages import decision_suite, load_model_stage
     from stages import evaluate as evaluate_stage
 
@@ -215,9 +217,8 @@ def main() -> None:
         path = work / f"data/sabotage/{kind}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         table.to_parquet(path, index=False)
-        metrics, _ = train_sft(
-            train, Path("models/sft"), path, Path(f"models/policy/{kind}"), work / "checkpoints", kind
-        )
+        job = TrainingJob(stage=kind, key=kind, start=Path("models/sft"), data=path, checkpoints=work / "checkpoints")
+        metrics, _ = sft.train(job, train, Path(f"models/policy/{kind}"))
         rows[kind] = {"training_rows": len(table), "train_loss": metrics["train_loss"]}
         loss = metrics["train_loss"]  # None when the run was shorter than logging_steps
         print(f"{kind}: trained on {len(table)} rows, loss {'n/a' if loss is None else f'{loss:.4f}'}", flush=True)

@@ -99,6 +99,7 @@ class Params(OfflineParams):
 def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     from trl import DPOConfig, DPOTrainer
 
-    from rlhf.training.trl_training import reference_trainer, train_trl
+    from rlhf.training.ref_logprobs import reference_trainer
+    from rlhf.training.trl_training import train_trl
 
     return train_trl(job, params, (DPOConfig, reference_trainer(DPOTrainer, params, job)), out_dir=out_dir)

@@ -48,7 +48,8 @@ class Params(OfflineParams):
 def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     from trl import KTOConfig, KTOTrainer
 
-    from rlhf.training.trl_training import reference_trainer, train_trl
+    from rlhf.training.ref_logprobs import reference_trainer
+    from rlhf.training.trl_training import train_trl
 
     # TRL reads KTO's rows in order (its KL term pairs neighbours).
     trainer = reference_trainer(KTOTrainer, params, job)

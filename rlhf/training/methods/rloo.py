@@ -35,6 +35,6 @@ class Params(OnlineParams):
 def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     from trl import RLOOConfig, RLOOTrainer
 
-    from rlhf.training.trl_training import train_online
+    from rlhf.training.online import train_online
 
     return train_online(job, params, (RLOOConfig, RLOOTrainer), {}, out_dir)

@@ -6,14 +6,16 @@ optionally with elastic weight consolidation (rlhf.training.ewc). When SFT packs
 examples (`packs`: by default on a CUDA GPU, or `trl: {packing: true}`) TRL's own trainer
 runs instead: packing removes the padding the sub-batches save.
 
-Checkpoints go to <checkpoints>/<stage>/<fingerprint>/ every `save_steps`; a killed run
-restarted with the same params and inputs resumes from the last one. Stage sft, the
-verifier and the self-improvement rounds train through `train_sft`.
+The road is every method's (rlhf.training.trl_training.train_trl: checkpoints under
+<checkpoints>/<stage>/<fingerprint>/ every `save_steps`, a killed run restarted with the
+same params and inputs resuming from the last one; tracking; the merged save); SFT's own
+are its row measurement (`sft_rows`), its trainer and its loss mask. Stage sft, the
+verifier and the self-improvement rounds train through `train(job, params, out_dir)`.
 """
 
 from __future__ import annotations
 
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -53,141 +55,67 @@ SFTParams = Params  # the name the verifier's and the rounds' blocks extend
 CURVE_KEYS = ("loss", "mean_token_accuracy", "learning_rate")
 
 
-def train_sft(
-    config: Params,
-    base_dir: Path,
-    data: Path,
-    out_dir: Path,
-    checkpoints: Path,
-    stage: str = "sft",
-    ewc=None,
-    section: str | None = None,
-) -> tuple[dict, list[dict]]:
-    """Fine-tune the model in `base_dir` on the SFT table `data`, save the (merged) model
-    into `out_dir`; return metrics and the loss curve. `stage` names the checkpoint folder
-    under `checkpoints`. `ewc`: (EwcParams, the previous data's SFT table path) for elastic
-    weight consolidation towards `base_dir`'s weights, or None. `section`: the params key
-    of `config`, named in errors (default: `stage`).
+def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
+    """Fine-tune the model in `job.start` on the SFT table `job.data` and save the (merged)
+    model into `out_dir` (rlhf.training.trl_training.train_trl, as every method); metrics
+    and the loss curve. `job.ewc` with `job.sft_data`: elastic weight consolidation towards
+    `job.start`'s weights, with the Fisher information of that earlier table (a round's).
 
-    Before the model loads: rows longer than `max_length` are counted (`truncated_rows`:
-    TRL cuts their end, EOS included), rows with no completion token left are left out
-    (`dropped_rows`), and conversational rows with `loss_on: completion` need a chat
-    template whose assistant turns TRL can mask (`check_assistant_masking`)."""
-    import numpy as np
+    Before the model loads (`sft_rows`): rows longer than `max_length` are counted
+    (`truncated_rows`: TRL cuts their end, EOS included), rows with no completion token
+    left are left out (`dropped_rows`), and conversational rows with `loss_on: completion`
+    need a chat template whose assistant turns TRL can mask (`check_assistant_masking`)."""
     from trl import SFTConfig, SFTTrainer
 
-    import rlhf.models.settings as model_settings
-    from rlhf.data.prepared import prepared_dataset, read_prepared
-    from rlhf.models.folders import check_model_dir, resolve_model_dir
-    from rlhf.models.loading import empty_causal_lm, load_tokenizer
-    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer, tokenized_rows
-    from rlhf.training.trainer_setup import (
-        adapters_without_casts,
-        checkpoint_dir,
-        fingerprint,
-        last_logged,
-        length_report,
-        log_history_rows,
-        quantized_lora_problem,
-        save_trained,
-        tracking_callbacks,
-        train_resumable,
-        trainer_loading,
-        training_resources,
-        trl_config,
-    )
+    from rlhf.data.prepared import prepared_columns
+    from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer
+    from rlhf.training.trl_training import train_trl
 
-    section = section or stage
-    tokenizer = load_tokenizer(base_dir, config.trust_remote_code)
-    dataset = prepared_dataset(data, "sft")  # memory-mapped: each map below is cached with it
+    conversational = "messages" in prepared_columns(job.data)
+    only_target = params.loss_on == "completion"
+    # Packing removes the padding that length-sorted sub-batches would save: TRL's own trainer.
+    packed = packs(params)
+    trainer_cls, extra = (SFTTrainer, {}) if packed else (LengthBucketedSFTTrainer, {"buckets": params.length_buckets})
+    trl_args = {
+        "completion_only_loss": only_target and not conversational,
+        "assistant_only_loss": only_target and conversational,
+    }
+    if packed and "packing" not in params.trl and "padding_free" not in params.trl:
+        trl_args["packing"] = True
+    rows = partial(sft_rows, params=params, key=job.key, start=job.start, path=job.data)
+    metrics, curve = train_trl(
+        job, params, (SFTConfig, trainer_cls), trl_args, out_dir,
+        logged=("loss", "mean_token_accuracy"), curve=CURVE_KEYS, rows=rows, **extra,
+    )  # fmt: skip
+    return metrics | {"packed": bool(packed)}, curve
+
+
+def sft_rows(dataset, tokenizer, params: Params, key: str, start: Path, path: Path):
+    """(the rows SFT trains on, their counts): every row measured as it is trained (text rows
+    tokenized here in batched calls, to the ids TRL would make row by row; conversations
+    through the chat template), those whose prompt fills `max_length` left out
+    (`length_report`), after the masking check of conversational data."""
+    import numpy as np
+
+    from rlhf.training.bucketed_sft import tokenized_rows
+    from rlhf.training.trainer_setup import length_report
+
     conversational = "messages" in dataset.column_names
-    only_target = config.loss_on == "completion"
-    if conversational and only_target:
-        check_assistant_masking(tokenizer, section, base_dir)
+    if conversational and params.loss_on == "completion":
+        check_assistant_masking(tokenizer, key, start)
     if conversational or not isinstance(dataset[0]["prompt"], str):
         measured = dataset.map(chat_lengths, batched=True, fn_kwargs={"tokenizer": tokenizer},
                                remove_columns=dataset.column_names, desc="Counting tokens")  # fmt: skip
-    else:  # tokenised here in batched calls, to the ids TRL would make row by row
+    else:  # memory-mapped: each map is cached with the table
         dataset = measured = dataset.map(tokenized_rows, batched=True, fn_kwargs={"tokenizer": tokenizer},
                                          remove_columns=dataset.column_names, desc="Tokenizing")  # fmt: skip
     columns = measured.with_format("numpy", columns=["prompt_tokens", "full_tokens"])[:]  # arrays, not ints
     prompt_tokens, full_tokens = columns["prompt_tokens"], columns["full_tokens"]
-    fits = prompt_tokens < config.max_length
-    lost = length_report(prompt_tokens, full_tokens, fits, config.max_length, f"{section}.max_length", data)
+    fits = prompt_tokens < params.max_length
+    lost = length_report(prompt_tokens, full_tokens, fits, params.max_length, f"{key}.max_length", path)
     if not fits.all():
         dataset = dataset.select(np.flatnonzero(fits))
-    dataset = dataset.remove_columns([c for c in ("prompt_tokens", "full_tokens") if c in dataset.column_names])
-    consolidating = ewc is not None and ewc[0].strength > 0
-    if consolidating:
-        from rlhf.training.ewc import ewc_examples
-
-        previous = read_prepared(ewc[1], "sft", sample=(ewc[0].samples, config.seed))  # EWC's rows only
-        examples = ewc_examples(
-            tokenizer, previous, ewc[0], config.max_length, config.seed, f"{section}.max_length", ewc[1]
-        )
-    model_dir = check_model_dir(resolve_model_dir(base_dir), str(base_dir))
-    config.lora.check_targets(empty_causal_lm(model_dir, config.trust_remote_code), f"{section}.lora.target_modules")
-    settings = model_settings.current().merged(config.model)
-    quantized_lora_problem(settings, config, section)
-    key = fingerprint(config, [base_dir, data, *([ewc[1]] if consolidating else [])])
-    if consolidating:
-        key += "-" + fingerprint(ewc[0], [])[:8]
-    # Packing removes the padding that length-sorted sub-batches would save: TRL's own trainer.
-    packed = packs(config)
-    trainer_cls, extra = (SFTTrainer, {}) if packed else (LengthBucketedSFTTrainer, {"buckets": config.length_buckets})
-    # The model loads inside the trainer, from its folder, after the arguments (ZeRO-3, FSDP).
-    loading, loader_kwargs = trainer_loading(config, config.trust_remote_code, trainer_cls)
-    args = trl_config(
-        SFTConfig,
-        config,
-        checkpoint_dir(checkpoints, stage, key),
-        key=section,
-        model_init_kwargs=loading,
-        completion_only_loss=only_target and not conversational,
-        assistant_only_loss=only_target and conversational,
-        **({"packing": True} if packed and "packing" not in config.trl and "padding_free" not in config.trl else {}),
-    )
-    trainer = trainer_cls(
-        model=str(model_dir),
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=config.lora.peft_config(),
-        callbacks=tracking_callbacks(),
-        **loader_kwargs,
-        **extra,
-    )
-    adapters_without_casts(trainer)
-    consolidation = None
-    if consolidating:
-        from rlhf.training.ewc import consolidate, trainer_loss_scale
-
-        consolidation = consolidate(
-            trainer.model,
-            examples,
-            ewc[0].strength,
-            1.0 / config.gradient_accumulation_steps,
-            trainer_loss_scale(trainer),
-        )
-    start = time.perf_counter()
-    resumed = train_resumable(trainer, stage, key)
-    history = trainer.state.log_history
-    penalty = consolidation.penalty() if consolidation is not None else None  # before LoRA is merged away
-    save_trained(trainer, tokenizer, out_dir, model_dir)  # its checkpoints stay until the caller publishes it
-    metrics = {
-        "train_loss": last_logged(history, "loss"),
-        "mean_token_accuracy": last_logged(history, "mean_token_accuracy"),
-        "steps": trainer.state.global_step,
-        "processes": trainer.args.world_size,
-        "train_seconds": time.perf_counter() - start,
-        "resumed": bool(resumed),
-        "packed": bool(packed),
-        **lost,
-        **training_resources(trainer),
-    }
-    if consolidation is not None:
-        metrics["ewc_penalty"] = penalty
-    return metrics, log_history_rows(history, CURVE_KEYS)
+    return dataset.remove_columns([c for c in ("prompt_tokens", "full_tokens") if c in dataset.column_names]), lost
 
 
 SFTDataError = TrainingDataError  # the SFT data cannot be trained as params ask
