@@ -249,20 +249,23 @@ def main(argv: list[str] | None = None, family: str = "offline") -> None:
     stage rl@, stages/rl.py: online)."""
     import mlflow
 
-    import rlhf.models.settings as model_settings
     from rlhf.models.compute import is_main
     from rlhf.tracking.runs import log_table, numeric_metrics, stage_run, tracked
     from rlhf.training.trainer_setup import discard_checkpoints
 
     argv = sys.argv[1:] if argv is None else argv
-    params = load_model_stage()
+    method = argv[0] if len(argv) == 1 else None
+
+    def own_model(params: dict):  # the method's own `model:` keys over params `model`
+        listed = getattr(params["policy"], family)
+        return getattr(params["policy"], method).model if method in listed else None
+
+    params = load_model_stage(override=own_model)  # how models load: set once for the process
     config, task = params["policy"], get_task(params["task"])
     listed = getattr(config, family)
-    if len(argv) != 1 or argv[0] not in listed:
+    if method not in listed:
         module = "stages.policy" if family == "offline" else "stages.rl"
         raise SystemExit(f"usage: python -m {module} METHOD, with METHOD one of policy.{family} {listed}")
-    method = argv[0]
-    model_settings.configure(params["model"], getattr(config, method).model)
     with stage_run(stage_name(method), config.model_dump(include={"trust_remote_code", method})) as active:
         with atomic_dir(OUT_ROOT / method) as tmp:
             metrics, curve = run(config, task, method, tmp)

@@ -59,6 +59,7 @@ def trl_config(
     trust_remote_code: bool = False,
     key: str | None = None,
     defaults: dict[str, Any] | None = None,
+    settings=None,
     **extra: Any,
 ):
     """A TRL `*Config` (or transformers' TrainingArguments) from a params block: the
@@ -68,14 +69,13 @@ def trl_config(
     params `compute`, checkpointing from params `model`, no reporting (curves go through
     MLflowMetrics). `trust_remote_code` goes to the configs that have it: the trainers that
     load a frozen reference (or a reward model) from the policy's path load custom code only
-    with it. A value TRL refuses fails naming `key` (the block's params key)."""
+    with it. A value TRL refuses fails naming `key` (the block's params key). `settings`: how
+    the model loads, resolved by the caller (`loading_settings`), else resolved here."""
     import dataclasses
-
-    import rlhf.models.settings as model_settings
 
     if trust_remote_code and "trust_remote_code" in {f.name for f in dataclasses.fields(config_cls)}:
         extra["trust_remote_code"] = True
-    settings = model_settings.current().merged(params.model)
+    settings = settings or loading_settings(params)
     arguments = {
         **params.TRL_DEFAULTS,
         "dataloader_num_workers": 0,
@@ -106,17 +106,24 @@ def trl_config(
 QUANTIZATION_ARGUMENT = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer", "RewardTrainer")
 
 
-def trainer_loading(params: TrainingParams, trust_remote_code: bool, trainer_cls) -> tuple[dict, dict]:
+def loading_settings(params):
+    """How a training block's model loads: params `model` (this process's, set by the stage)
+    with the block's own `model:` keys over it. A training run resolves it once."""
+    import rlhf.models.settings as model_settings
+
+    return model_settings.current().merged(getattr(params, "model", None))
+
+
+def trainer_loading(params: TrainingParams, trust_remote_code: bool, trainer_cls, settings=None) -> tuple[dict, dict]:
     """(the config's `model_init_kwargs`, the trainer's own keyword arguments) that make a
     TRL trainer load the model it is given as a path the way params `model` (with the
     block's own `model:` keys) says: the dtype (a name: the config is saved), attention,
     quantization (the trainer's `quantization_config` argument where it has one), and no
     device map unless quantized: the trainer places the model (TRL's "auto" would split it
-    over the GPUs of one process)."""
-    import rlhf.models.settings as model_settings
+    over the GPUs of one process). `settings`: as `trl_config`'s."""
     from rlhf.models.loading import init_kwargs
 
-    settings = model_settings.current().merged(params.model)
+    settings = settings or loading_settings(params)
     adapters = getattr(getattr(params, "lora", None), "enabled", False)
     loading = init_kwargs(settings, training=True, adapters=adapters, trust_remote_code=trust_remote_code)
     loading["dtype"] = str(loading["dtype"]).removeprefix("torch.")
@@ -189,15 +196,13 @@ def tracking_callbacks() -> list[TrainerCallback]:
     return [] if os.environ.get(TRACKING_ENV, "").lower() == "off" else [MLflowMetrics()]
 
 
-def fingerprint(config: Any, inputs: list[str | Path], context: Any = None) -> str:
+def fingerprint(config: Any, inputs: list[str | Path], context: Any = None, settings=None) -> str:
     """A key for checkpoints: the resolved config, how the model loads (params `model`), the
     identity (size, mtime) of every input file, and `context` (other settings the run's steps
     depend on, e.g. the task a reward reads answers with). A restarted run with the same key
-    resumes; any change starts afresh."""
-    import rlhf.models.settings as model_settings
-
+    resumes; any change starts afresh. `settings`: as `trl_config`'s."""
     digest = hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode())
-    loading = model_settings.current().merged(getattr(config, "model", None))
+    loading = settings or loading_settings(config)
     digest.update(json.dumps(loading.model_dump(mode="json"), sort_keys=True).encode())
     if context is not None:
         digest.update(json.dumps(context, sort_keys=True, default=str).encode())

@@ -79,7 +79,6 @@ def train_trl(
     `rows(dataset, tokenizer)`: the method's own (rows kept, their counts), in place of
     `fit_rows` (SFT's, which measures conversations by their template). `curve`: the logged
     values the curve holds (default: `logged`)."""
-    import rlhf.models.settings as model_settings
     from rlhf.data.prepared import prepared_dataset
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
@@ -88,6 +87,7 @@ def train_trl(
         checkpoint_dir,
         fingerprint,
         last_logged,
+        loading_settings,
         log_history_rows,
         quantized_lora_problem,
         save_trained,
@@ -122,18 +122,19 @@ def train_trl(
     refuses_head = trainer_cls.__name__ in ("DPOTrainer", "KTOTrainer")  # they raise on an adapted lm_head
     params.lora.check_targets(empty_causal_lm(model_dir, job.trust_remote_code), f"{job.key}.lora.target_modules",
                               output_layer=not refuses_head)  # fmt: skip
-    settings = model_settings.current().merged(params.model)
+    settings = loading_settings(params)  # how the model loads, resolved once for the run
     quantized_lora_problem(settings, params, job.key)
     key = fingerprint(
         params,
         [start, job.data, *inputs, *([job.sft_data] if consolidating else [])],
         {**(context or {}), "trust": job.trust_remote_code, **({"ewc": job.ewc.model_dump()} if job.ewc else {})},
+        settings,
     )
-    loading, loader_kwargs = trainer_loading(params, job.trust_remote_code, trainer_cls)
+    loading, loader_kwargs = trainer_loading(params, job.trust_remote_code, trainer_cls, settings)
     trainer_kwargs |= loader_kwargs
     args = trl_config(
         config_cls, params, checkpoint_dir(job.checkpoints, job.stage, key), job.trust_remote_code, job.key,
-        model_init_kwargs=loading, **(trl_args or {}),
+        model_init_kwargs=loading, settings=settings, **(trl_args or {}),
     )  # fmt: skip
     trainer = trainer_cls(
         model=str(model_dir),
