@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scratch import ensure_outputs, scratch_project, timed, write_params
+from timing import ensure_outputs, scratch_project, timed, write_params
 
 # stage: (launch arguments, its inputs, its output, its metrics file)
 STAGES = {

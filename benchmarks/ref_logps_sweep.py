@@ -18,7 +18,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from scratch import ensure_outputs, scratch_project, timed, write_params
+from timing import ensure_outputs, scratch_project, timed, write_params
 
 INPUTS = ("models/sft", "data/prepared")
 

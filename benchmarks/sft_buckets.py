@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scratch import ensure_outputs, scratch_project, timed, write_params
+from timing import ensure_outputs, scratch_project, timed, write_params
 
 
 def main() -> None:

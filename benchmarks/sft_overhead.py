@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scratch import ROOT, ensure_outputs, scratch_project, timed
+from timing import ROOT, ensure_outputs, scratch_project, timed
 
 
 def override_steps(steps: int | None):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
-from scratch import ROOT, ensure_outputs, scratch_project, timed
+from timing import ROOT, ensure_outputs, scratch_project, timed
 
 import rlhf  # noqa: F401  (offline environment)
 from rlhf.inference.strategies import speculative

@@ -1,6 +1,6 @@
 """MkDocs hooks: the pages generated when the site builds, so they cannot drift.
 
-* reference/params.md: every params key, from the Configs (rlhf.reference);
+* reference/params.md: every params key, from the Configs (rlhf.params_docs);
 * reference/cli.md: `rlhf --help` and each subcommand's help;
 * architecture.md, results/benchmarks.md, results/curriculum.md: the repository's own
   ARCHITECTURE.md, benchmarks/README.md and studies/curriculum/SETTINGS.md (kept where the
@@ -90,7 +90,7 @@ def on_files(files, config):
     if str(ROOT) not in sys.path:  # the checkout's own code, installed or not
         sys.path.insert(0, str(ROOT))
     import stages
-    from rlhf.reference import params_reference
+    from rlhf.params_docs import params_reference
 
     generated = {
         "reference/params.md": params_reference(stages.all_configs()),

@@ -250,7 +250,7 @@ def load_model_stage(path: str = PARAMS_FILE, override=None) -> dict:
 def drop_out(stage: str, staging: Path, reason: str, metrics: Path, plot: Path) -> None:
     """A model stage whose inputs are absent: `absent.json` instead of a model in its output
     folder (`staging`), the reason as its metrics, an empty curve."""
-    from rlhf.artifacts import write_csv, write_json
+    from rlhf.atomic import write_csv, write_json
     from rlhf.models.folders import write_absent
 
     write_absent(staging, reason)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf.artifacts import atomic_dir, file_md5, write_json
+from rlhf.atomic import atomic_dir, file_md5, write_json
 from rlhf.models.folders import (
     BUILTIN_PREFIX,
     BUILTIN_SIZES,

@@ -38,7 +38,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from rlhf.artifacts import atomic_file
+from rlhf.atomic import atomic_file
 from rlhf.params import PARAMS_FILE, ParamsError, read_params
 from stages import REPORTS_DIR, generated_difficulties, load_all, run_facts
 

@@ -41,7 +41,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.atomic import atomic_dir, write_csv, write_json
 from rlhf.evaluation.suites import evaluate_model, suite_identity
 from rlhf.models.settings import ModelOverride
 from rlhf.params import SafeName, StageConfig

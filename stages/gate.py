@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhf.artifacts import atomic_dir, read_json, write_json
+from rlhf.atomic import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import InputError
 from rlhf.tracking.champion import ChampionMovedError, RegistryChampion, RegistryParams

@@ -68,7 +68,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, model_validator
 
-from rlhf.artifacts import atomic_dir, read_json, write_json
+from rlhf.atomic import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import PARAMS_FILE, ParamsError, SafeName, StageConfig, format_validation_error
 from rlhf.training.round_gate import default_tests, earlier_evals, evaluate_models, gate, metrics_only, round_summary

@@ -28,7 +28,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf.artifacts import write_json
+from rlhf.atomic import write_json
 from rlhf.inference.settings import STRATEGIES, Strategies
 from rlhf.models.settings import ModelOverride
 from rlhf.params import reject_changed

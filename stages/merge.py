@@ -33,7 +33,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from rlhf.artifacts import atomic_dir, write_json
+from rlhf.atomic import atomic_dir, write_json
 from rlhf.models.folders import resolve_model_dir
 from rlhf.params import ParamsError, StageConfig, reject_unused
 from rlhf.tasks import Task, get_task

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import Field, create_model, field_validator, model_validator
 
-from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.atomic import atomic_dir, write_csv, write_json
 from rlhf.rules import ANSWER_REWARDS
 from rlhf.tasks import Task, get_task
 from rlhf.training.methods import METHODS, OFFLINE, ONLINE, POLICY

@@ -38,7 +38,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.atomic import atomic_dir, write_csv, write_json
 from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.params import StageConfig, reject_unused
 from rlhf.tasks import get_task

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.atomic import atomic_dir, write_csv, write_json
 from rlhf.models.folders import MEMBER_PREFIX, check_model_dir, resolve_model_dir
 from rlhf.tasks import Task, get_task
 from rlhf.training.params import LoraParams, TrainingParams

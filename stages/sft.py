@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.artifacts import atomic_dir, write_csv, write_json
+from rlhf.atomic import atomic_dir, write_csv, write_json
 from rlhf.training.methods.sft import SFTParams
 from stages import CHECKPOINTS_DIR, DATA_DIR, MODELS_DIR, SFT_DIR, load_model_stage
 

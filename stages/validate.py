@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from rlhf.artifacts import read_json, write_json
+from rlhf.atomic import read_json, write_json
 from rlhf.params import StageConfig
 from stages import REPORTS_DIR, SFT_DIR, decision_suite, load_model_stage
 

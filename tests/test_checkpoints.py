@@ -102,7 +102,7 @@ def test_a_checkpoint_resumes_only_under_the_same_task_and_trust(tmp_path):
 def test_a_length_error_names_the_published_file_not_the_staging_folder():
     """A round trains on a table in its staging folder (atomic_dir's `.r1.tmp-<pid>-<hex>`),
     gone once the error is read: the message names where the file is published."""
-    from rlhf.artifacts import published_path
+    from rlhf.atomic import published_path
     from rlhf.training.trainer_setup import TrainingDataError, length_report
 
     staged = Path("data/rounds/.r1.tmp-25576-b2280401/train.parquet")

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_a_key_added_to_a_config_appears_in_the_params_reference():
     import stages
-    from rlhf.reference import params_reference
+    from rlhf.params_docs import params_reference
     from stages.sft import Config
 
     class WithNewKey(Config):

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rlhf dvc-deps: every stage of {args.file} lists the code it imports")
         return
     if changes:
-        from rlhf.artifacts import atomic_file
+        from rlhf.atomic import atomic_file
 
         with atomic_file(args.file) as tmp:
             tmp.write_text(text)

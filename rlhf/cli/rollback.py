@@ -30,7 +30,7 @@ import json
 import sys
 import time
 
-from rlhf.artifacts import atomic_dir
+from rlhf.atomic import atomic_dir
 from rlhf.layout import CHAMPION_DIR
 
 

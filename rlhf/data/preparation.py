@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.artifacts import write_json
+from rlhf.atomic import write_json
 from rlhf.layout import DATA_DIR, EVAL_DIR, EVAL_PREFIX, FEEDBACK_FILE
 from rlhf.tasks.arithmetic import TaskSizes, TaskSpec, generate_datasets
 from rlhf.tasks.word_problems import WordProblemSizes
@@ -87,7 +87,7 @@ def prepare(root: Path, config, task, feedback=None) -> dict:
     (a frame from `read_feedback`, or None) are added to prefs, and the absent tables are
     derived (streaming the written tables) or left empty."""
 
-    from rlhf.artifacts import atomic_dir
+    from rlhf.atomic import atomic_dir
 
     with atomic_dir(root) as tmp:
         tables = Tables(tmp, config)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from pydantic import Field, field_validator
 
-from rlhf.artifacts import write_json
+from rlhf.atomic import write_json
 from rlhf.params import InputError, StageConfig
 
 CHAMPION_RECORD = "champion.json"

@@ -39,7 +39,7 @@ import mlflow
 import yaml
 from mlflow.tracking import MlflowClient
 
-from rlhf.artifacts import file_md5
+from rlhf.atomic import file_md5
 from rlhf.params import InputError
 
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"

@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForTokenClassification, GenerationConfig, get_scheduler
 
-from rlhf.artifacts import atomic_dir
+from rlhf.atomic import atomic_dir
 from rlhf.models.compute import current, is_main, rank, world_size
 from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.models.generation import NEUTRAL_DECODING, NEUTRAL_SAMPLING, KeyedSampling, format_prompt, stop_token_ids

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from datasets import Dataset, concatenate_datasets
 
-from rlhf.artifacts import atomic_file
+from rlhf.atomic import atomic_file
 
 CACHE_DIR_ENV = "RLHF_REF_LOGPS_CACHE"  # overrides the caller's cache folder (tests, a shared cache)
 # Training arguments that change how a row is tokenised or truncated, hence its log-prob.

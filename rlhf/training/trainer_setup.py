@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from rlhf.artifacts import published_path
+from rlhf.atomic import published_path
 from rlhf.models.compute import current
 from rlhf.params import InputError
 from rlhf.training.checkpoints import usable_checkpoint

@@ -199,7 +199,7 @@ def main() -> None:
     scratch(project, work)
     env = enter(work)
 
-    from rlhf.artifacts import write_json
+    from rlhf.atomic import write_json
     from rlhf.tasks import get_task
     from rlhf.training.methods import sft
     from rlhf.training.methods.sft import SFTParams

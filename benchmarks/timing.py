@@ -1,6 +1,7 @@
-"""What the stage benchmarks share: a scratch copy of the project (code, params and the
-inputs a stage needs, copied from this checkout's outputs) and a timer for one command in
-a fresh process. The project's own outputs are never touched."""
+"""What the stage benchmarks share: a timer for one command in a fresh process, and a copy
+of the project to time it in (the code as the studies copy it, studies/scratch.py; this
+checkout's params; the outputs a stage reads, copied from this checkout's). The project's
+own outputs are never touched."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from studies.scratch import copy_code  # noqa: E402
+
 ENV = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
 
@@ -37,11 +42,10 @@ def scratch_project(tmp: Path, inputs: tuple[str, ...], params_update=None) -> P
     copied in; `params_update(params)` edits params.yaml in place. MLflow logs go to the
     copy's own sqlite store."""
     work = tmp / "project"
-    for name in ("rlhf", "stages", "flows", "dvc.yaml", ".dvcignore"):
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, work / name)
+    work.mkdir(parents=True)
+    copy_code(work)
     for name in inputs:
-        shutil.copytree(ROOT / name, work / name)
+        shutil.copytree(ROOT / name, work / name, dirs_exist_ok=True)
     write_params(work, params_update)
     ENV["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
     return work

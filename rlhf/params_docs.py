@@ -85,7 +85,7 @@ def params_reference(sections: dict[str, type[BaseModel]]) -> str:
         "# Params reference",
         "",
         "Every key of `params.yaml`, by section: its type, its default (what `params.yaml` writes out) and what it "
-        "does. Generated from the stages' Configs (`rlhf/reference.py`) when the site builds; "
+        "does. Generated from the stages' Configs (`rlhf/params_docs.py`) when the site builds; "
         "`rlhf check` validates a params file against the same Configs.",
     ]
     for section, model in sections.items():

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from rlhf.artifacts import atomic_dir, atomic_file
+from rlhf.atomic import atomic_dir, atomic_file
 
 
 def dead_pid() -> int:

@@ -1,4 +1,5 @@
-"""Writing stage outputs so that a killed stage never leaves half an artifact.
+"""Atomic writes: a killed stage never leaves half an output (and the JSON, CSV and hash helpers
+the stages write with).
 
 Every output is built under a temporary sibling path and renamed into place. A rename on
 one filesystem is atomic, so a reader (DVC, the next stage, a person) sees either the old
