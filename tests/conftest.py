@@ -195,6 +195,15 @@ def serve_app(app):
     return server, thread, f"http://127.0.0.1:{port}"
 
 
+def project_cache_type() -> str:
+    """`cache.type` of the project's own .dvc/config."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / ".dvc/config")
+    return config.get("cache", "type").strip('"')
+
+
 def make_project(root: Path, params: dict | None = None) -> Path:
     """A fresh git + DVC repository holding the project's code and tiny params."""
     root.mkdir(parents=True, exist_ok=True)
@@ -211,6 +220,8 @@ def make_project(root: Path, params: dict | None = None) -> Path:
     run(["git", "config", "user.name", "test"], root)
     run([sys.executable, "-m", "dvc", "init", "-q"], root)
     run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], root)
+    # The project's cache type (.dvc/config: links, one copy of each model on disk).
+    run([sys.executable, "-m", "dvc", "config", "cache.type", project_cache_type()], root)
     run(["git", "add", "-A"], root)
     run(["git", "commit", "-qm", "tiny project"], root)
     return root
