@@ -222,7 +222,8 @@ def run(
         load_tasks(names, folders or None)
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
     reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
-    judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code)
+    # The judge one member at a time, beside the reference and a candidate (rlhf.rewards.ensemble).
+    judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code, resident=False)
     baselines = list(baseline_dirs(config))
     report: dict = {
         "reference": REFERENCE,

@@ -275,7 +275,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
         shutil.copytree(root / f"{MEMBER_PREFIX}{index}" / "final", out_dir / f"{MEMBER_PREFIX}{index}")
     train_seconds = time.perf_counter() - start
 
-    ensemble = RewardEnsemble.load(out_dir, config.trust_remote_code)
+    ensemble = RewardEnsemble.load(out_dir, config.trust_remote_code, resident=False)  # a member at a time
     chosen, rejected, flaws = held_out_scores(ensemble, task, eval_data)
     metrics = {
         "ensemble_accuracy": pairwise_accuracy(chosen.mean, rejected.mean),

@@ -247,6 +247,10 @@ def test_likelihood_stage_trains_members_that_load_and_score(tmp_path, monkeypat
     ensemble = RewardEnsemble.load(tmp_path / "models/rm")
     scores = ensemble.score(["1+2\n"] * 2, ["1+2=3; answer 3", "1+2=4; answer 4"])
     assert scores.members.shape == (2, 2) and torch.isfinite(scores.members).all()
+    one_at_a_time = RewardEnsemble.load(tmp_path / "models/rm", resident=False)  # evaluate's judge
+    assert all(isinstance(member, Path) for member in one_at_a_time.models), "no member held between calls"
+    assert torch.equal(one_at_a_time.score(["1+2\n"] * 2, ["1+2=3; answer 3", "1+2=4; answer 4"]).members,
+                       scores.members)  # fmt: skip
     assert not (tmp_path / "checkpoints/rm").exists()
 
 
@@ -259,6 +263,8 @@ def test_classifier_stage_trains_differing_score_heads(tmp_path, monkeypatch, ml
     assert not (tmp_path / "models/rm/member_0" / HEAD_FILE).exists()
     scores = RewardEnsemble.load(tmp_path / "models/rm").score(["1+2\n"], ["1+2=3; answer 3"])
     assert scores.members.shape == (2, 1)
+    lazy = RewardEnsemble.load(tmp_path / "models/rm", resident=False).score(["1+2\n"], ["1+2=3; answer 3"])
+    assert torch.equal(lazy.members, scores.members), "a member at a time scores as the loaded ensemble"
 
 
 @pytest.mark.slow

@@ -8,6 +8,12 @@ rewards may penalise as ``mean - k * std``.
 
 Texts are built exactly as `RewardTrainer` builds them: prompt + completion + EOS for
 standard data, the chat template over prompt + completion messages for conversational data.
+
+`RewardEnsemble.load(root, resident=False)` holds the members' folders only and loads one
+member at a time for each `score` (freeing it before the next): the memory of one member,
+not K, beside the models a stage already holds (evaluate: the reference and a candidate),
+for K loads a call. A stage that scores once per model and suite (evaluate, rm's held-out
+set) takes it; rewards scored at every training step keep the members loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf.models.compute import release_memory
 from rlhf.models.folders import MEMBER_PREFIX, absent_reason
 from rlhf.models.generation import reward_text
 from rlhf.models.loading import load_reward_model, load_tokenizer
@@ -78,24 +85,32 @@ class EnsembleScores:
 
 
 class RewardEnsemble:
-    def __init__(self, models: list, tokenizer):
+    """K members (loaded models, or with `resident` off their folders, each loaded for a
+    `score` and freed after it) and their tokenizer."""
+
+    def __init__(self, models: list, tokenizer, trust_remote_code: bool = False):
         self.models = models
         self.tokenizer = tokenizer
+        self.trust_remote_code = trust_remote_code
 
     @classmethod
-    def load(cls, root: str | Path, trust_remote_code: bool = False) -> RewardEnsemble:
+    def load(cls, root: str | Path, trust_remote_code: bool = False, resident: bool = True) -> RewardEnsemble:
         dirs = member_dirs(root)
-        models = [load_member(d, trust_remote_code) for d in dirs]
-        return cls(models, load_tokenizer(dirs[0], trust_remote_code))
+        models = [load_member(d, trust_remote_code) for d in dirs] if resident else dirs
+        return cls(models, load_tokenizer(dirs[0], trust_remote_code), trust_remote_code)
 
     def score(self, prompts: Sequence, completions: Sequence, batch_size: int = 64) -> EnsembleScores:
         texts = [reward_text(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
-        scores = [
-            m.score(self.tokenizer, prompts, completions, batch_size)
-            if isinstance(m, LikelihoodRewardModel)
-            else score_texts(m, self.tokenizer, texts, batch_size)
-            for m in self.models
-        ]
+        scores = []
+        for member in self.models:
+            model = load_member(member, self.trust_remote_code) if isinstance(member, Path) else member
+            if isinstance(model, LikelihoodRewardModel):
+                scores.append(model.score(self.tokenizer, prompts, completions, batch_size))
+            else:
+                scores.append(score_texts(model, self.tokenizer, texts, batch_size))
+            if model is not member:  # loaded for this call: freed before the next member loads
+                del model
+                release_memory()
         return EnsembleScores(torch.stack(scores))
 
 
