@@ -409,13 +409,22 @@ def test_ppo_updates_policy_and_value_and_reports_finite_metrics(model_dir, toke
 
 @pytest.mark.slow
 def test_ppo_with_lora_returns_a_merged_plain_policy(model_dir, tokenizer, tmp_path):
+    """With LoRA the policy's adapters are merged on return; the reference is the policy with
+    its adapters disabled (no second copy), and the run equals one against a separate copy."""
     policy, ref, value = fresh_models(model_dir)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
-    history, _ = run_ppo(model_dir, tokenizer, tmp_path / "ckpt", models=(policy, ref, value), lora=lora)
+    history, _ = run_ppo(model_dir, tokenizer, tmp_path / "ckpt", models=(policy, None, value), lora=lora)
     assert len(history) == 2 and all(math.isfinite(row["policy_loss"]) for row in history)
     assert set(policy.state_dict()) == set(before), "adapters are merged: no lora_ keys remain"
     assert changed(before, policy.state_dict(), "model.layers")
+    with_copy, _ = run_ppo(model_dir, tokenizer, tmp_path / "ckpt-copy", models=(load_causal_lm(model_dir), ref,
+                                                                                   load_value_model(model_dir)),
+                           lora=lora)  # fmt: skip
+    for row, other in zip(history, with_copy):
+        assert row["kl"] == pytest.approx(other["kl"], abs=1e-6) and row["policy_loss"] == pytest.approx(
+            other["policy_loss"], abs=1e-6
+        )
 
 
 @pytest.mark.slow

@@ -443,7 +443,11 @@ def ppo_iteration(
     ids, attention, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
     mask = rollout.response_mask
     with torch.no_grad():
-        ref_logprobs = token_logprobs(ref_policy, ids, attention, start, params.temperature)
+        if ref_policy is None:  # LoRA: the policy with its adapters off is the initial policy
+            with policy.disable_adapter():
+                ref_logprobs = token_logprobs(policy, ids, attention, start, params.temperature)
+        else:
+            ref_logprobs = token_logprobs(ref_policy, ids, attention, start, params.temperature)
         values = token_values(value_model, ids, attention, start) * mask
     scores = score_completions(reward_fn, prompts, rollout.completions, row_fields).to(values.device)
     kl = per_token_kl(rollout.logprobs, ref_logprobs) * mask
@@ -574,7 +578,8 @@ def train_ppo(
     """Train `policy` in place with PPO (`params`: rlhf.training.methods.ppo.Params); return
     one history row per iteration.
 
-    `ref_policy` is frozen (pass a separate copy of the initial policy); `value_model` is a
+    `ref_policy` is frozen (pass a separate copy of the initial policy; with LoRA, None: the
+    policy with its adapters disabled is the reference, no second copy); `value_model` is a
     `load_value_model` model, trained in full (LoRA applies to the policy only). With LoRA the
     adapters are merged into `policy` before returning, so it is a plain model afterwards.
     A checkpoint is kept in `checkpoint_dir` every `save_steps` iterations and at the end; a
@@ -599,10 +604,15 @@ def train_ppo(
     if params.lora.enabled:
         from peft import get_peft_model
 
+        torch.manual_seed(params.seed)  # the adapters' initialisation, whatever ran before in this process
         model = get_peft_model(policy, params.lora.peft_config())
+    if ref_policy is None and not params.lora.enabled:
+        raise ValueError("ref_policy: None only with LoRA (the policy with its adapters off is the reference)")
     for m in (model, ref_policy, value_model):
-        m.to(device).eval()  # no dropout anywhere: see the module docstring
-    ref_policy.requires_grad_(False)
+        if m is not None:
+            m.to(device).eval()  # no dropout anywhere: see the module docstring
+    if ref_policy is not None:
+        ref_policy.requires_grad_(False)
     updates = params.max_steps * params.ppo_epochs * (params.rollout_batch_size // params.mini_batch_size)
     opts = []
     for m, lr in ((model, params.learning_rate), (value_model, params.value_learning_rate or params.learning_rate)):

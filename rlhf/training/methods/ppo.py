@@ -95,7 +95,8 @@ class Params(TrainingParams):
 
 def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     """The reference is a frozen copy of the SFT model (loaded for inference: the compute
-    dtype); the policy and the value model load for training."""
+    dtype), or under LoRA the policy with its adapters disabled; the policy and the value
+    model load for training."""
     import mlflow
 
     from rlhf.data.contracts import plain_messages
@@ -118,7 +119,8 @@ def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     ewc_data = sft_ewc_examples(tokenizer, params, f"{key}.max_length", job.sft_data)
     what = start.as_posix()
     policy = load_causal_lm(start, trust, what=what, training=True, adapters=params.lora.enabled)
-    reference = load_causal_lm(start, trust, what=what)
+    # Under LoRA the policy with its adapters disabled is the reference: no second copy.
+    reference = None if params.lora.enabled else load_causal_lm(start, trust, what=what)
     value_init = start if params.value_init == "sft" else member_dirs(job.reward_dirs["reward_model"])[0]
     value_model = load_value_model(value_init, trust)
     functions, weights = build_rewards(params.rewards, job.task, job.reward_dirs, trust)
