@@ -666,3 +666,30 @@ def test_generate_command_chat_sends_the_prompt_through_the_chat_template(tmp_pa
     assert as_chat["prompt"] == as_text["prompt"] == "12+7-3"
     assert as_chat["completion"] == generate(model, chat, [[{"role": "user", "content": "12+7-3"}]], 8)[0]
     assert as_text["completion"] == generate(model, chat, ["12+7-3\n"], 8)[0]
+
+
+def test_the_batch_size_setting_reaches_each_batched_strategy(models, tokenizer, task):
+    """`infer.batch_size` (`rlhf generate --batch-size`) is how many sequences go through the
+    model at once: 5 prompts at batch size 2 are 3 calls of the model's generate, and the
+    greedy answers are those of one batch."""
+    model = models[0]
+    prompts = [f"{a}+{b}\n" for a, b in ((1, 2), (3, 4), (5, 6), (7, 8), (2, 2))]
+    calls = []
+    original = model.generate
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0] if "input_ids" in kwargs else args[0].shape[0])
+        return original(*args, **kwargs)
+
+    model.generate = counted
+    try:
+        settings = settings_from(parse_args(["--model", "m", "--batch-size", "2", "--max-new-tokens", "4"]))
+        assert settings.batch_size == 2
+        small = strategies.load_strategy("greedy", settings, task)(model, tokenizer, prompts)
+        assert calls == [2, 2, 1]
+        calls.clear()
+        whole = strategies.load_strategy("greedy", Strategies(max_new_tokens=4), task)(model, tokenizer, prompts)
+        assert calls == [5]
+    finally:
+        model.generate = original
+    assert [a.completion for a in small] == [a.completion for a in whole]

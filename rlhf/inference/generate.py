@@ -32,6 +32,7 @@ from rlhf.tasks import TASKS, TaskConfig, get_task
 # flag -> where its value goes in the Strategies settings (None: the flag is not given)
 _SETTINGS = {
     "max_new_tokens": ("max_new_tokens",),
+    "batch_size": ("batch_size",),
     "seed": ("seed",),
     "n": ("best_of_n", "n"),
     "samples": ("self_consistency", "max_samples"),
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--temperature", type=float, help="sampling temperature of every sampling strategy (default: each one's own)"
     )
+    parser.add_argument("--batch-size", type=int, help=f"sequences generated at once (default {defaults.batch_size})")
     parser.add_argument("--seed", type=int, help=f"default {defaults.seed}")
     parser.add_argument("--n", type=int, help=f"best_of_n: samples per prompt (default {defaults.best_of_n.n})")
     parser.add_argument("--prm", help="process reward model directory (mcts; the best_of_n scorer)")

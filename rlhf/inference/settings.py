@@ -64,6 +64,10 @@ class Strategies(StageConfig):
     """Every strategy's settings (params.yaml `infer`, or the `generate` command's flags)."""
 
     max_new_tokens: int = Field(64, gt=0, description="generation budget per completion")
+    batch_size: int = Field(
+        64, gt=0, description="sequences generated at once (greedy, best_of_n, self_consistency, ensemble): lower it "
+        "for a large model"
+    )  # fmt: skip
     seed: int = Field(0, description="sampling seed")
     best_of_n: BestOfN = Field(default_factory=BestOfN, description="best-of-n settings")
     self_consistency: SelfConsistency = Field(default_factory=SelfConsistency, description="self-consistency")

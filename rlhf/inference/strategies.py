@@ -466,18 +466,18 @@ def load_strategy(name: str, settings: Strategies, task: Task, model_dirs: Model
     loading. Ensemble members are model directories; `model_dirs` gives the scorers'
     folders when the settings name none ({"prm": ..., "reward_model": ...}). A PRM must
     split steps on the task's separator (`rlhf.rewards.prm.check_prm`)."""
-    budget, seed, trust = settings.max_new_tokens, settings.seed, settings.trust_remote_code
+    budget, seed, trust, batch = settings.max_new_tokens, settings.seed, settings.trust_remote_code, settings.batch_size
     model_dirs = model_dirs or {}
     if name == "greedy":
-        return lambda model, tokenizer, prompts, early_stop=True: greedy(model, tokenizer, prompts, budget)
+        return lambda model, tokenizer, prompts, early_stop=True: greedy(model, tokenizer, prompts, budget, batch)
     if name == "best_of_n":
         scorer = weighted_sum(*build_rewards(settings.best_of_n.rewards, task, model_dirs, trust))
         return lambda model, tokenizer, prompts, early_stop=True: best_of_n(
-            model, tokenizer, prompts, scorer, settings.best_of_n, budget, seed
+            model, tokenizer, prompts, scorer, settings.best_of_n, budget, seed, batch
         )
     if name == "self_consistency":
         return lambda model, tokenizer, prompts, early_stop=True: self_consistency(
-            model, tokenizer, prompts, task, settings.self_consistency, budget, early_stop, seed
+            model, tokenizer, prompts, task, settings.self_consistency, budget, early_stop, seed, batch
         )
     if name == "mcts":
         prm_dir = settings.prm or model_dirs.get("prm")
@@ -498,7 +498,7 @@ def load_strategy(name: str, settings: Strategies, task: Task, model_dirs: Model
         members = [load_causal_lm(path, trust, what=f"ensemble member {path}") for path in settings.ensemble.members]
         if settings.ensemble.mode == "logits":
             return lambda model, tokenizer, prompts, early_stop=True: ensemble_logits(
-                members, tokenizer, prompts, budget
+                members, tokenizer, prompts, budget, batch
             )
         return lambda model, tokenizer, prompts, early_stop=True: ensemble_vote(
             members, tokenizer, prompts, task, budget
