@@ -176,7 +176,7 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     from rlhf.rewards.prm import load_prm
     from rlhf.rewards.prm_classifier import build_dataset, load_prm_model, save_prm
     from rlhf.rewards.steps import prm_metrics
-    from rlhf.training.prm_trainer import prm_trainer
+    from rlhf.training.prm_trainer import prm_trainer, prm_training_args
     from rlhf.training.trainer_setup import (
         checkpoint_dir,
         final_weights,
@@ -192,10 +192,11 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     if config.kind == "likelihood":  # no training to share: rank 0 fits alone
         return run_likelihood(config, separator, init, tokenizer, rows, held_out, out_dir) if is_main() else ({}, [])
     train = build_dataset(tokenizer, rows, separator, config.max_length)
+    key = fingerprint(config, [init, DATA, *([PROMPTS] if PROMPTS.exists() else [])])
+    args = prm_training_args(config, checkpoint_dir(CHECKPOINTS_DIR, stage, key))  # before the model loads
     transformers.set_seed(config.seed)  # the new head's initialisation
     model = load_prm_model(init, config.trust_remote_code, what=f"models/{config.init}")
-    key = fingerprint(config, [init, DATA, *([PROMPTS] if PROMPTS.exists() else [])])
-    trainer = prm_trainer(config, model, tokenizer, train, checkpoint_dir(CHECKPOINTS_DIR, stage, key), config.lora)
+    trainer = prm_trainer(args, model, tokenizer, train, config.lora)
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
     train_seconds = time.perf_counter() - start

@@ -29,7 +29,7 @@ from rlhf.rewards.steps import DEFAULT_SEPARATOR, aggregate, prm_metrics, split_
 from rlhf.tasks import TaskConfig
 from rlhf.tasks.arithmetic import ArithmeticTask, TaskSizes, TaskSpec, generate_datasets
 from rlhf.training.params import TrainingParams
-from rlhf.training.prm_trainer import prm_trainer
+from rlhf.training.prm_trainer import prm_trainer, prm_training_args
 from rlhf.training.trainer_setup import train_resumable
 
 # The built-in task's step separator: the PRM functions default to DEFAULT_SEPARATOR ("\n"),
@@ -313,8 +313,9 @@ def test_a_resumed_run_reproduces_an_uninterrupted_one(tmp_path, monkeypatch, ml
     params = TrainingParams(max_steps=4, per_device_train_batch_size=4, save_steps=2, learning_rate=1e-2)
 
     def trainer(out):
+        args = prm_training_args(params, out)
         set_seed(0)
-        return prm_trainer(params, load_prm_model(micro_dir), tokenizer, train, out)
+        return prm_trainer(args, load_prm_model(micro_dir), tokenizer, train)
 
     straight = trainer(tmp_path / "straight")
     straight.train()

@@ -17,18 +17,21 @@ from rlhf.training.params import LoraParams, TrainingParams
 from rlhf.training.trainer_setup import tracking_callbacks, trl_config
 
 
+def prm_training_args(params: TrainingParams, output_dir: str | Path, run_name: str = "prm") -> TrainingArguments:
+    """The Trainer's arguments (checkpoints in `output_dir`): made before the model loads, as
+    TRL's trainers make theirs, so that DeepSpeed ZeRO-3 partitions the weights as they load."""
+    return trl_config(TrainingArguments, params, Path(output_dir), key="prm", run_name=run_name)
+
+
 def prm_trainer(
-    params: TrainingParams,
+    args: TrainingArguments,
     model,
     tokenizer,
     train: Dataset,
-    output_dir: str | Path,
     lora: LoraParams | None = None,
-    run_name: str = "prm",
 ) -> Trainer:
     """transformers' Trainer over tokenized PRM rows: token-level cross-entropy on the
-    labelled positions (the model's own loss), checkpoints in `output_dir`."""
-    args = trl_config(TrainingArguments, params, Path(output_dir), key="prm", run_name=run_name)
+    labelled positions (the model's own loss), with `args` (`prm_training_args`)."""
     peft_config = lora.peft_config("TOKEN_CLS") if lora is not None else None
     if peft_config is not None:
         from peft import get_peft_model
