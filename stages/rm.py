@@ -95,6 +95,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
     from transformers import set_seed
     from trl import RewardConfig, RewardTrainer
 
+    from rlhf.models.compute import is_main
     from rlhf.models.loading import save_model
     from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, LikelihoodRewardTrainer, ResponseMaskCollator
     from rlhf.tracking.runs import nested_run
@@ -166,7 +167,7 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
                 auto_class=AutoModelForSequenceClassification, num_labels=1,
             )  # fmt: skip
             save_model(model, tokenizer, tmp, state_dict)
-        else:
+        elif is_main():  # data-parallel only (rlhf check refuses to shard this kind): rank 0 merges and writes
             trainer.model.save(tokenizer, tmp, lm=plain_model(trainer.model.lm, init, config.trust_remote_code))
     return [{**row, "member": index} for row in log_history_rows(trainer.state.log_history, ("loss", "accuracy"))]
 

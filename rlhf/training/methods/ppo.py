@@ -101,7 +101,7 @@ def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
 
     from rlhf.data.contracts import plain_messages
     from rlhf.data.prepared import prepared_dataset
-    from rlhf.models.compute import world_size
+    from rlhf.models.compute import is_main, world_size
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
     from rlhf.rewards.ensemble import member_dirs
     from rlhf.rewards.functions import build_rewards, model_paths, weighted_sum
@@ -147,7 +147,8 @@ def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
         checkpoints,
         log_fn=log,
     )
-    save_model(policy, tokenizer, out_dir)
+    if is_main():  # every process holds the whole policy (data-parallel): rank 0 writes it
+        save_model(policy, tokenizer, out_dir)
     first, last = history[0], history[-1]
     window = history[-max(1, len(history) // 10) :]
     metrics = {
