@@ -155,3 +155,16 @@ def test_packed_sft_trains_with_trls_trainer_on_the_pretokenised_rows(base, tmp_
     assert metrics["packed"] is True and metrics["steps"] == 2 and math.isfinite(metrics["train_loss"])
     before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "out/model.safetensors")
     assert any(not before[k].equal(after[k]) for k in before if k in after)
+
+
+def test_a_missing_sft_table_is_named_with_how_to_provide_it(base, tmp_path):
+    """Before anything loads: the table's path and the params key that would supply it, not
+    a bare `[Errno 2]` from the first read."""
+    from tests.conftest import train_sft
+
+    missing = tmp_path / "data/prepared/sft.parquet"
+    with pytest.raises(
+        FileNotFoundError, match=r"^sft needs .*sft\.parquet, which prepare did not write.*prepare\.files\.sft"
+    ):
+        train_sft(params(), base, missing, tmp_path / "out", tmp_path / "checkpoints")
+    assert not (tmp_path / "out").exists()

@@ -125,9 +125,9 @@ def test_trl_options_reach_the_trainer_args(in_project, monkeypatch):
     seen = {}
     original = trl_training.consolidate_on_sft
 
-    def capture(model, examples, params, accumulation=1, trainer=None):
+    def capture(model, examples, params, accumulation=1, trainer=None, ewc=None):
         seen["trainer"] = trainer
-        return original(model, examples, params, accumulation, trainer)
+        return original(model, examples, params, accumulation, trainer, ewc)
 
     monkeypatch.setattr(trl_training, "consolidate_on_sft", capture)
     model_settings.configure(model_settings.ModelSettings(gradient_checkpointing=True))

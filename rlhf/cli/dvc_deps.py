@@ -143,7 +143,7 @@ def rewritten(root: Path, text: str) -> tuple[str, dict[str, tuple[list[str], li
         body = stages[name].get("do", stages[name])
         if not COMMAND.match(body["cmd"]) or "stages" in body.get("deps", []):
             continue  # check_params: it lists whole packages (it validates with every stage's Config)
-        _, _, needed = stage_code(root, body["cmd"])
+        _, source, needed = stage_code(root, body["cmd"])
         block = lines[start:end]
         first, last, indent = deps_items(block)
         groups = dep_groups(block[first:last])
@@ -155,7 +155,8 @@ def rewritten(root: Path, text: str) -> tuple[str, dict[str, tuple[list[str], li
         kept = [group for k, group in enumerate(groups) if k not in {k for k, _ in listed} - keep]
         kept += [(dep, [f"{indent}- {dep}"]) for dep in missing]
         reads = [lines for dep, lines in kept if not is_code(dep)]
-        code = sorted((group for group in kept if is_code(group[0])), key=code_order)
+        own = source.relative_to(root).as_posix()
+        code = sorted((group for group in kept if is_code(group[0])), key=lambda group: code_order(group, own))
         new_block = block[:first] + [line for group in reads for line in group]
         new_block += [line for _, group in code for line in group] + block[last:]
         if new_block != block:
@@ -196,10 +197,11 @@ def is_code(dep: str) -> bool:
     return dep.startswith(("stages/", "rlhf/"))
 
 
-def code_order(group: tuple[str, list[str]]) -> tuple[int, str]:
-    """The stage's own module first, then the launcher, then the rlhf/ modules by path."""
+def code_order(group: tuple[str, list[str]], own: str) -> tuple[int, str]:
+    """The stage's own module (`own`) first, the stage modules it reuses, then the launcher,
+    then the rlhf/ modules by path."""
     dep = group[0]
-    return (0 if dep.startswith("stages/") else 1 if dep == LAUNCHER else 2, dep)
+    return (0 if dep == own else 1 if dep.startswith("stages/") else 2 if dep == LAUNCHER else 3, dep)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -183,6 +183,7 @@ def unpin(registered_model: str) -> dict:
             with atomic_dir(CHAMPION_DIR) as staging:
                 shutil.copytree(CHAMPION_DIR, staging, dirs_exist_ok=True)
                 record = {k: v for k, v in record.items() if k != "pinned"}
+                (staging / CHAMPION_RECORD).unlink()  # a copy keeps a read-only file read-only: replaced, not written
                 (staging / CHAMPION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         mlflow.log_dict(record, CHAMPION_RECORD)
     return record

@@ -431,10 +431,12 @@ def _ensemble_batch(models: Sequence, tokenizer, texts: list[str], max_new_token
     return [Answer(c, t) for c, t in zip(completions, taken)]
 
 
-def ensemble_vote(models: Sequence, tokenizer, prompts: Sequence, task: Task, max_new_tokens: int) -> list[Answer]:
+def ensemble_vote(
+    models: Sequence, tokenizer, prompts: Sequence, task: Task, max_new_tokens: int, batch_size: int = 64
+) -> list[Answer]:
     """Each model answers greedily; the most common answer (the task's extracted answer)
     wins (ties: the earlier model)."""
-    per_model = [greedy(model, tokenizer, prompts, max_new_tokens) for model in models]
+    per_model = [greedy(model, tokenizer, prompts, max_new_tokens, batch_size) for model in models]
     answers = []
     for i in range(len(prompts)):
         candidates = [answers_of[i] for answers_of in per_model]
@@ -501,7 +503,7 @@ def load_strategy(name: str, settings: Strategies, task: Task, model_dirs: Model
                 members, tokenizer, prompts, budget, batch
             )
         return lambda model, tokenizer, prompts, early_stop=True: ensemble_vote(
-            members, tokenizer, prompts, task, budget
+            members, tokenizer, prompts, task, budget, batch
         )
     raise ValueError(f"unknown strategy {name!r}; expected one of {STRATEGIES}")
 

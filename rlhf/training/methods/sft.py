@@ -65,13 +65,16 @@ def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     (`truncated_rows`: TRL cuts their end, EOS included), rows with no completion token
     left are left out (`dropped_rows`), and conversational rows with `loss_on: completion`
     need a chat template whose assistant turns TRL can mask (`check_assistant_masking`)."""
+    from dataclasses import replace
+
     from trl import SFTConfig, SFTTrainer
 
-    from rlhf.data.prepared import prepared_columns
+    from rlhf.data.prepared import existing, prepared_columns
     from rlhf.training.bucketed_sft import LengthBucketedSFTTrainer
     from rlhf.training.trl_training import train_trl
 
-    conversational = "messages" in prepared_columns(job.data)
+    job = replace(job, trust_remote_code=job.trust_remote_code or params.trust_remote_code)  # the block's own flag
+    conversational = "messages" in prepared_columns(existing(job.data, job.stage))
     only_target = params.loss_on == "completion"
     # Packing removes the padding that length-sorted sub-batches would save: TRL's own trainer.
     packed = packs(params)
