@@ -79,7 +79,6 @@ SECTIONS = {
 }
 
 
-
 def config_class(section: str) -> type:
     module, name = SECTIONS[section].split(":")
     return getattr(importlib.import_module(module), name)

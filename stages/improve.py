@@ -335,7 +335,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
         settings, partial(config.key, name), start_dir, data_dir / "train.parquet", candidate_dir, f"round-{name}",
         previous_data,
         trust_remote_code=trust or params["evaluate"].trust_remote_code,
-        checkpoints=CHECKPOINTS_DIR, sft_data=SFT_DATA, ref_cache=REF_LOGPS_CACHE,
+        checkpoints=CHECKPOINTS_DIR, sft_data=SFT_DATA, ref_cache=REF_LOGPS_CACHE, model=params["model"],
     )  # fmt: skip
     report["train"] = train_metrics
     report["curve"] = curve

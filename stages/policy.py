@@ -213,8 +213,9 @@ def check_answer_rewards(params, method: str) -> None:
     )
 
 
-def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, list[dict]]:
-    """Train `method` into `out_dir`; its checkpoints stay until the caller has published it."""
+def run(config: Config, task: Task, method: str, out_dir: Path, model=None) -> tuple[dict, list[dict]]:
+    """Train `method` into `out_dir`; its checkpoints stay until the caller has published it.
+    `model`: how the model loads (params `model` with the method's own keys), resolved once."""
     from rlhf.training.trl_training import TrainingJob
 
     stage = stage_name(method)
@@ -238,6 +239,7 @@ def run(config: Config, task: Task, method: str, out_dir: Path) -> tuple[dict, l
         ref_cache=REF_LOGPS_CACHE,
         reward_dirs=REWARD_MODEL_DIRS,
         task=task,
+        model=model,
     )
     start = time.perf_counter()
     metrics, curve = METHODS[method].train(job, params, out_dir)
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None, family: str = "offline") -> None:
         raise SystemExit(f"usage: python -m {module} METHOD, with METHOD one of policy.{family} {listed}")
     with stage_run(stage_name(method), config.model_dump(include={"trust_remote_code", method})) as active:
         with atomic_dir(OUT_ROOT / method) as tmp:
-            metrics, curve = run(config, task, method, tmp)
+            loading = params["model"].merged(getattr(config, method).model)  # resolved once, into the job
+            metrics, curve = run(config, task, method, tmp, loading)
         if is_main():  # published: the checkpoints are no longer needed to resume
             discard_checkpoints(CHECKPOINTS_DIR, stage_name(method))
         if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes

@@ -34,9 +34,12 @@ class Config(SFTParams):
         return run.adapter_problems(section, self)
 
 
-def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = "sft") -> tuple[dict, list[dict]]:
+def run(
+    config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = "sft", model=None
+) -> tuple[dict, list[dict]]:
     """Fine-tune `base_dir` on `data` into `out_dir` (rlhf.training.methods.sft.train), with
-    checkpoints under checkpoints/<stage>/; metrics and the loss curve."""
+    checkpoints under checkpoints/<stage>/; metrics and the loss curve. `model`: how the
+    model loads (params `model` with the section's own keys), resolved once."""
     import rlhf.training.methods.sft as sft
     from rlhf.training.trl_training import TrainingJob
 
@@ -47,6 +50,7 @@ def run(config: Config, base_dir: Path, data: Path, out_dir: Path, stage: str = 
         data=data,
         checkpoints=CHECKPOINTS_DIR,
         trust_remote_code=config.trust_remote_code,
+        model=model,
     )
     return sft.train(job, config, out_dir)
 
@@ -72,7 +76,7 @@ def main(
         config = config.model_copy(update={"loss_on": params["sft"].loss_on})
     with stage_run(stage, config) as active:
         with atomic_dir(out_dir) as tmp:
-            metrics, curve = run(config, init_dir, DATA, tmp, stage=stage)
+            metrics, curve = run(config, init_dir, DATA, tmp, stage, params["model"].merged(config.model))
         if is_main():  # published: the checkpoints are no longer needed to resume
             discard_checkpoints(CHECKPOINTS_DIR, stage)
         if active is None:  # not rank 0 of a multi-process launch: rank 0 publishes

@@ -374,13 +374,15 @@ def train_candidate(
     checkpoints: Path,
     sft_data: Path,
     ref_cache: Path,
+    model=None,
 ) -> tuple[dict, list[dict]]:
     """The round's candidate, `start` trained on `table` by `settings.method` into `out_dir`
     (checkpoints under `checkpoints`/<stage>): sft on kept rows (EWC, when on, with the Fisher
     information of `previous_data`), or rpo on pairs with `start` as the reference (the NLL
     term's rows from `sft_data`, the reference log-probs cached under `ref_cache`; custom
     modelling code as `trust_remote_code` says). `key_of(field)`: the params key that sets
-    the round's `field` (train, rpo), for messages."""
+    the round's `field` (train, rpo), for messages. `model`: params `model` (the global
+    section), which the trained block's own `model:` keys go over, once, into the job."""
     import rlhf.training.methods.dpo as dpo
     import rlhf.training.methods.sft as sft
     from rlhf.training.trl_training import TrainingJob
@@ -397,6 +399,7 @@ def train_candidate(
         sft_data=sft_data if rpo else previous_data if consolidating else None,
         ref_cache=ref_cache if rpo else None,
         ewc=settings.ewc if consolidating else None,
+        model=model.merged((settings.rpo if rpo else settings.train).model) if model is not None else None,
     )
     if rpo:
         return dpo.train(job, settings.rpo, out_dir)

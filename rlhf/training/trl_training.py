@@ -44,6 +44,9 @@ class TrainingJob:
     # EWC towards `start` with the Fisher information of `sft_data`, for a block that has no
     # `ewc` of its own (a round's SFT: its settings hold it); a block's own `ewc` otherwise.
     ewc: EwcParams | None = None
+    # How the model loads (params `model` with the block's own `model:` keys), resolved once by
+    # the stage; None: from this process's settings and the block (`loading_settings`).
+    model: object = None
 
 
 def train_trl(
@@ -122,7 +125,7 @@ def train_trl(
     refuses_head = trainer_cls.__name__ in ("DPOTrainer", "KTOTrainer")  # they raise on an adapted lm_head
     params.lora.check_targets(empty_causal_lm(model_dir, job.trust_remote_code), f"{job.key}.lora.target_modules",
                               output_layer=not refuses_head)  # fmt: skip
-    settings = loading_settings(params)  # how the model loads, resolved once for the run
+    settings = job.model or loading_settings(params)  # how the model loads: once for the run
     quantized_lora_problem(settings, params, job.key)
     key = fingerprint(
         params,
