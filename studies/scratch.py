@@ -48,6 +48,15 @@ def run_module(env: dict, module: str, *args: str) -> str:
     return result.stdout
 
 
+def set_key(params: dict, key: str, value) -> None:
+    """params[`key`] = value, `key` a dotted path (policy.grpo.max_steps) whose parents exist."""
+    node = params
+    *path, last = key.split(".")
+    for part in path:
+        node = node[part]
+    node[last] = value
+
+
 def edit_params(work: Path, update) -> None:
     """`update(params)` edits the scratch project's params.yaml in place."""
     params = yaml.safe_load((work / "params.yaml").read_text())

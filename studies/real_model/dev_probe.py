@@ -33,21 +33,23 @@ from studies import scratch  # noqa: E402
 LEFT_OUT = ("mlartifacts", "checkpoints", "cache", "dvc_plots")
 
 
-def edit_params(path: Path, settings: list[str]) -> None:
-    """params.yaml with each `key.path=value` set (the key must exist: a typo fails here)."""
+def edit_params(work: Path, settings: list[str]) -> None:
+    """The project's params.yaml with each `key.path=value` set (the key must exist: a typo
+    fails here)."""
     import yaml
 
-    params = yaml.safe_load(path.read_text())
-    for setting in settings:
-        key, _, value = setting.partition("=")
-        *parents, last = key.split(".")
-        node = params
-        for part in parents:
-            node = node[part]
-        if last not in node:
-            raise SystemExit(f"dev_probe: --set {setting}: {key} is not a key of {path}")
-        node[last] = yaml.safe_load(value)
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    def update(params: dict) -> None:
+        for setting in settings:
+            key, _, value = setting.partition("=")
+            *parents, last = key.split(".")
+            node = params
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or last not in node:
+                raise SystemExit(f"dev_probe: --set {setting}: {key} is not a key of {work / 'params.yaml'}")
+            scratch.set_key(params, key, yaml.safe_load(value))
+
+    scratch.edit_params(work, update)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     if not done.is_file():
         shutil.rmtree(work, ignore_errors=True)
         shutil.copytree(args.project, work, ignore=shutil.ignore_patterns(*LEFT_OUT))
-        edit_params(work / "params.yaml", args.set)
+        edit_params(work, args.set)
         env = scratch.enter(work)
         started = time.monotonic()
         subprocess.run(

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from studies import sweep  # noqa: E402
+from studies import scratch, sweep  # noqa: E402
 
 RECIPE = ROOT / "configs/recipes/smollm2-135m-word-problems.yaml"
 SEEDED = ("prepare.seed", "sft.seed", "verifier.seed", "rm.seed", "policy.dpo.seed", "policy.grpo.seed", "infer.seed")
@@ -57,11 +57,7 @@ def seeded_recipe(seed: int, extra: dict):
     def edit(params: dict) -> None:
         merge(params, yaml.safe_load(RECIPE.read_text()))
         for key, value in {**{k: seed for k in SEEDED}, **extra}.items():
-            node = params
-            *path, last = key.split(".")
-            for part in path:
-                node = node[part]
-            node[last] = value
+            scratch.set_key(params, key, value)
 
     return edit
 
