@@ -24,6 +24,7 @@ PRM_DIR = MODELS_DIR / "prm"
 POLICY_DIR = MODELS_DIR / "policy"
 MERGED_DIR = MODELS_DIR / "merged"
 CHAMPION_DIR = MODELS_DIR / "champion"
+COMPRESSOR_DIR = MODELS_DIR / "compressor"  # stage compress: one context compressor per folder
 # A gate run's verdict that its tracking store did not take, one file per run, until logged.
 TRACKING_OWED_DIR = MODELS_DIR / ".tracking-owed"
 # Outside DVC's outputs (DVC deletes those before a stage runs), so a killed stage resumes.

@@ -25,6 +25,7 @@ from pathlib import Path
 from rlhf.layout import (  # noqa: F401  (the pipeline's folders, for the stage modules)
     CHAMPION_DIR,
     CHECKPOINTS_DIR,
+    COMPRESSOR_DIR,
     DATA_DIR,
     EVAL_DIR,
     EVAL_PREFIX,
@@ -69,6 +70,7 @@ SECTIONS = {
     "verifier": "stages.verifier:Config",
     "rm": "stages.rm:Config",
     "prm": "stages.prm:Config",
+    "compress": "stages.compress:Config",
     "policy": "stages.policy:Config",
     "merge": "stages.merge:Config",
     "evaluate": "stages.evaluate:Config",

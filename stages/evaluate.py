@@ -42,11 +42,21 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from rlhf.atomic import atomic_dir, write_csv, write_json
+from rlhf.evaluation.contexts import (
+    Compress,
+    compress_problems,
+    compressed_name,
+    evaluate_compressed,
+    is_long_context,
+    readings,
+    window_budget,
+)
 from rlhf.evaluation.suites import evaluate_model, suite_identity
 from rlhf.models.settings import ModelOverride
 from rlhf.params import SafeName, StageConfig
 from rlhf.tasks import get_task
 from stages import (
+    COMPRESSOR_DIR,
     MERGED_DIR,
     MODELS_DIR,
     REPORTS_DIR,
@@ -108,6 +118,17 @@ class Config(StageConfig):
         None, description="this stage's own keys of params `model` (e.g. quantization for large candidates)"
     )
     harness: Harness | None = Field(None, description="lm-evaluation-harness tasks (null: none)")
+    compress: Compress = Field(
+        default_factory=Compress,
+        description="long-context suites: the context cut to the model's window, the relevant sentences, and "
+        "compressed (rlhf/evaluation/contexts.py)",
+    )
+    window: int | None = Field(
+        None,
+        gt=0,
+        description="positions a model reads at once (null: its max_position_embeddings); long-context "
+        "suites are cut to it",
+    )
     baselines: list[Literal["base"]] = Field(
         default_factory=list,
         description="models scored beside the candidates and never gated: base (the model as it came, before SFT); "
@@ -126,7 +147,7 @@ class Config(StageConfig):
         otherwise validate finds no completions and every gate test a missing metric, after
         the whole evaluation."""
         harness = self.harness
-        problems = []
+        problems = compress_problems(self.compress, section, run)
         if harness and harness.suites and not run.task.checks_answers:
             problems.append(
                 f"evaluate.harness.suites: a suite run as a harness task is scored by its answers; task.kind "
@@ -213,7 +234,7 @@ def run(
                 f"evaluate.suites: {name!r} has no {path}; prepare writes one per eval suite "
                 f"(the built-in task: dev and test; files: prepare.files.eval_{name})"
             )
-        suites[name] = read_prepared(path, "evaluate", SUITE_COLUMNS)
+        suites[name] = read_prepared(path, "evaluate", [*SUITE_COLUMNS, "context", "relevant"])
     workdir = tempfile.TemporaryDirectory() if config.harness else None
     if config.harness:  # suite tasks written and task names looked up before any model loads
         from rlhf.evaluation.harness import load_tasks
@@ -222,6 +243,13 @@ def run(
         load_tasks(names, folders or None)
     tokenizer = load_tokenizer(dirs[REFERENCE], config.trust_remote_code)
     reference = load_causal_lm(dirs[REFERENCE], config.trust_remote_code, what=str(dirs[REFERENCE]))
+    long_suites = {name: s for name, s in suites.items() if is_long_context(s)}
+    budget = window_budget(reference, config.window, config.max_new_tokens) if long_suites else 0
+    suites = {
+        f"{name}{suffix}": frame
+        for name, suite in suites.items()
+        for suffix, frame in (readings(suite, tokenizer, budget) if name in long_suites else {"": suite}).items()
+    }
     # The judge one member at a time, beside the reference and a candidate (rlhf.rewards.ensemble).
     judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code, resident=False)
     baselines = list(baseline_dirs(config))
@@ -267,7 +295,35 @@ def run(
         del model
     if workdir:
         workdir.cleanup()
+    if config.compress.enabled and long_suites:
+        compressed(config, task, tokenizer, long_suites, dirs, report, outcomes, samples)
     return report, outcomes, samples, completions
+
+
+def compressed(config: Config, task, tokenizer, long_suites: dict, dirs: dict, report, outcomes, samples) -> None:
+    """Each long-context suite read through each compressor of stage compress by the model
+    it serves (rlhf.evaluation.contexts), into the report as suite
+    `<suite>/compressed-<ratio>x`."""
+    from rlhf.models.compressor import ContextCompressor, compressor_folders
+    from rlhf.models.loading import load_causal_lm
+
+    for folder in compressor_folders(COMPRESSOR_DIR, config.compress.tokens):
+        served = Path(ContextCompressor.read_config(folder)["served"]["path"])
+        name = next((n for n, path in dirs.items() if Path(path) == served), served.name)
+        compressor = ContextCompressor.from_pretrained(
+            folder, load_causal_lm(served, config.trust_remote_code, what=str(served))
+        )
+        for suite_name, suite in long_suites.items():
+            start = time.perf_counter()
+            metrics, per_problem, texts = evaluate_compressed(config, task, compressor, tokenizer, suite)
+            metrics["seconds"] = time.perf_counter() - start
+            key = compressed_name(suite_name, compressor.ratio)
+            report["suites"].setdefault(key, {})[name] = metrics
+            outcomes["suites"].setdefault(key, {**suite_identity(suite), "models": {}})["models"][name] = per_problem
+            samples.setdefault(key, {})[name] = [
+                {"prompt": p, "completion": c} for p, c in zip(suite["prompt"][: config.samples], texts)
+            ]
+        del compressor
 
 
 def log_models(report: dict, methods: list[str], config: Config) -> None:
@@ -278,7 +334,7 @@ def log_models(report: dict, methods: list[str], config: Config) -> None:
 
     dirs = {**candidate_dirs(methods), **baseline_dirs(config)}
     datasets = {
-        suite: log_table(eval_suite_path(suite), "evaluation")
+        suite: log_table(eval_suite_path(suite.split("/")[0]), "evaluation")
         for suite in report["suites"]
         if not suite.startswith(HARNESS_PREFIX)
     }
@@ -307,7 +363,7 @@ def print_report(report: dict) -> None:
             reward_text = f"{reward:.3f}" if reward is not None else "n/a"
             print(
                 f"evaluate[{suite}] {name}: accuracy {accuracy_text}, reward {reward_text}, "
-                f"kl {'n/a' if metrics['kl_to_ref'] is None else format(metrics['kl_to_ref'], '.3f')}"
+                f"kl {'n/a' if metrics.get('kl_to_ref') is None else format(metrics['kl_to_ref'], '.3f')}"
             )
 
 
@@ -360,7 +416,7 @@ def main() -> None:
         write_json(COMPLETIONS, completions)
         with atomic_dir(PLOTS) as plots:
             for suite, rows in accuracy_bars(report).items():
-                write_csv(plots / f"{suite}.csv", rows)
+                write_csv(plots / f"{suite.replace('/', '-')}.csv", rows)
         mlflow.log_metrics(numeric_metrics(report["suites"]))
         mlflow.log_artifact(str(REPORT))
         log_models(report, methods, config)

@@ -29,12 +29,22 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.atomic import write_json
+from rlhf.evaluation.contexts import Compress, compress_problems
 from rlhf.inference.settings import STRATEGIES, Strategies
 from rlhf.models.settings import ModelOverride
 from rlhf.params import reject_changed
 from rlhf.rules import ANSWER_REWARDS
 from rlhf.tasks import Task, get_task
-from stages import MODELS_DIR, PRM_DIR, REPORTS_DIR, REWARD_MODEL_DIRS, eval_suite_path, load_model_stage, report_suite
+from stages import (
+    COMPRESSOR_DIR,
+    MODELS_DIR,
+    PRM_DIR,
+    REPORTS_DIR,
+    REWARD_MODEL_DIRS,
+    eval_suite_path,
+    load_model_stage,
+    report_suite,
+)
 
 REPORT = REPORTS_DIR / "infer.json"
 SAMPLES = REPORTS_DIR / "infer_samples.json"
@@ -51,6 +61,16 @@ class Config(Strategies):
     )
     strategies: list[Literal[STRATEGIES]] = Field(
         ["greedy", "best_of_n", "self_consistency", "mcts"], min_length=1, description="strategies to run"
+    )
+    compress: Compress = Field(
+        default_factory=Compress,
+        description="a long-context suite: greedy through each compressor too, as strategy compressed-<ratio>x",
+    )
+    window: int | None = Field(
+        None,
+        gt=0,
+        description="positions the candidate reads at once (null: its max_position_embeddings); a "
+        "long-context suite's contexts are cut to it",
     )
 
     @model_validator(mode="after")
@@ -102,6 +122,7 @@ class Config(Strategies):
         draft = self.speculative.draft
         if "speculative" in self.strategies and draft and not Path(draft).exists():
             problems.append(f"infer.speculative.draft: {draft} does not exist (the draft is a model folder of yours)")
+        problems += compress_problems(self.compress, section, run, self.candidate)
         return problems + run.suite_problems("infer.suite", self.suite)
 
     @model_validator(mode="after")
@@ -139,15 +160,17 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     import pandas as pd
 
     from rlhf.data.prepared import read_prepared
+    from rlhf.evaluation.contexts import is_long_context, readings, window_budget
     from rlhf.inference.inputs import check_inputs
-    from rlhf.inference.strategies import load_strategy
+    from rlhf.inference.strategies import compressed_runner, load_strategy
+    from rlhf.models.compressor import ContextCompressor, compressor_folders
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     path = eval_suite_path(suite_name)
     if not path.exists():
         raise FileNotFoundError(f"infer.suite {suite_name!r}: {path} not found; check prepare and infer.suite")
-    suite = read_prepared(path, "infer", ["prompt", "answer"], config.limit)
+    suite = read_prepared(path, "infer", ["prompt", "answer", "context"], config.limit)
     prompts = suite["prompt"].tolist()
     references = [a if pd.notna(a) else None for a in suite["answer"]] if "answer" in suite else [None] * len(prompts)
     candidate = model_dir(config.candidate)
@@ -159,6 +182,9 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
     scorers = {**REWARD_MODEL_DIRS, "prm": Path(config.prm) if config.prm else PRM_DIR}
     check_inputs(config.strategies, config, tokenizer, task, scorers)
     model = load_causal_lm(candidate, config.trust_remote_code, what=f"infer.candidate {config.candidate}")
+    if is_long_context(suite):  # what the candidate reads of each context without a compressor: its end
+        prompts = readings(suite, tokenizer, window_budget(model, config.window, config.max_new_tokens))[""]
+        prompts = prompts["prompt"].tolist()
     report = {"candidate": config.candidate, "suite": suite_name, "problems": len(prompts), "strategies": {}}
     samples = {}
     for name in config.strategies:
@@ -176,6 +202,16 @@ def run(config: Config, task: Task, suite_name: str) -> tuple[dict, dict]:
             report["strategies"]["self_consistency_full"] = summarise(
                 task, full, references, time.perf_counter() - start
             )
+    if config.compress.enabled and is_long_context(suite):
+        for folder in compressor_folders(COMPRESSOR_DIR, config.compress.tokens):
+            compressor = ContextCompressor.from_pretrained(folder, model)
+            runner = compressed_runner(compressor, suite["context"].tolist(), config.max_new_tokens, config.batch_size)
+            start = time.perf_counter()
+            answers = runner(model, tokenizer, suite["prompt"].tolist())
+            name = f"compressed-{compressor.ratio:g}x"
+            report["strategies"][name] = summarise(task, answers, references, time.perf_counter() - start)
+            samples[name] = [{"prompt": p, "completion": a.completion} for p, a in zip(prompts[:5], answers)]
+            model = compressor.model.unload()  # the candidate without the adapter, for the next compressor
     return report, samples
 
 

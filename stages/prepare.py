@@ -96,6 +96,12 @@ class WordProblems(StageConfig):
     sizes: dict[str, int] = Field(
         default_factory=dict, description="rows per file, overriding rlhf.tasks.word_problems.WordProblemSizes"
     )
+    context_chars: int | None = Field(
+        None,
+        ge=50,
+        description="long contexts (rlhf/tasks/long_context.py): each eval problem's facts hidden in a context of at "
+        "least this many characters of distractors, and a compress table for stage compress; null: none",
+    )
 
     @field_validator("sizes")
     @classmethod
@@ -195,12 +201,15 @@ class Config(StageConfig):
     def given(self) -> set[str]:
         """The names of the tables this config provides before derivation."""
         names = set(self.files)
+        generated = set(FILE_KINDS) - {"compress"}  # the compress table only with long contexts
         if self.source == "builtin":
-            names |= set(FILE_KINDS) | {EVAL_PREFIX + "dev", EVAL_PREFIX + "test"}
+            names |= generated | {EVAL_PREFIX + "dev", EVAL_PREFIX + "test"}
             if self.builtin.long_operands:
                 names |= {EVAL_PREFIX + "dev_long", EVAL_PREFIX + "test_long"}
         elif self.source == "word_problems":
-            names |= set(FILE_KINDS) | {EVAL_PREFIX + suite for suite in SUITE_FAMILIES}
+            names |= generated | {EVAL_PREFIX + suite for suite in SUITE_FAMILIES}
+            if self.word_problems.context_chars is not None:
+                names.add("compress")
         return names
 
     def available(self) -> set[str]:

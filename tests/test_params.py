@@ -104,7 +104,7 @@ def test_the_loader_collects_each_sections_own_cross_section_rules():
     ]
     # The real sections: stages/__init__.py holds no rule of its own; each is a Config's.
     assert [s for s, c in stages.all_configs().items() if hasattr(c, "cross_problems")] == [
-        "prepare", "sft", "verifier", "rm", "prm", "policy", "merge", "evaluate", "validate", "gate", "infer",
+        "prepare", "sft", "verifier", "rm", "prm", "compress", "policy", "merge", "evaluate", "validate", "gate", "infer",
         "improve",
     ]  # fmt: skip
     source = (REPO / "stages/__init__.py").read_text()  # reads prepare's suites only, of the stages' sections
@@ -176,8 +176,8 @@ def test_every_problem_in_one_error(tmp_path, repo_params):
         "policy.dpo.loss_type: unknown DPO loss type(s) ['sigmoidd']",
         "gate.tests.1.op: Input should be '>=', '<=', '>' or '<' (got '==')",
         "prepare.builtin: min_operands (6) is larger than max_operands (5)",
-        "rewards: unknown section (known: task, compute, model, prepare, base, sft, verifier, rm, prm, policy, "
-        "merge, evaluate, validate, gate, infer, improve)",
+        "rewards: unknown section (known: task, compute, model, prepare, base, sft, verifier, rm, prm, compress, "
+        "policy, merge, evaluate, validate, gate, infer, improve)",
     ]:
         assert sum(problem.startswith(expected) for problem in error.problems) == 1, expected
     assert "(got 'many')" in message  # says what was given

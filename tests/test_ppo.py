@@ -479,3 +479,22 @@ def test_rollouts_and_generation_stop_at_the_models_end_of_turn_token():
     assert generate(model, tokenizer, prompts, 8) == ["="] * 2
     rollout = generate_rollouts(model, tokenizer, prompts, max_new_tokens=8)
     assert rollout.response_mask.sum(1).tolist() == [1, 1]
+
+
+def test_conversations_stop_at_the_chat_templates_end_of_turn_token():
+    """The built-in template ends an assistant turn with `<|end|>`, which is no EOS of the
+    built-in model's generation config: generation from conversations stops there (a model
+    fine-tuned on conversations writes its answer, then `<|end|>`), from text runs on."""
+    from rlhf.models.generation import generate, turn_end_ids
+
+    tokenizer = build_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert turn_end_ids(tokenizer) == [end]
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    bias = torch.zeros(len(tokenizer))
+    bias[end] = 100.0
+    model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    chat = generate(model, tokenizer, [[{"role": "user", "content": "1+2"}]], 6, details=True)
+    assert chat.tokens == [1] and chat.finished == [True]
+    text = generate(model, tokenizer, ["1+2\n"], 6, details=True)
+    assert text.tokens == [6] and text.finished == [False]

@@ -91,7 +91,8 @@ def test_flawed_solutions_by_hand():
 
     assert flawed_solution(problem, Fixed(1), "slip") == ("6 * 11 = 67\n67 - 27 = 40\n#### 40", [False, False, False])
     assert flawed_solution(problem, Fixed(1), "operation", last_step=True) == (
-        "6 * 11 = 66\n66 + 27 = 93\n#### 93", [True, False, False]
+        "6 * 11 = 66\n66 + 27 = 93\n#### 93",
+        [True, False, False],
     )
     assert flawed_solution(problem, Fixed(-10), "answer") == ("6 * 11 = 66\n66 - 27 = 39\n#### 29", [True, True, False])
 

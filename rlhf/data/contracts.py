@@ -45,7 +45,11 @@ CONTRACTS: dict[str, dict[str, tuple[str, ...]]] = {
     "unpaired": {"required": ("prompt", "completion", "label"), "optional": ()},
     "prm": {"required": ("prompt", "completions", "labels"), "optional": ()},
     # difficulty: any label (e.g. the number of operands, a level); evaluate reports per value.
-    "prompts": {"required": ("prompt",), "optional": ("answer", "difficulty")},
+    # context, relevant: a long-context suite (the context read before the prompt; the
+    # sentences of it the prompt needs), what stage compress's compressor is scored on.
+    "prompts": {"required": ("prompt",), "optional": ("answer", "difficulty", "context", "relevant")},
+    # A long context, the prompt read after it, and the answer: stage compress's training rows.
+    "context": {"required": ("context", "prompt", "completion"), "optional": ("relevant",)},
 }
 HH_ASSISTANT_TURN = "\n\nAssistant:"  # where an HH-RLHF prompt ends
 
@@ -137,6 +141,8 @@ CHECKERS = {  # field -> its check (defined below, under "field checks")
     "labels": lambda v: _check_bool_list(v),
     "answer": lambda v: _check_answer(v),
     "difficulty": lambda v: _check_answer(v),
+    "context": lambda v: _check_plain_text(v),
+    "relevant": lambda v: _check_plain_text(v),
 }
 
 
@@ -410,6 +416,15 @@ def _text_problem(text: str) -> str | None:
             "e.g. a JSON \\ud800 escape without its pair); fix or drop the character"
         )
     return None
+
+
+def _check_plain_text(value):
+    """A long context (or its relevant part): text, read as text whatever the prompt's format."""
+    if _is_missing(value):
+        return value, "is missing"
+    if not isinstance(value, str):
+        return value, f"should be text, got {type(value).__name__}"
+    return value, "is empty" if not value.strip() else None
 
 
 def _check_text_or_messages(value):

@@ -30,6 +30,7 @@ FILE_KINDS = {
     "prm": "prm",
     "prm_eval": "prm",
     "prompts": "prompts",
+    "compress": "context",
 }
 # What each file can be derived from (prepare itself, or stage prm for the step labels).
 DERIVED_FROM = {"prefs_eval": "prefs", "prm_eval": "prm", "unpaired": "prefs", "prompts": "sft"}
@@ -126,7 +127,8 @@ def generated_tables(config):
         from rlhf.tasks import word_problems
 
         sizes = WordProblemSizes(**config.word_problems.sizes)
-        for name, rows in word_problems.generate_datasets(sizes, config.seed).items():
+        chars = config.word_problems.context_chars
+        for name, rows in word_problems.generate_datasets(sizes, config.seed, context_chars=chars).items():
             frame = pd.DataFrame(rows)
             yield name, as_conversation(frame) if config.word_problems.chat else frame
 
@@ -205,6 +207,12 @@ def write_files(tables: Tables, config, task) -> None:
         raise DataValidationError(", ".join(e.path for e in errors), problems, sum(e.unlisted for e in errors))
 
 
+def prompt_columns(writer) -> list[str]:
+    """The columns that hold a table's prompts (rlhf.data.prepared.row_prompts)."""
+    columns = list(writer.columns or ())
+    return ["messages"] if "messages" in columns else [c for c in ("prompt", "context") if c in columns]
+
+
 def eval_overlap(tables: Tables) -> dict:
     """Per eval suite, how many of its prompts each training table holds too (the model is
     then scored on what it was trained on), printed; {} when none. The manifest keeps it.
@@ -214,7 +222,7 @@ def eval_overlap(tables: Tables) -> dict:
     suites = {}
     for name, writer in tables.writers.items():
         if name.startswith(EVAL_PREFIX) and writer.rows:
-            suites[name] = {prompt_hash(p) for batch in prepared_batches(writer.path, ["prompt"])
+            suites[name] = {prompt_hash(p) for batch in prepared_batches(writer.path, prompt_columns(writer))
                             for p in row_prompts(batch)}  # fmt: skip
     if not suites:
         return {}
@@ -223,8 +231,7 @@ def eval_overlap(tables: Tables) -> dict:
     for name, writer in tables.writers.items():
         if name.startswith(EVAL_PREFIX) or name.endswith("_eval") or not writer.rows:
             continue
-        column = "messages" if "messages" in (writer.columns or ()) else "prompt"
-        for batch in prepared_batches(writer.path, [column]):
+        for batch in prepared_batches(writer.path, prompt_columns(writer)):
             found.setdefault(name, set()).update(k for k in map(prompt_hash, row_prompts(batch)) if k in every)
     overlap = {}
     for suite, held in suites.items():

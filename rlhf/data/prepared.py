@@ -36,7 +36,12 @@ def prompt_hash(prompt) -> int:
 
 
 def row_prompts(frame: pd.DataFrame) -> list:
-    """Each row's prompt: its `prompt`, or a conversation's turns before the last."""
+    """Each row's prompt: its `prompt`, or a conversation's turns before the last. A
+    long-context row (a `context` column) is the context and the prompt as one text."""
+    if "context" in frame.columns:
+        from rlhf.tasks.long_context import joined
+
+        return [joined(c, str(p)) for c, p in zip(frame["context"], frame["prompt"])]
     if "prompt" in frame.columns:
         return list(frame["prompt"])
     if "messages" in frame.columns:

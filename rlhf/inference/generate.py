@@ -6,13 +6,16 @@
     rlhf-generate --model models/sft --strategy speculative --draft models/draft "12+7-3"
     rlhf-generate --model models/sft --strategy ensemble --members models/sft,models/policy/dpo "12+7-3"
     rlhf-generate --model my-chat-model --chat "What is 12+7-3?"
+    rlhf-generate --model models/sft --chat --context notes.txt --compressor models/compressor/k32 "How many?"
 
 (`python -m rlhf.inference.generate` is the same command.) Prompts come from the
 arguments or, with none, one per line on stdin; the task (the `task` block of the project's
 params.yaml, or `--task`, else the built-in one) puts them in the form the model was
 trained on and reads their answers and steps; `--chat` sends each as a user message
 through the model's chat template (for a model trained on conversations: without it the
-model reads plain text it never saw). Prints one JSON object per prompt:
+model reads plain text it never saw). `--context FILE` puts a long context before every
+prompt: read whole, or, with `--compressor` (stage compress's folder for this model), as
+the compressor's slots (rlhf.models.compressor; greedy). Prints one JSON object per prompt:
 the completion, its answer, tokens generated and samples drawn. Every setting a flag does
 not give keeps the default of `rlhf.inference.settings.Strategies`, the same default that
 params.yaml `infer` has. Best-of-n reranks with the PRM (`--prm`) unless `--reward-model`
@@ -86,6 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ensemble-mode", choices=("logits", "vote"), help=f"default {defaults.ensemble.mode}")
     parser.add_argument(
         "--chat", action="store_true", help="send each prompt as a user message through the chat template"
+    )
+    parser.add_argument("--context", help="a text file the model reads before each prompt (a long context)")
+    parser.add_argument(
+        "--compressor", help="read --context through this context compressor (models/compressor/k<N>; greedy only)"
     )
     parser.add_argument("--trust-remote-code", action="store_true")
     return parser.parse_args(argv)
@@ -161,6 +168,18 @@ def checked_settings(args: argparse.Namespace) -> Strategies:
         raise SystemExit(f"{flag}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
+def read_context(path: str) -> str:
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise SystemExit(f"--context {path}: cannot be read as text ({error.__class__.__name__}); give a text file")
+    if not text.strip():
+        raise SystemExit(f"--context {path}: the file is empty")
+    return text.strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.strategy == "speculative" and not args.draft:
@@ -171,10 +190,19 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--strategy mcts needs --prm DIR (the pipeline writes models/prm)")
     if args.strategy == "best_of_n" and not (args.prm or args.reward_model):
         raise SystemExit("--strategy best_of_n needs a scorer: --prm DIR or --reward-model DIR")
+    if args.compressor and not args.context:
+        raise SystemExit("--compressor reads a long context: give it with --context FILE")
+    if args.compressor and args.strategy != "greedy":
+        raise SystemExit(f"--compressor decodes greedily; --strategy {args.strategy} reads the context whole")
+    context = read_context(args.context) if args.context else None
     settings = checked_settings(args)
     task = command_task(args.task, args.params)
     prompts = args.prompts or [line for line in sys.stdin.read().splitlines() if line.strip()]
     shown = [p.strip() for p in prompts]
+    if context is not None and not args.compressor:
+        from rlhf.tasks.long_context import joined
+
+        prompts = [joined(context, p) for p in prompts]
     prompts = [[{"role": "user", "content": p}] if args.chat else task.normalize_prompt(p) for p in prompts]
 
     from rlhf.inference.inputs import check_inputs
@@ -189,6 +217,13 @@ def main(argv: list[str] | None = None) -> None:
         check_inputs([args.strategy], settings, tokenizer, task, keys=_KEYS)
         model = load_causal_lm(args.model, args.trust_remote_code, what="--model")
         runner = load_strategy(args.strategy, settings, task)
+        if args.compressor:
+            from rlhf.inference.strategies import compressed_runner
+            from rlhf.models.compressor import ContextCompressor
+
+            compressor = ContextCompressor.from_pretrained(args.compressor, model)
+            runner = compressed_runner(compressor, [context] * len(prompts), settings.max_new_tokens,
+                                       settings.batch_size)  # fmt: skip
     for prompt, answer in zip(shown, runner(model, tokenizer, prompts)):
         record = {
             "prompt": prompt,

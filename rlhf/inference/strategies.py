@@ -54,6 +54,17 @@ class Answer:
     extra: dict = field(default_factory=dict)
 
 
+def compressed_runner(compressor, contexts: Sequence[str], max_new_tokens: int, batch_size: int = 64):
+    """Greedy answers, each prompt read after its context's slots (rlhf.models.compressor):
+    a runner(model, tokenizer, prompts) whose model is the one `compressor` serves."""
+
+    def run(model, tokenizer, prompts: Sequence) -> list[Answer]:
+        texts = compressor.generate(tokenizer, list(contexts), list(prompts), max_new_tokens, batch_size)
+        return [Answer(t, len(tokenizer(t, add_special_tokens=False)["input_ids"])) for t in texts]
+
+    return run
+
+
 def greedy(model, tokenizer, prompts: Sequence, max_new_tokens: int, batch_size: int = 64) -> list[Answer]:
     drawn = generate(model, tokenizer, prompts, max_new_tokens, batch_size, details=True)
     return [Answer(c, t) for c, t in zip(drawn.texts, drawn.tokens)]

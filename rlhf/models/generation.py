@@ -27,14 +27,32 @@ def text_start(tokenizer) -> str:
     return bos if len(ids) > len(plain) and ids[0] == tokenizer.bos_token_id else ""
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
+def stop_token_ids(model, tokenizer, chat: bool = False) -> list[int]:
     """The ids that end a completion: the tokenizer's EOS and every EOS of the model's
     generation config (a chat model's end-of-turn token, e.g. Gemma's `<end_of_turn>` or
-    Qwen's `<|im_end|>`, is often only there), as TRL's GRPO and RLOO stop."""
+    Qwen's `<|im_end|>`, is often only there), as TRL's GRPO and RLOO stop. With `chat`
+    (the prompts are conversations) also the token the chat template ends an assistant
+    turn with (`turn_end_ids`), for a model whose generation config does not name it."""
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return list(dict.fromkeys(ids + configured))
+    return list(dict.fromkeys(ids + configured + (turn_end_ids(tokenizer) if chat else [])))
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """The special token the chat template writes right after an assistant turn's text
+    (`<|im_end|>`, `<|eot_id|>`, the built-in template's `<|end|>`), as a list; [] when
+    there is no template or the turn ends in plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    marker = "Zq9"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}], tokenize=False
+    )
+    after = text[text.rfind(marker) + len(marker) :]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(tokenizer.all_special_ids)
+    return [ids[0]] if ids and ids[0] in special else []
 
 
 def format_prompt(tokenizer, prompt) -> str:
@@ -125,7 +143,7 @@ def generate(
     completions: list[str] = []
     finished: list[bool] = []
     tokens: list[int] = []
-    stops = stop_token_ids(model, tokenizer)
+    stops = stop_token_ids(model, tokenizer, chat=not formatted and any(not isinstance(p, str) for p in prompts[:1]))
     for start in range(0, len(texts), batch_size):
         batch = tokenizer(
             texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False

@@ -41,6 +41,7 @@ import random
 from dataclasses import dataclass, field
 
 from rlhf.tasks.gsm8k import MARKER
+from rlhf.tasks.long_context import short_context, with_context
 
 STEP_SEPARATOR = "\n"
 TRAIN_FAMILIES = ("add", "subtract", "multiply", "divide", "two_step", "three_step")
@@ -49,21 +50,7 @@ FLAW_KINDS = ("slip", "operation", "answer")
 # The eval suites the generator writes, and the families (their `difficulty` labels) of each.
 SUITE_FAMILIES = {"dev": TRAIN_FAMILIES, "test": TRAIN_FAMILIES, "test_unseen": HELDOUT_FAMILIES}
 
-NAMES = (
-    "Maya", "Liam", "Ava", "Noah", "Emma", "Omar", "Sofia", "Lucas", "Mia", "Ethan", "Zara", "Leo", "Nina",
-    "Ravi", "Chloe", "Mateo", "Grace", "Hugo", "Aisha", "Ben", "Lena", "Kai", "Iris", "Tom",
-)  # fmt: skip
-# (plural noun, container) pairs: "boxes of pencils".
-THINGS = (
-    ("stickers", "pack"), ("marbles", "bag"), ("pencils", "box"), ("apples", "basket"), ("cookies", "tray"),
-    ("cards", "deck"), ("stamps", "album"), ("books", "shelf"), ("beads", "jar"), ("eggs", "carton"),
-    ("shells", "bucket"), ("crayons", "box"), ("buttons", "tin"), ("candies", "bag"), ("flowers", "vase"),
-)  # fmt: skip
-# Things bought at a price, for the held-out family.
-GOODS = ("notebooks", "pens", "mugs", "toy cars", "plants", "candles", "hats", "scarves", "puzzles", "lamps")
-CONTAINERS = {"box": "boxes", "shelf": "shelves", "bucket": "buckets", "bag": "bags", "pack": "packs",
-              "basket": "baskets", "tray": "trays", "deck": "decks", "album": "albums", "jar": "jars",
-              "carton": "cartons", "tin": "tins", "vase": "vases"}  # fmt: skip
+from rlhf.tasks.story_words import CONTAINERS, GOODS, NAMES, THINGS  # noqa: E402  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -308,15 +295,22 @@ class WordProblemSizes:
     eval_dev: int = 200
     eval_test: int = 300
     eval_test_unseen: int = 100
+    compress: int = 2000  # long contexts only (`context_chars`): the context compressor's training rows
 
 
-def generate_datasets(sizes: WordProblemSizes, seed: int) -> dict[str, list[dict]]:
+def generate_datasets(sizes: WordProblemSizes, seed: int, context_chars: int | None = None) -> dict[str, list[dict]]:
     """Every data contract of the word problems, as text rows keyed by contract file name.
 
     Evaluation problems are drawn first and no training table holds any of their questions.
     `eval_dev` (tuning, the gate) and `eval_test` (reported only) draw from the training
     families in equal shares; `eval_test_unseen` from the held-out family only. Eval rows
     carry their family as `difficulty`, so evaluate reports accuracy per family.
+
+    With `context_chars` (rlhf.tasks.long_context) an eval row's facts sit in a `context`
+    of at least that many characters, its `prompt` is the question alone and `relevant`
+    holds the facts; training rows read the facts among a few distractors
+    (`short_context`); and a `compress` table of long-context rows (context, prompt,
+    completion) trains the context compressor.
     """
     rng = random.Random(seed)
     seen: set[str] = set()
@@ -335,12 +329,20 @@ def generate_datasets(sizes: WordProblemSizes, seed: int) -> dict[str, list[dict
                 problems.append(problem)
         return problems
 
+    def prompt(problem: WordProblem) -> str:
+        return problem.prompt if context_chars is None else short_context(problem.question, rng)
+
     def eval_rows(problems: list[WordProblem]) -> list[dict]:
+        if context_chars is not None:
+            return [
+                {**with_context(p.question, rng, context_chars), "answer": str(p.answer), "difficulty": p.family}
+                for p in problems
+            ]
         return [{"prompt": p.prompt, "answer": str(p.answer), "difficulty": p.family} for p in problems]
 
     def pair_rows(problems: list[WordProblem]) -> list[dict]:
         return [
-            {"prompt": p.prompt, "chosen": p.solution(), "rejected": flawed_solution(p, rng, last_step=True)[0]}
+            {"prompt": prompt(p), "chosen": p.solution(), "rejected": flawed_solution(p, rng, last_step=True)[0]}
             for p in problems
         ]
 
@@ -351,7 +353,7 @@ def generate_datasets(sizes: WordProblemSizes, seed: int) -> dict[str, list[dict
                 text, labels = p.solution(), [True] * (len(p.steps) + 1)
             else:
                 text, labels = flawed_solution(p, rng)
-            rows.append({"prompt": p.prompt, "completions": split_steps(text), "labels": labels})
+            rows.append({"prompt": prompt(p), "completions": split_steps(text), "labels": labels})
         return rows
 
     eval_dev = eval_rows(fresh(sizes.eval_dev, balanced=True))
@@ -359,16 +361,22 @@ def generate_datasets(sizes: WordProblemSizes, seed: int) -> dict[str, list[dict
     eval_unseen = eval_rows(fresh(sizes.eval_test_unseen, HELDOUT_FAMILIES))
     prefs_eval = pair_rows(fresh(sizes.prefs_eval))
     prm_eval = prm_rows(fresh(sizes.prm_eval))
-    sft = [{"prompt": p.prompt, "completion": p.solution()} for p in fresh(sizes.sft)]
+    sft = [{"prompt": prompt(p), "completion": p.solution()} for p in fresh(sizes.sft)]
     prefs = pair_rows(fresh(sizes.prefs))
     unpaired = []
     for p in fresh(sizes.unpaired):
         good = rng.random() < 0.5
         text = p.solution() if good else flawed_solution(p, rng, last_step=True)[0]
-        unpaired.append({"prompt": p.prompt, "completion": text, "label": good})
+        unpaired.append({"prompt": prompt(p), "completion": text, "label": good})
     prm = prm_rows(fresh(sizes.prm))
-    prompts = [{"prompt": p.prompt, "answer": str(p.answer)} for p in fresh(sizes.prompts)]
+    prompts = [{"prompt": prompt(p), "answer": str(p.answer)} for p in fresh(sizes.prompts)]
+    long_rows = {}
+    if context_chars is not None:
+        long_rows["compress"] = [
+            {**with_context(p.question, rng, context_chars), "completion": p.solution()} for p in fresh(sizes.compress)
+        ]
     return {
+        **long_rows,
         "sft": sft,
         "prefs": prefs,
         "prefs_eval": prefs_eval,

@@ -1,0 +1,411 @@
+"""A context compressor: a long context as k vectors that a model reads in place of its tokens.
+
+In-context autoencoder (ICAE; Ge et al., ICLR 2024), read chunk by chunk as AutoCompressors
+(Chevalier et al., 2023) read long documents:
+
+* the **encoder** is the served model itself with a LoRA adapter: it reads a chunk of
+  `chunk_tokens` context tokens followed by `tokens` learned memory embeddings, and the
+  last hidden states at the memory positions, through a learned linear map, are that
+  chunk's memory slots, vectors in the model's input-embedding space;
+* a context is cut into chunks, each read alone (every chunk fits the model's window), and
+  the slots of its chunks, in order, replace its tokens: k = chunks x `tokens`, a
+  compression of `chunk_tokens / tokens` (32 slots per 128 tokens: 4x);
+* the **decoder** is the served model, unchanged (the adapter off): it reads the slots,
+  then the question, and answers. Only the adapter, the memory embeddings and the map
+  are trained (ICAE's fine-tuning objective: the answer's log-likelihood given the slots
+  and the question), so the compressor is small, serves the model as it is, and works the
+  same way for a 135M and a 70B model (one copy of the weights in memory, the adapter
+  switched on for encoding and off for decoding).
+
+`save_pretrained(folder)` writes the adapter (PEFT's files), the memory embeddings and the
+map (`compressor.safetensors`) and `compressor_config.json`, which records the model it
+serves: its folder and a fingerprint of its weights. `from_pretrained(folder, model)` puts
+the adapter on that model and refuses another one (`CompressorMismatchError`): slots made
+for one model's embedding space mean nothing to another's.
+
+Entry points: `compress_context_from_ids` (token ids to slots), `compress_prompts` (texts
+to slots), `generate` (answers from slots and questions) and `loss` (what training
+minimizes). Stage `compress` (stages/compress.py) trains one.
+
+Our own because no maintained library offers learned (soft) context compression for
+Hugging Face causal LMs: LLMLingua (`llmlingua`) compresses by dropping tokens, a hard
+prompt the model reads as text, not k vectors; ICAE's, gisting's and AutoCompressors'
+code are paper repositories pinned to old transformers versions, not packages. The
+adapter is PEFT's LoRA, the training loop transformers' Trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlhf.params import InputError
+
+CONFIG_FILE = "compressor_config.json"
+QUERY_SEPARATOR = "\n"  # between a chunk and the query a query-aware compressor reads after it
+WEIGHTS_FILE = "compressor.safetensors"
+FORMAT = "rlhf-context-compressor/1"
+
+
+def question_text(prompt) -> str:
+    """The question of a row's prompt: the text, or a conversation's last user turn."""
+    if isinstance(prompt, str):
+        return prompt
+    return [turn for turn in prompt if turn.get("role") == "user"][-1]["content"]
+
+
+class CompressorError(InputError, ValueError):
+    """A compressor's settings or folder are unusable; the message says what to change."""
+
+
+class CompressorMismatchError(CompressorError):
+    """A compressor loaded for a model it was not trained to serve."""
+
+
+def compressor_folders(root: str | Path, tokens: list[int] | None = None) -> list[Path]:
+    """The compressors stage compress wrote under `root` (models/compressor), those of
+    `tokens` slots per chunk only when given; a `CompressorError` when it wrote none."""
+    from rlhf.models.folders import absent_reason
+
+    root = Path(root)
+    if not root.is_dir() or (reason := absent_reason(root)):
+        raise CompressorError(
+            f"compress.enabled: stage compress trained no compressor ({reason or f'{root} is missing'}); set "
+            "compress.enabled: true in params `compress` (and a compress table: prepare.word_problems.context_chars "
+            "or prepare.files.compress)"
+        )
+    folders = sorted(p for p in root.iterdir() if (p / CONFIG_FILE).is_file())
+    if tokens is not None:
+        folders = [p for p in folders if ContextCompressor.read_config(p)["tokens"] in tokens]
+        if not folders:
+            raise CompressorError(f"compress.tokens {tokens}: stage compress trained none of them in {root}")
+    return folders
+
+
+def fingerprint(model) -> str:
+    """Names a model's weights cheaply at any size: a hash of every parameter's name, shape
+    and 64 values evenly strided through it (a fine-tune, LoRA merged or not, changes
+    them; the same weights loaded twice give the same fingerprint)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        name = name.replace("base_model.model.", "").replace(".base_layer", "")
+        if "lora_" in name:
+            continue
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+        digest.update(f"{name}:{tuple(param.shape)}:".encode())
+        digest.update(sample.numpy().round(6).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_settings(tokens: int, chunk_tokens: int, window: int | None, key: str = "compress") -> None:
+    """Fail, naming the key, when a chunk would not shrink or would not fit the window."""
+    if tokens <= 0 or chunk_tokens <= 0:
+        raise CompressorError(f"{key}.tokens and {key}.chunk_tokens must be positive (got {tokens}, {chunk_tokens})")
+    if tokens >= chunk_tokens:
+        raise CompressorError(
+            f"{key}.tokens ({tokens}) is not smaller than {key}.chunk_tokens ({chunk_tokens}): each chunk of "
+            f"{chunk_tokens} context tokens would become {tokens} slots, no compression; lower {key}.tokens"
+        )
+    if window is not None and chunk_tokens + tokens > window:
+        raise CompressorError(
+            f"{key}.chunk_tokens + {key}.tokens ({chunk_tokens} + {tokens}) exceeds the model's window of "
+            f"{window} positions: the encoder reads a chunk and its memory tokens at once; lower {key}.chunk_tokens"
+        )
+
+
+class ContextCompressor(nn.Module):
+    """The served `model` wrapped with the encoder's LoRA adapter, `tokens` memory
+    embeddings per chunk and the slot map. Build one with `ContextCompressor.new`
+    (untrained) or `from_pretrained` (saved)."""
+
+    def __init__(
+        self,
+        model,
+        tokens: int,
+        chunk_tokens: int,
+        served: dict,
+        memory=None,
+        proj=None,
+        seed: int = 0,
+        query_aware: bool = False,
+        adapter_reads: bool = False,
+    ):
+        super().__init__()
+        self.model = model  # a PeftModel: the adapter is the encoder's
+        self.tokens, self.chunk_tokens, self.served = tokens, chunk_tokens, served
+        self.query_aware, self.adapter_reads = query_aware, adapter_reads
+        hidden = model.get_input_embeddings().weight.shape[1]
+        embed = model.get_input_embeddings().weight
+        if memory is None:  # memory embeddings start as typical token embeddings
+            generator = torch.Generator().manual_seed(seed)
+            memory = torch.randn(tokens, hidden, generator=generator) * embed.detach().float().std()
+        self.memory = nn.Parameter(memory.to(embed.dtype).to(embed.device))
+        self.proj = nn.Linear(hidden, hidden, dtype=embed.dtype, device=embed.device)
+        if proj is None:
+            nn.init.eye_(self.proj.weight)
+            nn.init.zeros_(self.proj.bias)
+        else:
+            self.proj.load_state_dict(proj)
+
+    # ------------------------------------------------------------------ building, saving
+
+    @classmethod
+    def new(
+        cls,
+        model,
+        tokens: int,
+        chunk_tokens: int,
+        served_path: str,
+        lora_r: int = 16,
+        lora_alpha: int = 32,
+        seed: int = 0,
+        window: int | None = None,
+        query_aware: bool = False,
+        adapter_reads: bool = False,
+    ) -> ContextCompressor:
+        """An untrained compressor for `model` (loaded from `served_path`), its weights frozen."""
+        from peft import LoraConfig, get_peft_model
+
+        check_settings(tokens, chunk_tokens, window)
+        served = {"path": str(served_path), "fingerprint": fingerprint(model)}
+        for param in model.parameters():
+            param.requires_grad_(False)
+        torch.manual_seed(seed)
+        config = LoraConfig(
+            r=lora_r, lora_alpha=lora_alpha, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"
+        )
+        adapted = get_peft_model(model, config)
+        return cls(
+            adapted, tokens, chunk_tokens, served, seed=seed, query_aware=query_aware, adapter_reads=adapter_reads
+        )
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder)  # the adapter only
+        weights = {"memory": self.memory.detach().contiguous().cpu()}
+        weights |= {f"proj.{k}": v.detach().contiguous().cpu() for k, v in self.proj.state_dict().items()}
+        save_file(weights, folder / WEIGHTS_FILE)
+        config = {
+            "format": FORMAT,
+            "tokens": self.tokens,
+            "chunk_tokens": self.chunk_tokens,
+            "query_aware": self.query_aware,
+            "adapter_reads": self.adapter_reads,
+            "served": self.served,
+        }
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+    @staticmethod
+    def read_config(folder: str | Path) -> dict:
+        """The saved settings of the compressor in `folder`, or one clear error."""
+        path = Path(folder) / CONFIG_FILE
+        if not path.is_file():
+            raise CompressorError(
+                f"{folder} holds no context compressor ({CONFIG_FILE} is missing): point at the folder stage "
+                "compress wrote (models/compressor), or run it first"
+            )
+        config = json.loads(path.read_text())
+        if config.get("format") != FORMAT:
+            raise CompressorError(f"{path}: format {config.get('format')!r} is not {FORMAT!r}")
+        return config
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, model, trainable: bool = False) -> ContextCompressor:
+        """The compressor saved in `folder`, on `model`: the model it was trained to serve,
+        or a `CompressorMismatchError` naming both."""
+        from peft import PeftModel
+        from safetensors.torch import load_file
+
+        config = cls.read_config(folder)
+        served = config["served"]
+        found = fingerprint(model)
+        if found != served["fingerprint"]:
+            raise CompressorMismatchError(
+                f"the context compressor in {folder} was trained for the model in {served['path']} "
+                f"(fingerprint {served['fingerprint']}), not this one ({found}): slots made for one model mean "
+                "nothing to another; train a compressor for this model (stage compress, compress.model)"
+            )
+        for param in model.parameters():
+            param.requires_grad_(False)
+        peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
+        weights = load_file(str(Path(folder) / WEIGHTS_FILE))
+        proj = {k.removeprefix("proj."): v for k, v in weights.items() if k.startswith("proj.")}
+        return cls(
+            peft_model, config["tokens"], config["chunk_tokens"], served, weights["memory"], proj,
+            query_aware=config.get("query_aware", False), adapter_reads=config.get("adapter_reads", False),
+        )  # fmt: skip
+
+    def load_trained(self, folder: str | Path) -> None:
+        """The trained parts saved in `folder` (a checkpoint of this compressor) into this one."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        set_peft_model_state_dict(self.model, load_file(str(folder / "adapter_model.safetensors")))
+        weights = load_file(str(folder / WEIGHTS_FILE))
+        with torch.no_grad():
+            self.memory.copy_(weights["memory"].to(self.memory.dtype))
+        self.proj.load_state_dict({k.removeprefix("proj."): v for k, v in weights.items() if k.startswith("proj.")})
+
+    # ------------------------------------------------------------------ compressing
+
+    @property
+    def ratio(self) -> float:
+        return self.chunk_tokens / self.tokens
+
+    def slots_for(self, context_tokens: int) -> int:
+        """k: the slots a context of `context_tokens` tokens becomes."""
+        return -(-context_tokens // self.chunk_tokens) * self.tokens
+
+    def compress_context_from_ids(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        query_ids: torch.Tensor | None = None,
+        query_mask: torch.Tensor | None = None,
+    ):
+        """(slots [batch, k, hidden], their mask [batch, k]) of right-padded context ids
+        [batch, length]: each chunk of `chunk_tokens` is read alone with the memory
+        embeddings after its tokens (and, for a query-aware compressor, after the query's
+        right-padded ids [batch, query length]: the question the context will answer); a
+        chunk that is all padding gives masked slots."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        batch, length = input_ids.shape
+        chunks = max(1, -(-length // self.chunk_tokens))
+        pad = chunks * self.chunk_tokens - length
+        ids = nn.functional.pad(input_ids, (0, pad), value=0).reshape(batch * chunks, self.chunk_tokens)
+        mask = nn.functional.pad(attention_mask, (0, pad), value=0).reshape(batch * chunks, self.chunk_tokens)
+        embed = self.model.get_input_embeddings()
+        pieces, masks = [embed(ids)], [mask]
+        if self.query_aware:
+            if query_ids is None:
+                raise ValueError("a query-aware compressor reads each context with its question: give query_ids")
+            if query_mask is None:
+                query_mask = torch.ones_like(query_ids)
+            pieces.append(embed(query_ids).repeat_interleave(chunks, dim=0))
+            masks.append(query_mask.repeat_interleave(chunks, dim=0))
+        pieces.append(self.memory.unsqueeze(0).expand(batch * chunks, -1, -1).to(pieces[0].dtype))
+        masks.append(torch.ones(batch * chunks, self.tokens, dtype=mask.dtype, device=mask.device))
+        embeds, full_mask = torch.cat(pieces, dim=1), torch.cat(masks, dim=1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)  # padding inside a row takes no position
+        body = self.model.get_base_model().base_model  # the decoder stack (no LM head), its linear layers adapted
+        hidden = body(inputs_embeds=embeds, attention_mask=full_mask, position_ids=positions).last_hidden_state
+        slots = self.proj(hidden[:, -self.tokens :]).reshape(batch, chunks * self.tokens, -1)
+        used = (mask.sum(-1) > 0).to(attention_mask.dtype)  # [batch * chunks]
+        slot_mask = used.reshape(batch, chunks).repeat_interleave(self.tokens, dim=1)
+        return slots, slot_mask
+
+    def tokenize(self, tokenizer, texts: Sequence[str]):
+        """Right-padded ids and mask of `texts` (no special tokens)."""
+        encoded = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in texts]
+        length = max(1, max(len(e) for e in encoded))
+        device = self.memory.device
+        ids = torch.zeros(len(encoded), length, dtype=torch.long, device=device)
+        mask = torch.zeros(len(encoded), length, dtype=torch.long, device=device)
+        for row, e in enumerate(encoded):
+            ids[row, : len(e)] = torch.tensor(e, dtype=torch.long)
+            mask[row, : len(e)] = 1
+        return ids, mask
+
+    def compress_prompts(self, tokenizer, contexts: Sequence[str], prompts: Sequence | None = None):
+        """(slots, mask) of context texts (`compress_context_from_ids` on their tokens); a
+        query-aware compressor also reads each one's prompt (text, or a conversation whose
+        last user turn is read), after a separator."""
+        queries = None
+        if self.query_aware:
+            if prompts is None:
+                raise ValueError("a query-aware compressor reads each context with its prompt: give prompts")
+            queries = self.tokenize(tokenizer, [QUERY_SEPARATOR + question_text(p) for p in prompts])
+        return self.compress_context_from_ids(*self.tokenize(tokenizer, contexts), *(queries or ()))
+
+    # ------------------------------------------------------------------ reading slots
+
+    def decoder_inputs(self, slots, slot_mask, pieces: Sequence[Sequence[int]]):
+        """Left-padded decoder inputs (embeddings, mask, positions): each row's used slots,
+        then its token ids `pieces` (the question as the model reads it, and for training the
+        answer after it)."""
+        embed = self.model.get_input_embeddings()
+        rows = []
+        for row, ids in enumerate(pieces):
+            used = slots[row][slot_mask[row].bool()]
+            tokens = embed(torch.tensor(list(ids), dtype=torch.long, device=slots.device))
+            rows.append(torch.cat([used, tokens.to(used.dtype)], dim=0))
+        length = max(r.shape[0] for r in rows)
+        hidden = rows[0].shape[1]
+        embeds = slots.new_zeros(len(rows), length, hidden)
+        mask = torch.zeros(len(rows), length, dtype=torch.long, device=slots.device)
+        for row, values in enumerate(rows):
+            embeds[row, length - values.shape[0] :] = values
+            mask[row, length - values.shape[0] :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return embeds, mask, positions
+
+    def reading(self):
+        """The model as it reads slots: the served model as it is (the adapter off), or, for
+        a compressor whose adapter also reads (`adapter_reads`), with the adapter on."""
+        import contextlib
+
+        return contextlib.nullcontext() if self.adapter_reads else self.model.disable_adapter()
+
+    def loss(self, tokenizer, contexts, prompts, completions) -> torch.Tensor:
+        """Mean cross-entropy of each completion's tokens given its context's slots and its
+        prompt, the served model reading (the adapter off)."""
+        from rlhf.models.generation import format_prompt, reward_text
+
+        slots, slot_mask = self.compress_prompts(tokenizer, contexts, prompts)
+        pieces, answer_lengths = [], []
+        for prompt, completion in zip(prompts, completions):
+            head = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+            whole = tokenizer(reward_text(tokenizer, prompt, completion), add_special_tokens=False)["input_ids"]
+            if whole[: len(head)] != head:
+                raise ValueError(
+                    "the prompt's tokens are not a prefix of prompt + completion's; check the chat template"
+                )
+            pieces.append(whole)
+            answer_lengths.append(len(whole) - len(head))
+        embeds, mask, positions = self.decoder_inputs(slots, slot_mask, pieces)
+        with self.reading():
+            logits = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits
+        labels = torch.full(mask.shape, -100, dtype=torch.long, device=mask.device)
+        for row, (ids, answer) in enumerate(zip(pieces, answer_lengths)):
+            labels[row, mask.shape[1] - answer :] = torch.tensor(ids[len(ids) - answer :], device=mask.device)
+        return nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+
+    @torch.inference_mode()
+    def generate(self, tokenizer, contexts, prompts, max_new_tokens: int, batch_size: int = 32) -> list[str]:
+        """Greedy answers to `prompts`, each read after its context's slots."""
+        from rlhf.models.generation import PLAIN_DECODING, format_prompt, stop_token_ids
+
+        self.model.eval()
+        texts: list[str] = []
+        for start in range(0, len(prompts), batch_size):
+            part = slice(start, start + batch_size)
+            slots, slot_mask = self.compress_prompts(tokenizer, contexts[part], prompts[part])
+            pieces = [
+                tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts[part]
+            ]
+            embeds, mask, _ = self.decoder_inputs(slots, slot_mask, pieces)
+            with self.reading():
+                out = self.model.generate(
+                    inputs_embeds=embeds,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=stop_token_ids(self.model, tokenizer, chat=not isinstance(prompts[0], str)),
+                    pad_token_id=tokenizer.pad_token_id,
+                    **PLAIN_DECODING,
+                )
+            texts += tokenizer.batch_decode(out, skip_special_tokens=True)
+        return texts

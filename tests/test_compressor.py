@@ -1,0 +1,162 @@
+"""The context compressor (rlhf/models/compressor.py), its training (rlhf/training/compress.py,
+stage compress), the long-context word problems (rlhf/tasks/long_context.py) and the
+readings evaluate scores them in (rlhf/evaluation/contexts.py)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pandas as pd
+import pytest
+import torch
+
+from rlhf.models.compressor import CompressorError, CompressorMismatchError, ContextCompressor, check_settings
+from rlhf.models.loading import build_tiny_model, build_tokenizer, save_model
+from rlhf.tasks.long_context import joined, short_context, split_question, with_context
+from rlhf.tasks.story_words import NAMES, THINGS
+from rlhf.tasks.word_problems import WordProblemSizes, generate_datasets, sample_problem
+
+SMALL = WordProblemSizes(sft=20, prefs=8, prefs_eval=4, unpaired=4, prm=4, prm_eval=4, prompts=4, eval_dev=12,
+                         eval_test=6, eval_test_unseen=4, compress=24)  # fmt: skip
+
+
+def test_a_long_context_hides_the_facts_among_distractors_about_others():
+    rng = random.Random(0)
+    for _ in range(50):
+        problem = sample_problem(rng)
+        row = with_context(problem.question, rng, 1000)
+        facts, question = split_question(problem.question)
+        assert len(row["context"]) >= 1000 and row["prompt"] == question
+        assert row["relevant"] == " ".join(facts) and row["relevant"] in row["context"]
+        # No distractor speaks of the problem's people or things: the question has one answer.
+        rest = row["context"].replace(row["relevant"], "")
+        mentioned = [w for w in NAMES + tuple(t for t, _ in THINGS) if re.search(rf"\b{w}\b", problem.question)]
+        assert mentioned and not any(re.search(rf"\b{w}\b", rest) for w in mentioned), (problem.question, rest)
+        assert sum(c.isdigit() for c in rest) > 20, "distractors carry numbers too"
+    short = short_context(problem.question, rng)
+    assert short.endswith(question) and all(f in short for f in facts)
+
+
+def test_the_long_context_variant_leaves_the_plain_word_problems_as_they_were():
+    plain = generate_datasets(SMALL, seed=3)
+    again = generate_datasets(SMALL, seed=3)
+    assert plain == again and "compress" not in plain and "context" not in plain["eval_dev"][0]
+    long = generate_datasets(SMALL, seed=3, context_chars=400)
+    assert set(long) == set(plain) | {"compress"} and len(long["compress"]) == 24
+    row = long["eval_dev"][0]
+    assert set(row) == {"context", "prompt", "relevant", "answer", "difficulty"} and len(row["context"]) >= 400
+    assert set(long["compress"][0]) == {"context", "prompt", "relevant", "completion"}
+    assert long["compress"][0]["completion"].splitlines()[-1].startswith("#### ")
+    # The training tables read the facts and the question in the long-context format.
+    assert all(joined("", "") in r["prompt"] for r in long["sft"])
+
+
+def test_the_window_reading_keeps_the_end_of_the_context_and_the_whole_question():
+    from rlhf.evaluation.contexts import cut_to_window, readings
+    from rlhf.models.generation import format_prompt
+
+    tokenizer = build_tokenizer()
+    context = " ".join(f"Sentence {i} is here." for i in range(100))
+    prompt = [{"role": "user", "content": "How many?"}]
+    cut = cut_to_window(tokenizer, context, prompt, budget=120)
+    text = cut[0]["content"]
+    length = len(tokenizer(format_prompt(tokenizer, cut), add_special_tokens=False)["input_ids"])
+    assert length == 120 and text.endswith(joined("Sentence 99 is here.", "How many?"))
+    assert "Sentence 0 " not in text
+    suite = pd.DataFrame(
+        {"context": [context], "prompt": [prompt], "relevant": ["Sentence 7 is here."], "answer": ["1"]}
+    )
+    views = readings(suite, tokenizer, 120)
+    assert views[""]["prompt"][0] == cut
+    assert views["/relevant"]["prompt"][0][0]["content"] == joined("Sentence 7 is here.", "How many?")
+
+
+@pytest.fixture
+def micro():
+    tokenizer = build_tokenizer()
+    return build_tiny_model("micro", tokenizer, seed=0), tokenizer
+
+
+def test_bad_settings_fail_naming_the_key():
+    with pytest.raises(
+        CompressorError, match=r"compress.tokens \(32\) is not smaller than compress.chunk_tokens \(32\)"
+    ):
+        check_settings(32, 32, 256)
+    with pytest.raises(CompressorError, match=r"compress.chunk_tokens \+ compress.tokens \(250 \+ 10\) exceeds"):
+        check_settings(10, 250, 256)
+    check_settings(8, 64, 256)
+
+
+def test_slots_replace_chunks_and_save_and_load_with_the_model_they_serve(micro, tmp_path):
+    model, tokenizer = micro
+    compressor = ContextCompressor.new(model, tokens=4, chunk_tokens=16, served_path="models/sft", window=256)
+    contexts = ["x" * 40, "y" * 10]
+    slots, mask = compressor.compress_prompts(tokenizer, contexts)
+    # 40 tokens: 3 chunks of 16 (the last part padding), 4 slots each; 10 tokens: one chunk.
+    assert slots.shape == (2, 12, model.config.hidden_size)
+    assert mask.tolist() == [[1] * 12, [1] * 4 + [0] * 8] and compressor.slots_for(40) == 12
+    compressor.save_pretrained(tmp_path / "k4")
+    again = ContextCompressor.from_pretrained(tmp_path / "k4", build_tiny_model("micro", tokenizer, seed=0))
+    assert torch.allclose(again.compress_prompts(tokenizer, contexts)[0], slots, atol=1e-6)
+    # A checkpoint resumes through `load_trained`: the trained parts into a fresh compressor.
+    fresh = ContextCompressor.new(build_tiny_model("micro", tokenizer, seed=0), 4, 16, "models/sft", seed=5)
+    assert not torch.allclose(fresh.compress_prompts(tokenizer, contexts)[0], slots, atol=1e-6)
+    fresh.load_trained(tmp_path / "k4")
+    assert torch.allclose(fresh.compress_prompts(tokenizer, contexts)[0], slots, atol=1e-6)
+    with pytest.raises(CompressorMismatchError, match="was trained for the model in models/sft"):
+        ContextCompressor.from_pretrained(tmp_path / "k4", build_tiny_model("micro", tokenizer, seed=1))
+    with pytest.raises(CompressorError, match="holds no context compressor"):
+        ContextCompressor.from_pretrained(tmp_path, model)
+
+
+def test_training_moves_only_the_compressor_and_lowers_the_answers_loss(micro):
+    model, tokenizer = micro
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compressor = ContextCompressor.new(model, tokens=4, chunk_tokens=16, served_path="m", window=256)
+    rng = random.Random(0)
+    rows = [(f"The code is {n}. " + "Filler words here. " * 3, str(n)) for n in (rng.randint(10, 99) for _ in range(8))]
+    contexts = [c for c, _ in rows]
+    prompts = [[{"role": "user", "content": "Code?"}]] * len(rows)
+    answers = [[{"role": "assistant", "content": a}] for _, a in rows]
+    trained = [p for p in compressor.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trained, lr=3e-3)
+    first = compressor.loss(tokenizer, contexts, prompts, answers).item()
+    for _ in range(25):
+        loss = compressor.loss(tokenizer, contexts, prompts, answers)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert loss.item() < first - 0.05, (first, loss.item())  # a frozen random decoder: slots move it a little
+    base = compressor.model.get_base_model()
+    after = {k.replace("base_layer.", ""): v for k, v in base.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(before[k], after[k]) for k in before), "the served model's weights are untouched"
+    texts = compressor.generate(tokenizer, contexts[:2], prompts[:2], max_new_tokens=4)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
+
+@pytest.mark.slow
+def test_the_stage_trains_and_saves_a_compressor_that_loads_back(tmp_path, monkeypatch, mlflow_store):
+    """stages.compress.run: transformers' Trainer over the rows, into a folder
+    `from_pretrained` reads."""
+    from stages.compress import Config, run
+
+    tokenizer = build_tokenizer()
+    serve = tmp_path / "models/sft"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, serve)
+    rows = generate_datasets(SMALL, seed=0, context_chars=60)["compress"]
+    data = tmp_path / "compress.parquet"
+    pd.DataFrame(rows).assign(prompt=lambda f: f["prompt"].map(lambda p: [{"role": "user", "content": p}]),
+                              completion=lambda f: f["completion"].map(
+                                  lambda c: [{"role": "assistant", "content": c}])).to_parquet(data)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    config = Config(enabled=True, tokens=[4], chunk_tokens=16, max_steps=4, save_steps=2, logging_steps=1,
+                    per_device_train_batch_size=4)  # fmt: skip
+    metrics, curve = run(config, serve, data, tmp_path / "out")
+    assert metrics["compressors"]["k4"]["ratio"] == 4 and len(curve) == 4
+    from rlhf.models.loading import load_causal_lm
+
+    loaded = ContextCompressor.from_pretrained(tmp_path / "out/k4", load_causal_lm(serve))
+    assert loaded.tokens == 4 and loaded.chunk_tokens == 16
+    untrained = ContextCompressor.new(load_causal_lm(serve), 4, 16, "x")
+    assert not torch.equal(loaded.memory, untrained.memory), "the memory embeddings trained"
