@@ -160,3 +160,50 @@ def test_the_stage_trains_and_saves_a_compressor_that_loads_back(tmp_path, monke
     assert loaded.tokens == 4 and loaded.chunk_tokens == 16
     untrained = ContextCompressor.new(load_causal_lm(serve), 4, 16, "x")
     assert not torch.equal(loaded.memory, untrained.memory), "the memory embeddings trained"
+
+
+@pytest.mark.slow
+def test_a_killed_compress_run_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(
+    tmp_path, monkeypatch, mlflow_store, capsys
+):
+    """A run stopped after step 3 (checkpoint at step 2) resumes from checkpoint-2 and ends
+    with the weights of a run never stopped: the Trainer's resume, through the compressor's
+    own `save_pretrained` and `load_trained`."""
+    from transformers import TrainerCallback
+
+    import rlhf.training.trainer_setup as trainer_setup
+    from rlhf.models.loading import load_causal_lm
+    from stages.compress import Config, run
+
+    tokenizer = build_tokenizer()
+    serve = tmp_path / "models/sft"
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, serve)
+    rows = generate_datasets(SMALL, seed=0, context_chars=60)["compress"]
+    data = tmp_path / "compress.parquet"
+    pd.DataFrame(rows)[["context", "prompt", "completion"]].to_parquet(data)
+    monkeypatch.chdir(tmp_path)
+    config = Config(enabled=True, tokens=[4], chunk_tokens=16, max_steps=4, save_steps=2, logging_steps=1,
+                    per_device_train_batch_size=4)  # fmt: skip
+    run(config, serve, data, tmp_path / "whole")
+    trainer_setup.discard_checkpoints(tmp_path / "checkpoints", "compress")  # as the stage does once published
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise KeyboardInterrupt("killed")
+
+    callbacks = trainer_setup.tracking_callbacks
+    monkeypatch.setattr(trainer_setup, "tracking_callbacks", lambda: [*callbacks(), Stop()])
+    with pytest.raises(KeyboardInterrupt):
+        run(config, serve, data, tmp_path / "stopped")
+    assert list((tmp_path / "checkpoints").rglob("checkpoint-2")), "a checkpoint to resume from"
+    monkeypatch.setattr(trainer_setup, "tracking_callbacks", callbacks)
+    capsys.readouterr()
+    run(config, serve, data, tmp_path / "resumed")
+    assert re.search(r"compress: resuming from \S*checkpoint-2", capsys.readouterr().out)
+
+    whole = ContextCompressor.from_pretrained(tmp_path / "whole/k4", load_causal_lm(serve))
+    resumed = ContextCompressor.from_pretrained(tmp_path / "resumed/k4", load_causal_lm(serve))
+    for (name, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+    assert not torch.equal(whole.memory, ContextCompressor.new(load_causal_lm(serve), 4, 16, "x").memory)

@@ -1,0 +1,123 @@
+"""The context-compression study (docs/results/context-compression.md): the recipe
+tiny-long-context's project up to SFT through `dvc repro sft`, then compressors of several
+settings trained by stage compress's own code (stages.compress.run) for that SFT model,
+and a suite scored in every reading (rlhf.evaluation.contexts): the context cut to the
+window, the relevant sentences alone, and each compressor's.
+
+    .venv/bin/python studies/compression/run.py --work /tmp/compression --suite dev \\
+        --variant name=qa-reads,tokens=32,steps=300,lr=0.001 \\
+        --variant name=icae,tokens=32,steps=300,lr=0.001,query_aware=0,adapter_reads=0
+
+Each variant is `key=value` pairs: name, and any key of params `compress` (tokens: one
+count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
+query_aware and adapter_reads as 0/1). A variant whose folder under --work/compressors
+exists is scored again, not retrained. Writes --work/results-<suite>.json: per reading, the
+accuracy with its 95% bootstrap interval, and per variant its training time and losses.
+Tune on dev; only a setting chosen on dev is scored on test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from studies import sweep  # noqa: E402
+from studies.scratch import set_key  # noqa: E402
+
+NAMES = {"steps": "max_steps", "lr": "learning_rate", "batch": "per_device_train_batch_size"}
+
+
+def recipe(params: dict) -> None:
+    import yaml
+
+    overlay = yaml.safe_load((ROOT / "configs/recipes/tiny-long-context.yaml").read_text())
+    for section, values in overlay.items():
+        for key, value in values.items():
+            set_key(params, f"{section}.{key}", value)
+
+
+def variant(text: str) -> dict:
+    pairs = dict(part.split("=", 1) for part in text.split(","))
+    out = {"name": pairs.pop("name")}
+    for key, value in pairs.items():
+        key = NAMES.get(key, key)
+        out[key] = (
+            bool(int(value))
+            if key in ("query_aware", "adapter_reads")
+            else float(value)
+            if "." in value or "e" in value
+            else int(value)
+        )
+    out["tokens"] = [int(out.get("tokens", 32))]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--suite", default="dev")
+    parser.add_argument("--variant", action="append", default=[], type=variant)
+    args = parser.parse_args()
+    root = sweep.project(args.work, "context compression", recipe)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{args.work / 'mlflow.db'}"}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if not (root / "models/sft/config.json").is_file():
+        subprocess.run([sys.executable, "-m", "dvc", "repro", "sft"], cwd=root, env=env, check=True)
+    os.chdir(root)
+    sys.path.insert(0, str(root))
+    os.environ["MLFLOW_TRACKING_URI"] = env["MLFLOW_TRACKING_URI"]
+
+    from rlhf.data.prepared import read_prepared
+    from rlhf.evaluation.contexts import evaluate_compressed, readings, window_budget
+    from rlhf.evaluation.suites import evaluate_model
+    from rlhf.models.compressor import ContextCompressor
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.tasks import get_task
+    from stages import load_all
+    from stages.compress import Config, run
+
+    params = load_all()
+    task, config = get_task(params["task"]), params["evaluate"]
+    serve = Path("models/sft")
+    tokenizer, model = load_tokenizer(serve), load_causal_lm(serve)
+    suite = read_prepared(Path(f"data/prepared/eval/{args.suite}.parquet"), "study")
+    out = args.work / f"results-{args.suite}.json"
+    results = json.loads(out.read_text()) if out.is_file() else {"readings": {}, "variants": {}}
+
+    def interval(metrics: dict) -> dict:
+        return {k: metrics[f"accuracy{s}"] for k, s in (("accuracy", ""), ("low", "_low"), ("high", "_high"))}
+
+    for name, frame in readings(suite, tokenizer, window_budget(model, None, config.max_new_tokens)).items():
+        metrics = evaluate_model(config, task, model, None, tokenizer, None, frame, None)[0]
+        results["readings"]["cut to the window" if not name else name.strip("/")] = interval(metrics)
+    for settings in args.variant:
+        name = settings.pop("name")
+        folder = args.work / "compressors" / name
+        record = results["variants"].get(name, {})
+        if not (folder / f"k{settings['tokens'][0]}").is_dir():
+            compress = Config(**{**params["compress"].model_dump(), **settings, "enabled": True})
+            start = time.perf_counter()
+            metrics, curve = run(compress, serve, Path("data/prepared/compress.parquet"), folder)
+            record = {"settings": settings, "train_minutes": (time.perf_counter() - start) / 60,
+                      "losses": [round(row["loss"], 4) for row in curve], **metrics}  # fmt: skip
+        compressor = ContextCompressor.from_pretrained(folder / f"k{settings['tokens'][0]}", load_causal_lm(serve))
+        start = time.perf_counter()
+        metrics = evaluate_compressed(config, task, compressor, tokenizer, suite)[0]
+        record[args.suite] = {**interval(metrics), "slots": metrics["slots"], "seconds": time.perf_counter() - start}
+        results["variants"][name] = record
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(name, record[args.suite], flush=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results["readings"]))
+
+
+if __name__ == "__main__":
+    main()
