@@ -207,3 +207,88 @@ def test_a_killed_compress_run_resumes_from_its_checkpoint_and_ends_as_an_uninte
     for (name, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
     assert not torch.equal(whole.memory, ContextCompressor.new(load_causal_lm(serve), 4, 16, "x").memory)
+
+
+def test_params_that_read_no_trained_compressor_fail_before_any_stage(tmp_path):
+    from tests.conftest import params_problems, tiny_params
+
+    params = tiny_params(
+        evaluate={"compress": {"enabled": True}},
+        infer={"compress": {"enabled": True, "tokens": [16]}, "candidate": "merged"},
+        compress={"tokens": [32, 128]},
+    )
+    problems = params_problems(tmp_path, params)
+    assert "evaluate.compress.enabled: stage compress trains no compressor (compress.enabled is false)" in problems
+    params["compress"]["enabled"] = True
+    params["prepare"]["source"], params["task"] = "word_problems", {"kind": "gsm8k"}
+    problems = params_problems(tmp_path, params)
+    assert any(p.startswith("compress.enabled: no compress table to train on") for p in problems), problems
+    assert any(p.startswith("compress.tokens: 128 slots for a chunk of compress.chunk_tokens 128") for p in problems)
+    assert "infer.compress.tokens: [16] not among compress.tokens [32, 128]" in problems
+    assert any(p.startswith("infer.compress.enabled: the compressors serve models/sft (compress.serve), not "
+                            "infer.candidate merged") for p in problems)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_evaluate_and_infer_read_a_long_context_suite_three_ways(tmp_path, monkeypatch, mlflow_store):
+    """stages.evaluate.run and stages.infer.run on a long-context suite: the context cut to
+    the window (the suite itself), the relevant sentences, and through the compressor."""
+    from rlhf.models.folders import write_absent
+    from rlhf.tasks import TaskConfig, get_task
+    from stages.evaluate import Config as EvaluateConfig
+    from stages.evaluate import run as evaluate
+    from stages.infer import Config as InferConfig
+    from stages.infer import run as infer
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    save_model(model, tokenizer, tmp_path / "models/sft")
+    write_absent(tmp_path / "models/rm", "no pairs")
+    ContextCompressor.new(model, 4, 16, "models/sft").save_pretrained(tmp_path / "models/compressor/k4")
+    rows = generate_datasets(SMALL, seed=0, context_chars=300)["eval_dev"][:4]
+    suite = pd.DataFrame(rows).assign(prompt=lambda f: f["prompt"].map(lambda p: [{"role": "user", "content": p}]))
+    (tmp_path / "data/prepared/eval").mkdir(parents=True)
+    suite.to_parquet(tmp_path / "data/prepared/eval/dev.parquet")
+    task = get_task(TaskConfig(kind="gsm8k"))
+    config = EvaluateConfig(max_new_tokens=16, kl_prompts=0, samples=1, window=96, compress={"enabled": True})
+    report, outcomes, _, completions = evaluate(config, task, [], ["dev"])
+    assert set(report["suites"]) == {"dev", "dev/relevant", "dev/compressed-4x"}
+    assert report["suites"]["dev/compressed-4x"]["sft"]["slots"] == pytest.approx(
+        sum(-(-len(r["context"]) // 16) * 4 for r in rows) / 4
+    )
+    cut = completions["suites"]["dev"]["prompts"][0][0]["content"]
+    assert len(cut) < len(rows[0]["context"]) and cut.endswith(rows[0]["prompt"]), "the end of the context fits"
+    assert completions["suites"]["dev/relevant"]["prompts"][0][0]["content"].startswith(rows[0]["relevant"])
+    assert len(outcomes["suites"]["dev/compressed-4x"]["models"]["sft"]["accuracy"]) == 4
+
+    settings = InferConfig(strategies=["greedy"], max_new_tokens=16, window=96, compress={"enabled": True})
+    infer_report, _ = infer(settings, task, "dev")
+    assert set(infer_report["strategies"]) == {"greedy", "compressed-4x"}
+    assert infer_report["strategies"]["compressed-4x"]["accuracy"] is not None
+
+    # `rlhf generate` reads a context file through the compressor, and refuses one made for another model.
+    import json
+
+    from rlhf.inference.generate import main as generate_main
+
+    (tmp_path / "context.txt").write_text(rows[0]["context"])
+    flags = ["--model", "models/sft", "--chat", "--context", "context.txt", "--max-new-tokens", "8"]
+    capsys_lines = _printed(generate_main, [*flags, "--compressor", "models/compressor/k4", rows[0]["prompt"]])
+    record = json.loads(capsys_lines[-1])
+    assert record["prompt"] == rows[0]["prompt"] and record["samples"] == 1
+    save_model(build_tiny_model("micro", tokenizer, seed=1), tokenizer, tmp_path / "models/other")
+    with pytest.raises(SystemExit, match="was trained for the model in models/sft"):
+        generate_main(["--model", "models/other", *flags[2:], "--compressor", "models/compressor/k4", "How many?"])
+    with pytest.raises(SystemExit, match="--compressor reads a long context: give it with --context FILE"):
+        generate_main(["--model", "models/sft", "--compressor", "models/compressor/k4", "How many?"])
+
+
+def _printed(function, argv: list[str]) -> list[str]:
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        function(argv)
+    return buffer.getvalue().splitlines()

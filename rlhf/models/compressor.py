@@ -103,6 +103,19 @@ def fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
+@torch.no_grad()
+def hidden_to_embedding_scale(model, sample: int = 256) -> float:
+    """How much smaller the model's input embeddings are than its last hidden states (mean
+    row norms over `sample` evenly spaced token ids read as one text): the slot map starts
+    as the identity times this, so that slots enter the model at the size its token
+    embeddings have (a final norm's output is often 10-20 times larger)."""
+    embed = model.get_input_embeddings()
+    vocab = embed.weight.shape[0]
+    ids = torch.arange(0, vocab, max(1, vocab // sample), device=embed.weight.device)[:sample].unsqueeze(0)
+    hidden = model.base_model(input_ids=ids).last_hidden_state
+    return float(embed(ids).float().norm(dim=-1).mean() / hidden.float().norm(dim=-1).mean().clamp(min=1e-6))
+
+
 def check_settings(tokens: int, chunk_tokens: int, window: int | None, key: str = "compress") -> None:
     """Fail, naming the key, when a chunk would not shrink or would not fit the window."""
     if tokens <= 0 or chunk_tokens <= 0:
