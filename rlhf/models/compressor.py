@@ -59,6 +59,18 @@ def question_text(prompt) -> str:
     return [turn for turn in prompt if turn.get("role") == "user"][-1]["content"]
 
 
+def prompt_frame(tokenizer, prompt) -> tuple[str, str]:
+    """(the text before, the text after) a prompt's question as the model reads it
+    (rlhf.models.generation.format_prompt): the chat template around a user turn, or the
+    BOS before plain text."""
+    from rlhf.models.generation import format_prompt
+
+    marker = "\x00question\x00"
+    framed = format_prompt(tokenizer, marker if isinstance(prompt, str) else [{"role": "user", "content": marker}])
+    head, _, tail = framed.partition(marker)
+    return head, tail
+
+
 class CompressorError(InputError, ValueError):
     """A compressor's settings or folder are unusable; the message says what to change."""
 
@@ -285,12 +297,15 @@ class ContextCompressor(nn.Module):
         attention_mask: torch.Tensor | None = None,
         query_ids: torch.Tensor | None = None,
         query_mask: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
     ):
         """(slots [batch, k, hidden], their mask [batch, k]) of right-padded context ids
         [batch, length]: each chunk of `chunk_tokens` is read alone with the memory
         embeddings after its tokens (and, for a query-aware compressor, after the query's
-        right-padded ids [batch, query length]: the question the context will answer); a
-        chunk that is all padding gives masked slots."""
+        right-padded ids [batch, query length]: the question the context will answer), and
+        after `prefix_ids` [prefix length] (the same for every row: the chat template's
+        text before a user turn), so that a chunk and its question read as a prompt the model
+        was trained on; a chunk that is all padding gives masked slots."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         batch, length = input_ids.shape
@@ -300,6 +315,10 @@ class ContextCompressor(nn.Module):
         mask = nn.functional.pad(attention_mask, (0, pad), value=0).reshape(batch * chunks, self.chunk_tokens)
         embed = self.model.get_input_embeddings()
         pieces, masks = [embed(ids)], [mask]
+        if prefix_ids is not None and len(prefix_ids):
+            prefix = embed(prefix_ids.to(ids.device)).unsqueeze(0).expand(batch * chunks, -1, -1)
+            pieces.insert(0, prefix)
+            masks.insert(0, torch.ones(batch * chunks, len(prefix_ids), dtype=mask.dtype, device=mask.device))
         if self.query_aware:
             if query_ids is None:
                 raise ValueError("a query-aware compressor reads each context with its question: give query_ids")
@@ -334,12 +353,14 @@ class ContextCompressor(nn.Module):
         """(slots, mask) of context texts (`compress_context_from_ids` on their tokens); a
         query-aware compressor also reads each one's prompt (text, or a conversation whose
         last user turn is read), after a separator."""
-        queries = None
-        if self.query_aware:
-            if prompts is None:
-                raise ValueError("a query-aware compressor reads each context with its prompt: give prompts")
-            queries = self.tokenize(tokenizer, [QUERY_SEPARATOR + question_text(p) for p in prompts])
-        return self.compress_context_from_ids(*self.tokenize(tokenizer, contexts), *(queries or ()))
+        if not self.query_aware:
+            return self.compress_context_from_ids(*self.tokenize(tokenizer, contexts))
+        if prompts is None:
+            raise ValueError("a query-aware compressor reads each context with its prompt: give prompts")
+        head, tail = prompt_frame(tokenizer, prompts[0])
+        queries = self.tokenize(tokenizer, [QUERY_SEPARATOR + question_text(p) + tail for p in prompts])
+        prefix = torch.tensor(tokenizer(head, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return self.compress_context_from_ids(*self.tokenize(tokenizer, contexts), *queries, prefix_ids=prefix)
 
     # ------------------------------------------------------------------ reading slots
 
