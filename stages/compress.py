@@ -7,7 +7,8 @@ Out: models/compressor/k<tokens>/ for each of `compress.tokens` (rlhf.models.com
      plots/compress/loss.csv.
 
 Off by default (`compress.enabled: false`): the stage then writes models/compressor with
-`absent.json` only, in a second, and evaluate and infer read no compressor. On, each
+`absent.json` only, in a second (no torch import, no MLflow run), and evaluate and infer
+read no compressor. On, each
 compressor reads a context in chunks of `chunk_tokens` tokens, `tokens` slots each (the
 compression is their ratio), and is trained with the served model frozen, so it is saved
 as a small adapter next to that model and refuses any other (its fingerprint is recorded).
@@ -26,7 +27,16 @@ from pydantic import Field
 
 from rlhf.atomic import atomic_dir, write_csv, write_json
 from rlhf.training.params import TrainingParams
-from stages import CHECKPOINTS_DIR, COMPRESSOR_DIR, DATA_DIR, MODELS_DIR, drop_out, has_rows, load_model_stage
+from stages import (
+    CHECKPOINTS_DIR,
+    COMPRESSOR_DIR,
+    DATA_DIR,
+    MODELS_DIR,
+    drop_out,
+    has_rows,
+    load_all,
+    load_model_stage,
+)
 
 DATA = DATA_DIR / "compress.parquet"
 OUT_DIR = COMPRESSOR_DIR
@@ -123,6 +133,10 @@ def run(config: Config, serve_dir: Path, data: Path, out_dir: Path) -> tuple[dic
 
 
 def main() -> None:
+    if not load_all()["compress"].enabled:  # in a second: no torch, no MLflow run (as check_params)
+        with atomic_dir(OUT_DIR) as tmp:
+            drop_out("compress", tmp, "compress.enabled is false", METRICS, PLOT)
+        return
     import mlflow
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
@@ -132,9 +146,6 @@ def main() -> None:
     config = params["compress"]
     with stage_run("compress", config):
         with atomic_dir(OUT_DIR) as tmp:
-            if not config.enabled:
-                drop_out("compress", tmp, "compress.enabled is false", METRICS, PLOT)
-                return
             if not has_rows(DATA):
                 drop_out("compress", tmp, f"{DATA} has no rows", METRICS, PLOT)
                 return

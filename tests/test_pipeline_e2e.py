@@ -40,8 +40,8 @@ from tests.conftest import make_project, run, write_params
 pytestmark = pytest.mark.slow
 
 ALL_STAGES = [
-    "check_params", "prepare", "base", "sft", "verifier", "rm", "prm", "policy@dpo", "merge", "evaluate", "validate",
-    "gate", "infer",
+    "check_params", "prepare", "base", "sft", "verifier", "compress", "rm", "prm", "policy@dpo", "merge", "evaluate",
+    "validate", "gate", "infer",
 ]  # fmt: skip
 # Edges of the DAG the flow's task order must respect (it may order independent stages freely).
 ORDER = [
@@ -63,6 +63,10 @@ UNREAD_BY_DESIGN = {
     ("gate", "models/policy"): "read only when a policy is promoted (here: dpo)",
     ("gate", "models/merged"): "read only when the merge is promoted",
     ("evaluate", "models/base"): "read only when evaluate.baselines names it (the model as it came)",
+    ("compress", "models/sft"): "read only with compress.enabled (off by default: the stage writes absent.json)",
+    ("compress", "data/prepared/compress.parquet"): "read only with compress.enabled",
+    ("evaluate", "models/compressor"): "read only with evaluate.compress.enabled and a long-context suite",
+    ("infer", "models/compressor"): "read only with infer.compress.enabled and a long-context suite",
 }
 TRACE = Path(__file__).resolve().parent / "trace"
 
@@ -203,8 +207,9 @@ def test_mlflow_has_a_parent_run_with_a_tagged_nested_run_per_stage(flow_run):
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     by_stage = {r.data.tags["rlhf.stage"]: r for r in children}
-    # check_params only validates (in half a second, no MLflow import): it logs no run.
-    assert set(by_stage) == set(ALL_STAGES) - {"check_params"}
+    # check_params only validates (in half a second, no MLflow import): it logs no run; nor
+    # does compress when it is off (it writes absent.json only).
+    assert set(by_stage) == set(ALL_STAGES) - {"check_params", "compress"}
     for stage, child in by_stage.items():
         assert child.data.tags["dvc.lock_hash"] == lock_entry_hash(stage, root / "dvc.lock")
         assert child.data.tags["mlflow.source.git.commit"] == parent.data.tags["mlflow.source.git.commit"]
@@ -420,7 +425,7 @@ def test_every_file_a_stage_reads_is_a_dep(flow_run):
                 reads.setdefault(stage, set()).add(relative.as_posix())
     files = stage_files(root)
     # check_params reads params and code; prepare and base read no data in the built-in run.
-    assert set(reads) >= set(ALL_STAGES) - {"check_params", "prepare", "base"}, sorted(reads)
+    assert set(reads) >= set(ALL_STAGES) - {"check_params", "prepare", "base", "compress"}, sorted(reads)
     for stage, paths in reads.items():
         deps, outs = files[stage]
         undeclared = sorted(p for p in paths if not covered(p, deps) and not covered(p, outs))

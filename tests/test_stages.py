@@ -88,7 +88,7 @@ def test_prepare_writes_every_contract(project):
     assert manifest["source"] == "builtin"
     assert manifest["rows"] == {
         "sft": 400, "prefs": 64, "prefs_eval": 24, "unpaired": 32, "prm": 32, "prm_eval": 16, "prompts": 32,
-        "eval_dev": 24, "eval_test": 24,
+        "eval_dev": 24, "eval_test": 24, "compress": 0,
     }  # fmt: skip
     for name in manifest["rows"]:
         path = f"data/prepared/eval/{name[5:]}.parquet" if name.startswith("eval_") else f"data/prepared/{name}.parquet"
