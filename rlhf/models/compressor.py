@@ -128,6 +128,14 @@ def hidden_to_embedding_scale(model, sample: int = 256) -> float:
     return float(embed(ids).float().norm(dim=-1).mean() / hidden.float().norm(dim=-1).mean().clamp(min=1e-6))
 
 
+def trained_parts(folder: str | Path) -> tuple[torch.Tensor, dict]:
+    """(the memory embeddings, the slot map's state dict) saved in `folder`."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(folder) / WEIGHTS_FILE))
+    return weights["memory"], {k.removeprefix("proj."): v for k, v in weights.items() if k.startswith("proj.")}
+
+
 def check_settings(tokens: int, chunk_tokens: int, window: int | None, key: str = "compress") -> None:
     """Fail, naming the key, when a chunk would not shrink or would not fit the window."""
     if tokens <= 0 or chunk_tokens <= 0:
@@ -248,7 +256,6 @@ class ContextCompressor(nn.Module):
         """The compressor saved in `folder`, on `model`: the model it was trained to serve,
         or a `CompressorMismatchError` naming both."""
         from peft import PeftModel
-        from safetensors.torch import load_file
 
         config = cls.read_config(folder)
         served = config["served"]
@@ -262,10 +269,9 @@ class ContextCompressor(nn.Module):
         for param in model.parameters():
             param.requires_grad_(False)
         peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
-        weights = load_file(str(Path(folder) / WEIGHTS_FILE))
-        proj = {k.removeprefix("proj."): v for k, v in weights.items() if k.startswith("proj.")}
+        memory, proj = trained_parts(folder)
         return cls(
-            peft_model, config["tokens"], config["chunk_tokens"], served, weights["memory"], proj,
+            peft_model, config["tokens"], config["chunk_tokens"], served, memory, proj,
             query_aware=config.get("query_aware", False), adapter_reads=config.get("adapter_reads", False),
         )  # fmt: skip
 
@@ -274,12 +280,11 @@ class ContextCompressor(nn.Module):
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        folder = Path(folder)
-        set_peft_model_state_dict(self.model, load_file(str(folder / "adapter_model.safetensors")))
-        weights = load_file(str(folder / WEIGHTS_FILE))
+        set_peft_model_state_dict(self.model, load_file(str(Path(folder) / "adapter_model.safetensors")))
+        memory, proj = trained_parts(folder)
         with torch.no_grad():
-            self.memory.copy_(weights["memory"].to(self.memory.dtype))
-        self.proj.load_state_dict({k.removeprefix("proj."): v for k, v in weights.items() if k.startswith("proj.")})
+            self.memory.copy_(memory.to(self.memory.dtype))
+        self.proj.load_state_dict(proj)
 
     # ------------------------------------------------------------------ compressing
 
@@ -394,19 +399,14 @@ class ContextCompressor(nn.Module):
     def loss(self, tokenizer, contexts, prompts, completions) -> torch.Tensor:
         """Mean cross-entropy of each completion's tokens given its context's slots and its
         prompt, the served model reading (the adapter off)."""
-        from rlhf.models.generation import format_prompt, reward_text
+        from rlhf.models.generation import encode_response
 
         slots, slot_mask = self.compress_prompts(tokenizer, contexts, prompts)
         pieces, answer_lengths = [], []
         for prompt, completion in zip(prompts, completions):
-            head = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-            whole = tokenizer(reward_text(tokenizer, prompt, completion), add_special_tokens=False)["input_ids"]
-            if whole[: len(head)] != head:
-                raise ValueError(
-                    "the prompt's tokens are not a prefix of prompt + completion's; check the chat template"
-                )
-            pieces.append(whole)
-            answer_lengths.append(len(whole) - len(head))
+            ids, start = encode_response(tokenizer, prompt, completion)
+            pieces.append(ids)
+            answer_lengths.append(len(ids) - start)
         embeds, mask, positions = self.decoder_inputs(slots, slot_mask, pieces)
         with self.reading():
             logits = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits

@@ -76,6 +76,18 @@ def reward_text(tokenizer, prompt, completion) -> str:
     return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
 
 
+def encode_response(tokenizer, prompt, completion) -> tuple[list[int], int]:
+    """Token ids of the reward text (`reward_text`), and the index of the response's first
+    token (where the ids stop agreeing with the prompt's own, as the policy saw it). At
+    least 1: the first token has no log-prob."""
+    ids = tokenizer(reward_text(tokenizer, prompt, completion), add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    start = 0
+    while start < min(len(ids), len(prompt_ids)) and ids[start] == prompt_ids[start]:
+        start += 1
+    return ids, min(max(start, 1), len(ids) - 1)
+
+
 class PromptTooLongError(InputError, ValueError):
     """A prompt and the tokens to generate do not fit in the model's positions."""
 

@@ -42,25 +42,13 @@ from trl import RewardTrainer
 from trl.trainer.reward_trainer import DataCollatorForPreference
 from trl.trainer.utils import pad
 
-from rlhf.models.generation import format_prompt, reward_text
+from rlhf.models.generation import encode_response as encode
 from rlhf.models.loading import load_causal_lm, save_model
 from rlhf.rewards.likelihood import fit_logistic, token_logprobs
 
 KIND = "likelihood"
 HEAD_FILE = "reward_head.json"
 FEATURES = ("min_logprob", "mean_logprob")
-
-
-def encode(tokenizer, prompt, completion) -> tuple[list[int], int]:
-    """Token ids of the reward text, and the index of the response's first token (where the
-    ids stop agreeing with the prompt's own, as the policy saw it). At least 1: the first
-    token has no log-prob."""
-    ids = tokenizer(reward_text(tokenizer, prompt, completion), add_special_tokens=False)["input_ids"]
-    prompt_ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-    start = 0
-    while start < min(len(ids), len(prompt_ids)) and ids[start] == prompt_ids[start]:
-        start += 1
-    return ids, min(max(start, 1), len(ids) - 1)
 
 
 def pairs_dataset(tokenizer, pairs, max_length: int | None = None) -> tuple[Dataset, int]:
