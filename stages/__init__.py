@@ -109,15 +109,14 @@ def hand_run_stage() -> str | None:
     project whose dvc.lock records it; else None."""
     import os
 
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if os.environ.get("DVC_STAGE") or spec is None or not spec.name.startswith("stages."):
+    if os.environ.get("DVC_STAGE") or not stage_process():
         return None
-    lock = Path("dvc.lock")
-    if not lock.is_file():
-        return None
-    import yaml
+    spec = sys.modules["__main__"].__spec__
+    from rlhf.lockfile import lock_stages
 
-    recorded = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    recorded = lock_stages("dvc.lock")
+    if recorded is None:
+        return None
     name = spec.name.split(".", 1)[1]
     for stage in ([f"{name}@{sys.argv[1]}"] if len(sys.argv) > 1 else []) + [name]:
         if stage in recorded:
@@ -245,7 +244,20 @@ def load_model_stage(path: str = PARAMS_FILE, override=None) -> dict:
     params = load_all(path)
     configure(params["compute"])
     model_settings.configure(params["model"], override(params) if override else None)
+    if stage_process():
+        import rlhf.models.loading  # noqa: F401  (torch, transformers: what every model stage reads)
+        import rlhf.tracking.runs  # noqa: F401  (MLflow)
+        from rlhf.models.compute import freeze_startup_objects
+
+        freeze_startup_objects()
     return params
+
+
+def stage_process() -> bool:
+    """Whether this process is a stage's own (`python -m stages.<name>`: by DVC, the flow, a
+    launcher's ranks or by hand), not a process that calls a stage's main (the tests)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec is not None and spec.name.startswith("stages.")
 
 
 def drop_out(stage: str, staging: Path, reason: str, metrics: Path, plot: Path) -> None:

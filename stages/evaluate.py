@@ -386,7 +386,7 @@ def scorer_versions() -> dict:
     """The versions (dvc.lock hashes) of the models that score every candidate: the reward
     model (reward, its std, win-rate) and the reference (KL, win-rate). The gate compares a
     candidate with the champion's recorded values only when they were scored by the same."""
-    from rlhf.tracking.runs import output_hash
+    from rlhf.lockfile import output_hash
 
     return {"rm": output_hash(RM_DIR), "reference": output_hash(candidate_dir(REFERENCE))}
 

@@ -404,3 +404,36 @@ def test_published_weights_cut_short_are_named_with_how_to_restore_them(tmp_path
         load_causal_lm(folder, what="models/sft")
     message = str(error.value)
     assert "model.safetensors" in message and "truncated" in message and f"dvc checkout {folder.as_posix()}" in message
+
+
+@pytest.mark.parametrize("kind", ["micro", "gpt2", "qwen2-lora"])
+def test_a_used_model_is_freed_by_reference_counting_alone(kind, tmp_path):
+    """A stage's process freezes its imported objects out of the cyclic collector's sight
+    (rlhf.models.compute.freeze_startup_objects): that is safe because a model that was
+    loaded, run forward, backward and through generate holds no reference cycle, so
+    dropping it frees it with the collector off."""
+    import gc
+    import weakref
+
+    from peft import get_peft_model
+
+    from rlhf.training.params import LoraParams
+
+    if kind == "micro":  # as the stages load it, from its folder
+        tokenizer = build_tokenizer()
+        save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, tmp_path / "m")
+        model = load_causal_lm(tmp_path / "m")
+    else:
+        model = other_architecture(kind.split("-")[0])
+        if kind.endswith("lora"):
+            model = get_peft_model(model, LoraParams(enabled=True, r=4).peft_config())
+    ids = torch.randint(3, 60, (2, 8))
+    gc.disable()
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+        alive, weight = weakref.ref(model), weakref.ref(next(model.parameters()))
+        del model
+        assert alive() is None and weight() is None, "the model outlived its last reference"
+    finally:
+        gc.enable()

@@ -176,7 +176,7 @@ def test_layering_and_no_import_cycles():
 # it, never a floor above nor a neighbour on its own floor (stages/ and flows/ stand above
 # them all: test_layering_and_no_import_cycles).
 FLOORS = (
-    {"environment", "layout", "params", "atomic", "recipes", "params_docs"},
+    {"environment", "layout", "params", "atomic", "recipes", "params_docs", "lockfile"},
     {"__init__", "tasks", "models"},
     {"data"},
     {"rewards", "tracking", "feedback"},

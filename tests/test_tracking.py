@@ -343,3 +343,20 @@ def test_stages_that_start_together_on_a_new_store_all_set_it_up(tmp_path):
     done = run_together(tmp_path / "mlflow.db", 4, {})
     assert [d.returncode for d in done] == [0] * 4, [d.stderr[-2000:] for d in done if d.returncode]
     assert len({d.stdout.split()[-1] for d in done}) == 1, "one experiment, the same id for all"
+
+
+def test_dvc_lock_is_read_again_when_it_changes(tmp_path):
+    """dvc.lock is parsed once per version of the file (rlhf.lockfile): a stage asking again
+    gets the same answers, and a lock rewritten by the next stage's run is read afresh."""
+    from rlhf.lockfile import lock_stages, output_hash
+    from rlhf.tracking.runs import lock_entry_hash
+
+    lock = tmp_path / "dvc.lock"
+    assert lock_stages(lock) is None and output_hash("models/rm", lock) is None
+    entry = {"cmd": "python -m stages.rm", "outs": [{"path": "models/rm", "md5": "aaa.dir"}]}
+    lock.write_text(json.dumps({"schema": "2.0", "stages": {"rm": entry}}))  # JSON is YAML
+    assert output_hash("models/rm", lock) == "aaa.dir" and output_hash("models/sft", lock) is None
+    first = lock_entry_hash("rm", lock)
+    entry["outs"][0]["md5"] = "bbbb.dir"
+    lock.write_text(json.dumps({"schema": "2.0", "stages": {"rm": entry}}))
+    assert output_hash("models/rm", lock) == "bbbb.dir" and lock_entry_hash("rm", lock) != first

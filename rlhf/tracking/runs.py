@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import yaml
 from mlflow.tracking import MlflowClient
 
 from rlhf.atomic import file_md5
+from rlhf.lockfile import lock_stages, output_hash
 from rlhf.params import InputError
 
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
@@ -114,19 +114,6 @@ def described_table(path: Path):
     return MetaDataset(source, name=path.stem, digest=file_md5(path), schema=_infer_schema(sample))
 
 
-def dvc_out_hash(path: str | Path, lock_path: str | Path = "dvc.lock") -> str | None:
-    """The hash dvc.lock records for the output `path` (a folder's `.dir` md5), or None."""
-    lock = Path(lock_path)
-    if not lock.is_file():
-        return None
-    wanted = Path(path).as_posix()
-    for entry in ((yaml.safe_load(lock.read_text()) or {}).get("stages") or {}).values():
-        for out in entry.get("outs") or []:
-            if out.get("path") == wanted:
-                return out.get("md5") or out.get("hash")
-    return None
-
-
 def log_model_metrics(name: str, path: str | Path, scored: list[tuple[Mapping[str, float], Any]]) -> str | None:
     """An MLflow logged model for a model DVC keeps (`create_external_model`: no weights are
     copied; its tags say where it is and its DVC hash), with each (metrics, dataset) of
@@ -135,7 +122,7 @@ def log_model_metrics(name: str, path: str | Path, scored: list[tuple[Mapping[st
     warning) when the store refused."""
     active = mlflow.active_run()
     try:
-        tags = {"path": Path(path).as_posix(), "dvc.md5": str(dvc_out_hash(path))}
+        tags = {"path": Path(path).as_posix(), "dvc.md5": str(output_hash(path))}
         model = mlflow.create_external_model(
             name=name, source_run_id=active.info.run_id if active else None, tags=tags, model_type="causal-lm"
         )
@@ -345,28 +332,10 @@ def ending(run: mlflow.ActiveRun) -> Iterator[mlflow.ActiveRun]:
 def lock_entry_hash(stage_address: str, lock_path: str | Path = "dvc.lock") -> str | None:
     """md5 of the stage's entry in dvc.lock (cmd, deps, params and outs hashes): the
     fingerprint of the exact code, data and params that produced a number."""
-    path = Path(lock_path)
-    if not path.exists():
-        return None
-    stages = (yaml.safe_load(path.read_text()) or {}).get("stages", {})
-    entry = stages.get(stage_address)
+    entry = (lock_stages(lock_path) or {}).get(stage_address)
     if entry is None:
         return None
     return hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
-
-
-def output_hash(path: str | Path, lock_path: str | Path = "dvc.lock") -> str | None:
-    """DVC's hash of a stage output (its md5; ``<md5>.dir`` for a folder) as dvc.lock
-    records it: which version of a model produced a number. None without a lock or a stage
-    that outputs `path` (a stage run outside `dvc repro`)."""
-    path, lock = Path(path).as_posix(), Path(lock_path)
-    if not lock.exists():
-        return None
-    for entry in ((yaml.safe_load(lock.read_text()) or {}).get("stages") or {}).values():
-        for out in entry.get("outs") or []:
-            if out.get("path") == path:
-                return out.get("md5")
-    return None
 
 
 def tag_stage_runs_with_lock(parent_run_id: str, lock_path: str | Path = "dvc.lock") -> dict[str, str]:
