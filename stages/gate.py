@@ -36,7 +36,15 @@ from rlhf.atomic import atomic_dir, read_json, write_json
 from rlhf.evaluation.gate import CapabilityTest
 from rlhf.params import InputError
 from rlhf.tracking.champion import ChampionMovedError, RegistryChampion, RegistryParams
-from stages import CHAMPION_DIR, REPORTS_DIR, TRACKING_OWED_DIR, candidate_dir, decision_suite, load_all
+from stages import (
+    CHAMPION_DIR,
+    REPORTS_DIR,
+    TRACKING_OWED_DIR,
+    candidate_dir,
+    decision_suite,
+    load_all,
+    stage_process,
+)
 
 REPORT = REPORTS_DIR / "eval.json"
 OUTCOMES = REPORTS_DIR / "outcomes.json"
@@ -348,10 +356,13 @@ def settle_owed(client) -> list[str]:
 
 
 def main() -> None:
+    from rlhf.models.compute import freeze_startup_objects
     from rlhf.tracking.champion import recover_move
     from rlhf.tracking.runs import project_root, stage_run, tracked
 
     params = load_all()
+    if stage_process():  # MLflow imported: out of the collector's sight (load_model_stage says why)
+        freeze_startup_objects()
     config = resolved_config(params)
     report = read_json(REPORT)
     outcomes = read_json(OUTCOMES) if OUTCOMES.is_file() else None

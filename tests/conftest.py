@@ -219,9 +219,9 @@ def make_project(root: Path, params: dict | None = None) -> Path:
     run(["git", "config", "user.email", "test@example.com"], root)
     run(["git", "config", "user.name", "test"], root)
     run([sys.executable, "-m", "dvc", "init", "-q"], root)
-    run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], root)
-    # The project's cache type (.dvc/config: links, one copy of each model on disk).
-    run([sys.executable, "-m", "dvc", "config", "cache.type", project_cache_type()], root)
+    # The project's own .dvc/config (no analytics; its cache type: links, one copy of each
+    # model on disk), as a clone of the project has it.
+    shutil.copy2(REPO / ".dvc/config", root / ".dvc/config")
     run(["git", "add", "-A"], root)
     run(["git", "commit", "-qm", "tiny project"], root)
     return root

@@ -5,6 +5,7 @@ Prefect import, which reconfigures logging): tests that read log records use it.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -43,6 +44,8 @@ def mlflow_server(store: Path, cwd: Path | None = None) -> tuple[subprocess.Pope
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{store}", "--workers", "1"],
         cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # MLflow's job runner (GenAI jobs, a consumer process per job type) runs nothing here.
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", server, Path(f"mlflow server on {store} (output discarded)"))

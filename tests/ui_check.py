@@ -62,6 +62,8 @@ def servers(state: Path, prefect_port: int | None = None, mlflow_port: int | Non
     prefect_port, mlflow_port = prefect_port or free_port(), mlflow_port or free_port()
     env = {**os.environ, "PREFECT_HOME": str(state / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
+    # MLflow's job runner (GenAI jobs, a consumer process per job type) runs nothing here.
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     # The UI's pages call the API at this address (its default is port 4200).
     env["PREFECT_UI_API_URL"] = env["PREFECT_SERVER_UI_API_URL"] = f"http://127.0.0.1:{prefect_port}/api"
     bin_dir = Path(sys.executable).parent
