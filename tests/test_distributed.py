@@ -144,8 +144,7 @@ def case_params(name: str, per_device: int, processes: int, launcher: str = "tor
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "launcher"),
-    [
-        ("sft", "torchrun"),
+    [  # sft through accelerate's launcher, the other stages through torchrun: each launcher, each stage
         ("sft", "accelerate"),
         ("rm", "torchrun"),
         ("policy@dpo", "torchrun"),
