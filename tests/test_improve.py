@@ -427,10 +427,12 @@ def _weights(path):
 
 
 @pytest.mark.slow
-def test_rounds_as_dvc_stages(tmp_path):
+def test_rounds_as_dvc_stages(tmp_path, monkeypatch):
     """Three rounds on the micro project through `dvc repro`: r1 trains and passes, r2's gate
     rejects it (an impossible test) so the loop stops, r3 passes r2's winner through; a
-    change to r3's params makes r3 alone stale."""
+    change to r3's params makes r3 alone stale. Two rounds beside the chain, run by their
+    stage's main in this process on the same project: one that repairs every sample, one
+    with nothing to pair."""
     import torch
 
     always = [{"metric": "kl_to_ref", "relative_to": "absolute", "op": "<=", "threshold": 1e9}]
@@ -463,7 +465,16 @@ def test_rounds_as_dvc_stages(tmp_path):
     )
     root = make_project(tmp_path / "project", params)
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
-    run([sys.executable, "-m", "dvc", "repro", "improve@r3", "improve@fix", "improve@pairs"], root, env=env)
+    run([sys.executable, "-m", "dvc", "repro", "improve@r3"], root, env=env)
+    import stages.improve
+
+    with monkeypatch.context() as mp:
+        mp.chdir(root)
+        mp.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
+        for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
+            mp.delenv(name, raising=False)
+        stages.improve.main(["fix"])
+        stages.improve.main(["pairs"])
 
     reports = {r: json.loads((root / f"models/rounds/{r}/round.json").read_text()) for r in ("r1", "r2", "r3")}
     assert reports["r1"]["passed"] and reports["r1"]["winner"] == "r1" and reports["r1"]["data"]["new_rows"] > 0

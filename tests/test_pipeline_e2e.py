@@ -71,9 +71,9 @@ UNREAD_BY_DESIGN = {
 TRACE = Path(__file__).resolve().parent / "trace"
 
 
-def dvc_repro(root: Path) -> str:
+def dvc_repro(root: Path, *targets: str) -> str:
     env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    return run([sys.executable, "-m", "dvc", "repro"], root, env=env).stdout
+    return run([sys.executable, "-m", "dvc", "repro", *targets], root, env=env).stdout
 
 
 def ran(output: str) -> list[str]:
@@ -437,9 +437,10 @@ def test_every_file_a_stage_reads_is_a_dep(flow_run):
 
 
 def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
-    """DPO reads no reward model: a new rm.learning_rate reruns rm and what reads it (the
-    evaluation's judge, the validator reading its report, the gate after them, infer's
-    scorers), never policy@dpo or merge."""
+    """DPO reads no reward model: with a new rm.learning_rate, `dvc repro evaluate` reruns
+    rm and the evaluation it judges, never policy@dpo or merge, which stand between them in
+    the DAG's order. (Only as far as evaluate: which stages after a change rerun is
+    test_dvc_reruns_only_what_changed_and_restores_from_run_cache's.)"""
     root, _, _ = flow_run
     params = yaml.safe_load((root / "params.yaml").read_text())
     original = params["rm"]["learning_rate"]
@@ -447,8 +448,8 @@ def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
     scorers = json.loads((root / "reports/eval.json").read_text())["scorers"]
     write_params(root, params)
     try:
-        output = dvc_repro(root)
-        assert sorted(ran(output)) == sorted(["check_params", "rm", "evaluate", "validate", "gate", "infer"]), output
+        output = dvc_repro(root, "evaluate")
+        assert ran(output) == ["check_params", "rm", "evaluate"], output
         # The report names the RM version that scored it (for the gate's champion tests).
         rescored = json.loads((root / "reports/eval.json").read_text())["scorers"]
         lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
