@@ -248,14 +248,22 @@ def micro_dir(tmp_path):
     return path
 
 
+def run_stages_in(mp: pytest.MonkeyPatch, root: Path, tracking_uri: str | None = None) -> None:
+    """Make this process a place to call stages' mains in the project `root`: cwd there
+    (stages read params.yaml and write outputs relative to it), no parent run or DVC stage
+    inherited, MLflow at `tracking_uri` when given."""
+    mp.chdir(root)
+    if tracking_uri is not None:
+        mp.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
+        mp.delenv(name, raising=False)
+
+
 @pytest.fixture
 def in_project(tmp_path, monkeypatch, mlflow_store):
-    """cwd = a fresh tiny project (stages read params.yaml and write outputs relative to it)."""
+    """cwd = a fresh tiny project, ready for stages' mains (run_stages_in)."""
     root = make_project(tmp_path / "project")
-    monkeypatch.chdir(root)
-    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
-    monkeypatch.delenv("DVC_STAGE", raising=False)
-    monkeypatch.delenv("DVC_ROOT", raising=False)
+    run_stages_in(monkeypatch, root)
     return root
 
 

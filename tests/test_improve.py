@@ -25,7 +25,7 @@ from rlhf.training.rounds import (
 )
 from stages import CHECKPOINTS_DIR, REF_LOGPS_CACHE
 from stages.improve import SFT_DATA, Config, Settings
-from tests.conftest import REPO, assert_each_once, make_project, params_problems, run, tiny_params
+from tests.conftest import REPO, assert_each_once, make_project, params_problems, run, run_stages_in, tiny_params
 
 TASK = ArithmeticTask()
 
@@ -469,10 +469,7 @@ def test_rounds_as_dvc_stages(tmp_path, monkeypatch):
     import stages.improve
 
     with monkeypatch.context() as mp:
-        mp.chdir(root)
-        mp.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
-        for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
-            mp.delenv(name, raising=False)
+        run_stages_in(mp, root, env["MLFLOW_TRACKING_URI"])
         stages.improve.main(["fix"])
         stages.improve.main(["pairs"])
 

@@ -29,7 +29,7 @@ from rlhf.models.merging import (
 from rlhf.params import ParamsError, validate_params
 from rlhf.tasks import get_task
 from stages.merge import Config, member_names, run
-from tests.conftest import tiny_params, write_params
+from tests.conftest import run_stages_in, tiny_params, write_params
 
 ATOL = 1e-5
 TASK = get_task()
@@ -380,9 +380,7 @@ def test_members_are_checked_against_policy_methods():
 def test_main_merges_the_configured_policies_into_models_merged(zoo, tmp_path, monkeypatch, mlflow_store):
     import stages.merge
 
-    monkeypatch.chdir(tmp_path)
-    for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
-        monkeypatch.delenv(name, raising=False)
+    run_stages_in(monkeypatch, tmp_path)
     params = tiny_params()
     params["policy"]["offline"] = ["dpo", "kto"]
     params["merge"] = {"method": "ties", "density": 0.5, "weights": [1.0, 0.5]}

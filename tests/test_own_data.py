@@ -25,7 +25,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import TINY_OVERRIDES, deep_update, make_project, run
+from tests.conftest import TINY_OVERRIDES, deep_update, make_project, run, run_stages_in
 
 pytestmark = pytest.mark.slow
 
@@ -227,9 +227,7 @@ def test_a_gpt2_model_trains_sft_and_dpo_on_the_users_files(tmp_path, monkeypatc
     root = tmp_path / "project"
     make_project(root, user_params(USER_FILES, model_dir, sft={"max_steps": 20, "save_steps": 20}))
     write_user_files(root)
-    monkeypatch.chdir(root)
-    for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
-        monkeypatch.delenv(name, raising=False)
+    run_stages_in(monkeypatch, root)
     stages.check_params.main()
     stages.prepare.main()
     stages.base.main()

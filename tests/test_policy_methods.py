@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.conftest import make_project
+from tests.conftest import make_project, run_stages_in
 from tests.test_stages import changed, weights
 
 pytestmark = pytest.mark.slow  # trains real models: the full suite runs it, the quick tier does not
@@ -24,10 +24,7 @@ def sft_project(tmp_path_factory):
 
     root = make_project(tmp_path_factory.mktemp("methods") / "project")
     with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(root)
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-        for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
-            mp.delenv(name, raising=False)
+        run_stages_in(mp, root, f"sqlite:///{root / 'mlflow.db'}")
         stages.prepare.main()
         stages.base.main()
         stages.sft.main()

@@ -19,7 +19,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tests.conftest import make_project, run
+from tests.conftest import make_project, run, run_stages_in
 
 pytestmark = pytest.mark.slow  # trains real models: the full suite runs it, the quick tier does not
 
@@ -58,11 +58,8 @@ def project(tmp_path_factory):
     params = deep_update(tiny_params(), {"evaluate": {"baselines": ["base"]}})
     root = make_project(tmp_path_factory.mktemp("stages") / "project", params)
     with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(root)
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        run_stages_in(mp, root, f"sqlite:///{root / 'mlflow.db'}")
         mp.setenv("MLFLOW_EXPERIMENT_NAME", "stages-test")
-        for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT"):
-            mp.delenv(name, raising=False)
         stages.check_params.main()
         stages.prepare.main()
         stages.base.main()
