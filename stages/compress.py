@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -63,6 +63,17 @@ class Config(TrainingParams):
         description="the adapter is on while the model reads the slots too (AutoCompressors, gisting); off: the "
         "served model reads them as it is (ICAE)",
     )
+    slot_positions: Literal["parallel", "sequential"] = Field(
+        "parallel",
+        description="where the model reads the slots: parallel (each chunk's slots at positions 0..tokens-1, the "
+        "prompt right after: any context length fits the window) or sequential (one after another)",
+    )
+    recite: float = Field(
+        0.0,
+        ge=0,
+        description="weight of a second training target: the context's relevant sentences (the table's `relevant` "
+        "column), written from the slots; 0: the answer alone",
+    )
     lora_r: int = Field(16, gt=0, description="rank of the encoder's LoRA adapter")
     lora_alpha: int = Field(32, gt=0, description="its scaling numerator")
     max_steps: int | None = Field(600, gt=0, description="optimizer steps per compressor")
@@ -101,7 +112,7 @@ def run(config: Config, serve_dir: Path, data: Path, out_dir: Path) -> tuple[dic
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.training.trainer_setup import checkpoint_dir, fingerprint, log_history_rows
 
-    rows = read_prepared(data, "compress", ["context", "prompt", "completion"])
+    rows = read_prepared(data, "compress", ["context", "prompt", "completion", "relevant"])
     tokenizer = load_tokenizer(serve_dir, config.trust_remote_code)
     metrics: dict = {"serve": str(serve_dir), "rows": len(rows), "compressors": {}}
     curve: list[dict] = []

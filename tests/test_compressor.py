@@ -110,6 +110,35 @@ def test_slots_replace_chunks_and_save_and_load_with_the_model_they_serve(micro,
         ContextCompressor.from_pretrained(tmp_path, model)
 
 
+def test_the_model_reads_each_chunks_slots_at_the_same_positions_in_training_and_generation(micro):
+    model, tokenizer = micro
+    compressor = ContextCompressor.new(model, tokens=4, chunk_tokens=16, served_path="m", window=256)
+    assert compressor.slot_positions == "parallel"
+    slots, slot_mask = compressor.compress_prompts(tokenizer, ["x" * 40, "y" * 10])  # 3 chunks (12 slots), 1 (4)
+    embeds, mask, positions = compressor.decoder_inputs(slots, slot_mask, [[5, 6, 7], [5, 6]])
+    # Parallel: every chunk's slots at 0..3, the prompt from 4; the shorter row left-padded.
+    assert positions[0].tolist() == [0, 1, 2, 3] * 3 + [4, 5, 6]
+    assert mask[1].tolist() == [0] * 9 + [1] * 6 and positions[1, 9:].tolist() == [0, 1, 2, 3, 4, 5]
+    compressor.slot_positions = "sequential"
+    assert compressor.decoder_inputs(slots, slot_mask, [[5, 6, 7], [5, 6]])[2][0].tolist() == list(range(15))
+    compressor.slot_positions = "parallel"
+    # Generation reads the slots at the positions training scored them at.
+    prompts = [[{"role": "user", "content": "Code?"}]] * 2
+    from rlhf.models.generation import format_prompt
+
+    pieces = [tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
+    embeds, mask, positions = compressor.decoder_inputs(slots, slot_mask, pieces)
+    compressor.slot_positions = "sequential"
+    sequential = compressor.decoder_inputs(slots, slot_mask, pieces)[2]
+    compressor.slot_positions = "parallel"
+    with torch.no_grad(), compressor.reading():
+        logits = compressor.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits[:, -1]
+        other = compressor.model(inputs_embeds=embeds, attention_mask=mask, position_ids=sequential).logits[:, -1]
+    assert not torch.allclose(logits[0], other[0], atol=1e-4), "the slots' positions change what the model reads"
+    texts = compressor.generate(tokenizer, ["x" * 40, "y" * 10], prompts, max_new_tokens=1)
+    assert texts == [tokenizer.decode([int(i)], skip_special_tokens=True) for i in logits.argmax(-1)]
+
+
 def test_training_moves_only_the_compressor_and_lowers_the_answers_loss(micro):
     model, tokenizer = micro
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -74,11 +74,13 @@ def write_user_files(root: Path) -> None:
 
 def build_model(kind: str, path: Path) -> None:
     """A tiny GPT-2 or Qwen2 with the built-in character tokenizer, saved as a user would."""
+    import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     from rlhf.models.loading import build_tokenizer
 
     tokenizer = build_tokenizer()
+    torch.manual_seed(0)  # the same weights whatever ran before in this process (an unlucky draw learns nothing)
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     if kind == "gpt2":
         config = GPT2Config(vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=2, n_head=4, **ids)

@@ -50,6 +50,10 @@ CONFIG_FILE = "compressor_config.json"
 QUERY_SEPARATOR = "\n"  # between a chunk and the query a query-aware compressor reads after it
 WEIGHTS_FILE = "compressor.safetensors"
 FORMAT = "rlhf-context-compressor/1"
+SLOT_POSITIONS = {
+    "parallel": "each chunk's slots at positions 0..tokens-1, the prompt after them (Parallel Context Windows)",
+    "sequential": "the slots at positions 0..k-1, one after another, the prompt after them",
+}
 
 
 def question_text(prompt) -> str:
@@ -168,11 +172,14 @@ class ContextCompressor(nn.Module):
         seed: int = 0,
         query_aware: bool = False,
         adapter_reads: bool = False,
+        slot_positions: str = "parallel",
     ):
         super().__init__()
+        if slot_positions not in SLOT_POSITIONS:
+            raise CompressorError(f"slot_positions {slot_positions!r}: expected one of {list(SLOT_POSITIONS)}")
         self.model = model  # a PeftModel: the adapter is the encoder's
         self.tokens, self.chunk_tokens, self.served = tokens, chunk_tokens, served
-        self.query_aware, self.adapter_reads = query_aware, adapter_reads
+        self.query_aware, self.adapter_reads, self.slot_positions = query_aware, adapter_reads, slot_positions
         hidden = model.get_input_embeddings().weight.shape[1]
         embed = model.get_input_embeddings().weight
         if memory is None:  # memory embeddings start as typical token embeddings
@@ -201,6 +208,7 @@ class ContextCompressor(nn.Module):
         window: int | None = None,
         query_aware: bool = False,
         adapter_reads: bool = False,
+        slot_positions: str = "parallel",
     ) -> ContextCompressor:
         """An untrained compressor for `model` (loaded from `served_path`), its weights frozen."""
         from peft import LoraConfig, get_peft_model
@@ -215,8 +223,9 @@ class ContextCompressor(nn.Module):
         )
         adapted = get_peft_model(model, config)
         return cls(
-            adapted, tokens, chunk_tokens, served, seed=seed, query_aware=query_aware, adapter_reads=adapter_reads
-        )
+            adapted, tokens, chunk_tokens, served, seed=seed, query_aware=query_aware, adapter_reads=adapter_reads,
+            slot_positions=slot_positions,
+        )  # fmt: skip
 
     def save_pretrained(self, folder: str | Path) -> None:
         from safetensors.torch import save_file
@@ -233,6 +242,7 @@ class ContextCompressor(nn.Module):
             "chunk_tokens": self.chunk_tokens,
             "query_aware": self.query_aware,
             "adapter_reads": self.adapter_reads,
+            "slot_positions": self.slot_positions,
             "served": self.served,
         }
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -273,6 +283,7 @@ class ContextCompressor(nn.Module):
         return cls(
             peft_model, config["tokens"], config["chunk_tokens"], served, memory, proj,
             query_aware=config.get("query_aware", False), adapter_reads=config.get("adapter_reads", False),
+            slot_positions=config.get("slot_positions", "sequential"),
         )  # fmt: skip
 
     def load_trained(self, folder: str | Path) -> None:
@@ -372,21 +383,32 @@ class ContextCompressor(nn.Module):
     def decoder_inputs(self, slots, slot_mask, pieces: Sequence[Sequence[int]]):
         """Left-padded decoder inputs (embeddings, mask, positions): each row's used slots,
         then its token ids `pieces` (the question as the model reads it, and for training the
-        answer after it)."""
+        answer after it). With `slot_positions: parallel` every chunk's slots take positions
+        0 to tokens-1 and the pieces follow at `tokens`, so that the prompt sits as close to
+        each chunk's slots as a prompt's own facts sit to it in training, whatever the
+        context's length; `sequential` numbers the slots one after another."""
         embed = self.model.get_input_embeddings()
         rows = []
         for row, ids in enumerate(pieces):
             used = slots[row][slot_mask[row].bool()]
             tokens = embed(torch.tensor(list(ids), dtype=torch.long, device=slots.device))
-            rows.append(torch.cat([used, tokens.to(used.dtype)], dim=0))
-        length = max(r.shape[0] for r in rows)
-        hidden = rows[0].shape[1]
+            rows.append((torch.cat([used, tokens.to(used.dtype)], dim=0), used.shape[0]))
+        length = max(r.shape[0] for r, _ in rows)
+        hidden = rows[0][0].shape[1]
         embeds = slots.new_zeros(len(rows), length, hidden)
         mask = torch.zeros(len(rows), length, dtype=torch.long, device=slots.device)
-        for row, values in enumerate(rows):
-            embeds[row, length - values.shape[0] :] = values
-            mask[row, length - values.shape[0] :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = torch.zeros(len(rows), length, dtype=torch.long, device=slots.device)
+        for row, (values, used) in enumerate(rows):
+            start = length - values.shape[0]
+            embeds[row, start:] = values
+            mask[row, start:] = 1
+            if self.slot_positions == "parallel":
+                slot_pos = torch.arange(used, device=slots.device) % self.tokens
+                after = self.tokens if used else 0
+            else:
+                slot_pos, after = torch.arange(used, device=slots.device), used
+            text_pos = after + torch.arange(values.shape[0] - used, device=slots.device)
+            positions[row, start:] = torch.cat([slot_pos, text_pos])
         return embeds, mask, positions
 
     def reading(self):
@@ -396,12 +418,25 @@ class ContextCompressor(nn.Module):
 
         return contextlib.nullcontext() if self.adapter_reads else self.model.disable_adapter()
 
-    def loss(self, tokenizer, contexts, prompts, completions) -> torch.Tensor:
+    def loss(self, tokenizer, contexts, prompts, completions, relevant=None, recite: float = 0.0) -> torch.Tensor:
         """Mean cross-entropy of each completion's tokens given its context's slots and its
-        prompt, the served model reading (the adapter off)."""
+        prompt, as the model reads slots (`reading`); with `recite` > 0 and each row's
+        `relevant` sentences, plus `recite` times the cross-entropy of those sentences
+        written from the same slots in place of the answer (every character of the facts
+        is a target, where the answer's few numbers are all the answer loss asks for)."""
+        slots, slot_mask = self.compress_prompts(tokenizer, contexts, prompts)
+        loss = self._response_loss(tokenizer, slots, slot_mask, prompts, completions)
+        if recite > 0 and relevant is not None:
+            facts = [
+                [{"role": "assistant", "content": r}] if not isinstance(p, str) else r
+                for p, r in zip(prompts, relevant)
+            ]
+            loss = loss + recite * self._response_loss(tokenizer, slots, slot_mask, prompts, facts)
+        return loss
+
+    def _response_loss(self, tokenizer, slots, slot_mask, prompts, completions) -> torch.Tensor:
         from rlhf.models.generation import encode_response
 
-        slots, slot_mask = self.compress_prompts(tokenizer, contexts, prompts)
         pieces, answer_lengths = [], []
         for prompt, completion in zip(prompts, completions):
             ids, start = encode_response(tokenizer, prompt, completion)
@@ -430,11 +465,12 @@ class ContextCompressor(nn.Module):
             pieces = [
                 tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts[part]
             ]
-            embeds, mask, _ = self.decoder_inputs(slots, slot_mask, pieces)
+            embeds, mask, positions = self.decoder_inputs(slots, slot_mask, pieces)
             with self.reading():
                 out = self.model.generate(
                     inputs_embeds=embeds,
                     attention_mask=mask,
+                    position_ids=positions,
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
                     eos_token_id=stop_token_ids(self.model, tokenizer, chat=not isinstance(prompts[0], str)),

@@ -25,8 +25,13 @@ def rows_columns(batch: list[dict]) -> dict[str, list]:
 class CompressorTrainer(Trainer):
     """transformers' Trainer for a `ContextCompressor` (the module docstring)."""
 
+    recite: float = 0.0  # the weight of writing the relevant sentences from the slots (compress.recite)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = model.loss(self.processing_class, inputs["context"], inputs["prompt"], inputs["completion"])
+        loss = model.loss(
+            self.processing_class, inputs["context"], inputs["prompt"], inputs["completion"],
+            inputs.get("relevant"), self.recite,
+        )  # fmt: skip
         return (loss, None) if return_outputs else loss
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
@@ -48,7 +53,7 @@ def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: P
 
     compressor = ContextCompressor.new(
         model, tokens, params.chunk_tokens, str(served_path), params.lora_r, params.lora_alpha, params.seed, window,
-        query_aware=params.query_aware, adapter_reads=params.adapter_reads,
+        query_aware=params.query_aware, adapter_reads=params.adapter_reads, slot_positions=params.slot_positions,
     )  # fmt: skip
     args = trl_config(
         TrainingArguments,
@@ -58,7 +63,8 @@ def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: P
         run_name=f"compress-{tokens}",
         remove_unused_columns=False,
     )
-    data = Dataset.from_pandas(rows[["context", "prompt", "completion"]].reset_index(drop=True))
+    columns = ["context", "prompt", "completion"] + (["relevant"] if params.recite > 0 and "relevant" in rows else [])
+    data = Dataset.from_pandas(rows[columns].reset_index(drop=True))
     trainer = CompressorTrainer(
         model=compressor,
         args=args,
@@ -67,5 +73,6 @@ def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: P
         processing_class=tokenizer,
         callbacks=tracking_callbacks(),
     )
+    trainer.recite = params.recite
     train_resumable(trainer, "compress", f"k{tokens}")
     return compressor, trainer.state.log_history
