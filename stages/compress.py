@@ -74,6 +74,11 @@ class Config(TrainingParams):
         description="weight of a second training target: the context's relevant sentences (the table's `relevant` "
         "column), written from the slots; 0: the answer alone",
     )
+    crops: list[int] = Field(
+        default_factory=list,
+        description="train on each row again as crops of its context: its relevant sentences (the table's "
+        "`relevant` column) and N sentences around them, one crop for each N; []: whole contexts only",
+    )
     lora_r: int = Field(16, gt=0, description="rank of the encoder's LoRA adapter")
     lora_alpha: int = Field(32, gt=0, description="its scaling numerator")
     max_steps: int | None = Field(600, gt=0, description="optimizer steps per compressor")
@@ -113,6 +118,15 @@ def run(config: Config, serve_dir: Path, data: Path, out_dir: Path) -> tuple[dic
     from rlhf.training.trainer_setup import checkpoint_dir, fingerprint, log_history_rows
 
     rows = read_prepared(data, "compress", ["context", "prompt", "completion", "relevant"])
+    if "relevant" not in rows:
+        asks = [f"compress.{key}" for key, on in (("crops", config.crops), ("recite", config.recite > 0)) if on]
+        if asks:
+            from rlhf.models.compressor import CompressorError
+
+            raise CompressorError(
+                f"{' and '.join(asks)} read each row's relevant sentences, and {data} has no `relevant` column: add "
+                "one (the part of the context the prompt needs), or set compress.crops: [] and compress.recite: 0"
+            )
     tokenizer = load_tokenizer(serve_dir, config.trust_remote_code)
     metrics: dict = {"serve": str(serve_dir), "rows": len(rows), "compressors": {}}
     curve: list[dict] = []

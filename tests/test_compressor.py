@@ -88,6 +88,37 @@ def test_bad_settings_fail_naming_the_key():
     check_settings(8, 64, 256)
 
 
+def test_a_crop_keeps_the_relevant_sentences_and_as_many_around_them_as_asked():
+    from rlhf.tasks.long_context import cropped
+    from rlhf.training.compress import with_crops
+
+    context, relevant = "A b. C d. The facts. More facts. E f. G h. I j.", "The facts. More facts."
+    rng = random.Random(0)
+    for extra in range(8):
+        crop = cropped(context, relevant, extra, rng)
+        assert relevant in crop and crop in context, crop
+        assert crop.count(".") == 2 + min(extra, 5)
+    assert cropped(context, "not in it", 2, rng) == context
+    rows = pd.DataFrame(
+        {"context": [context] * 2, "prompt": ["Q?"] * 2, "completion": ["1"] * 2, "relevant": [relevant] * 2}
+    )
+    grown = with_crops(rows, [0, 2], seed=0)
+    assert len(grown) == 6 and (grown["context"] == relevant).sum() == 2 and (grown["context"] == context).sum() == 2
+
+
+def test_crops_and_recite_without_relevant_sentences_fail_before_training(tmp_path):
+    from stages.compress import Config, run
+
+    data = tmp_path / "compress.parquet"
+    pd.DataFrame({"context": ["A long text."], "prompt": ["Q?"], "completion": ["1"]}).to_parquet(data)
+    for settings, key in (({"crops": [0]}, "compress.crops"), ({"recite": 1.0}, "compress.recite")):
+        with pytest.raises(
+            CompressorError,
+            match=rf"{re.escape(key)} read each row's relevant sentences, and .*compress.parquet has no `relevant` column",
+        ):
+            run(Config(enabled=True, **settings), tmp_path / "no-model", data, tmp_path / "out")
+
+
 def test_slots_replace_chunks_and_save_and_load_with_the_model_they_serve(micro, tmp_path):
     model, tokenizer = micro
     compressor = ContextCompressor.new(model, tokens=4, chunk_tokens=16, served_path="models/sft", window=256)

@@ -118,6 +118,22 @@ def short_context(problem: str, rng: random.Random, max_distractors: int = 1) ->
     return joined(" ".join([*others[:at], *facts, *others[at:]]), question)
 
 
+def cropped(context: str, relevant: str, extra: int, rng: random.Random) -> str:
+    """`context` cut down to its `relevant` sentences and `extra` of the sentences around
+    them (how many before and how many after drawn from `rng`), in their order; the whole
+    context when `relevant` is not in it word for word."""
+    at = context.find(relevant)
+    if at < 0 or not relevant:
+        return context
+    head, tail = context[:at].strip(), context[at + len(relevant) :].strip()
+    before = _SENTENCE_END.split(head) if head else []
+    after = _SENTENCE_END.split(tail) if tail else []
+    extra = min(extra, len(before) + len(after))
+    take_before = rng.randint(max(0, extra - len(after)), min(extra, len(before)))
+    take_after = min(extra - take_before, len(after))
+    return " ".join([*before[len(before) - take_before :], relevant, *after[:take_after]])
+
+
 def joined(context: str, prompt: str) -> str:
     """What a model reads when it reads a context whole: the context, then the question."""
     return f"{context}{SEPARATOR}{prompt}"

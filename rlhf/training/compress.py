@@ -41,6 +41,27 @@ class CompressorTrainer(Trainer):
         (model or self.model).load_trained(resume_from_checkpoint)
 
 
+def with_crops(rows, crops: list[int], seed: int):
+    """`rows` (context, prompt, completion, relevant) and, for each N in `crops`, each row
+    again with its context cut to its relevant sentences and N sentences around them
+    (rlhf.tasks.long_context.cropped), shuffled with `seed`: short contexts teach the
+    encoder what to keep at a fraction of a whole context's cost, the whole ones teach the
+    model to find it among many chunks."""
+    import random
+
+    import pandas as pd
+
+    from rlhf.tasks.long_context import cropped
+
+    if not crops:
+        return rows
+    rng = random.Random(seed)
+    parts = [rows] + [
+        rows.assign(context=[cropped(c, r, n, rng) for c, r in zip(rows["context"], rows["relevant"])]) for n in crops
+    ]
+    return pd.concat(parts, ignore_index=True).sample(frac=1.0, random_state=seed).reset_index(drop=True)
+
+
 def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: Path, checkpoints: Path, window: int):
     """A compressor of `tokens` slots per chunk for `model`, trained on `rows` with `params`
     (stages.compress.Config) (a frame of
@@ -63,6 +84,8 @@ def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: P
         run_name=f"compress-{tokens}",
         remove_unused_columns=False,
     )
+    if params.crops and "relevant" in rows:
+        rows = with_crops(rows, params.crops, params.seed)
     columns = ["context", "prompt", "completion"] + (["relevant"] if params.recite > 0 and "relevant" in rows else [])
     data = Dataset.from_pandas(rows[columns].reset_index(drop=True))
     trainer = CompressorTrainer(

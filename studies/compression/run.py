@@ -10,7 +10,7 @@ window, the relevant sentences alone, and each compressor's.
 
 Each variant is `key=value` pairs: name, and any key of params `compress` (tokens: one
 count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
-query_aware and adapter_reads as 0/1). A variant whose folder under --work/compressors
+query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; recite: a weight; crops: N+N+N). A variant whose folder under --work/compressors
 exists is scored again, not retrained. Writes --work/results-<suite>.json: per reading, the
 accuracy with its 95% bootstrap interval, and per variant its training time and losses.
 Tune on dev; only a setting chosen on dev is scored on test.
@@ -49,13 +49,14 @@ def variant(text: str) -> dict:
     out = {"name": pairs.pop("name")}
     for key, value in pairs.items():
         key = NAMES.get(key, key)
-        out[key] = (
-            bool(int(value))
-            if key in ("query_aware", "adapter_reads")
-            else float(value)
-            if "." in value or "e" in value
-            else int(value)
-        )
+        if key in ("query_aware", "adapter_reads"):
+            out[key] = bool(int(value))
+        elif key == "slot_positions":
+            out[key] = value
+        elif key == "crops":  # N+N+N: one crop for each N
+            out[key] = [int(n) for n in value.split("+")]
+        else:
+            out[key] = float(value) if "." in value or "e" in value else int(value)
     out["tokens"] = [int(out.get("tokens", 32))]
     return out
 
