@@ -5,6 +5,7 @@ as benchmarks/real_size.py builds it), with LoRA, a few steps and a few problems
     python benchmarks/real_dag.py                      # every stage once (about an hour on 2 cores)
     python benchmarks/real_dag.py --keep /tmp/dag      # keep the project; a rerun skips what finished
     python benchmarks/real_dag.py --from evaluate      # start at a stage (the earlier ones done)
+    python benchmarks/real_dag.py --only verifier      # one stage (the earlier ones done)
 
 Each stage runs as the pipeline runs it (`python -m stages.<name> ...` in a fresh process, in
 a scratch project of this checkout's code, its own MLflow store), under real_size.py's
@@ -91,7 +92,7 @@ STAGES = [
 def real_dag_params(params: dict) -> None:
     """real_size.py's params (files of 256-token rows, task last_number, LoRA sft and DPO)
     with every other stage at a few steps and a few problems."""
-    params["verifier"].update(STEPS, max_length=LENGTH)
+    params["verifier"].update(STEPS, max_length=LENGTH, lora=LORA)
     params["rm"].update(STEPS, num_members=2, max_length=LENGTH, lora=LORA)
     params["prm"].update(
         init="verifier", derive={"prompts": 4, "samples_per_prompt": 2, "rollouts": 2, "max_new_tokens": 16}
@@ -106,7 +107,7 @@ def real_dag_params(params: dict) -> None:
     )  # fmt: skip
     policy["ppo"].update(
         max_steps=2, rollout_batch_size=2, mini_batch_size=1, ppo_epochs=1, max_new_tokens=16, lora=LORA,
-        rewards=[{"name": "answer_match", "weight": 1.0}],
+        max_length=LENGTH, rewards=[{"name": "answer_match", "weight": 1.0}],
     )  # fmt: skip
     params["merge"].update(method="linear", models=["dpo", "grpo"])
     params["evaluate"].update(max_new_tokens=16, batch_size=4, kl_prompts=4, samples=1)
@@ -127,6 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="work here and keep it (default: a temporary folder)")
     parser.add_argument("--from", dest="start", help="the first stage to run (the earlier ones done in --keep)")
+    parser.add_argument("--only", help="run this one stage (the earlier ones done in --keep)")
     parser.add_argument("--sft-steps", type=int, default=2)
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="real-dag-"))
@@ -137,12 +139,12 @@ def main() -> None:
     root = work / "project"
     if not (root / "params.yaml").exists():
         root = project(work, model_dir, args.sft_steps)
-        set_params(root, real_dag_params)
+    set_params(root, real_dag_params)  # again on a kept project: a fix to these params takes effect
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(root)}
     names = [name for name, _, _ in STAGES]
-    first = names.index(args.start) if args.start else 0
+    first = names.index(args.only or args.start) if (args.only or args.start) else 0
     results = []
-    for name, command, update in STAGES[first:]:
+    for name, command, update in STAGES[first : first + 1] if args.only else STAGES[first:]:
         if update:
             set_params(root, update)
         try:
