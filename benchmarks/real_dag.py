@@ -142,9 +142,11 @@ def main() -> None:
     set_params(root, real_dag_params)  # again on a kept project: a fix to these params takes effect
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(root)}
     names = [name for name, _, _ in STAGES]
-    first = names.index(args.only or args.start) if (args.only or args.start) else 0
+    start = args.only or args.start
+    first = names.index(start) if start else 0
+    last = first + 1 if args.only else len(STAGES)
     results = []
-    for name, command, update in STAGES[first : first + 1] if args.only else STAGES[first:]:
+    for name, command, update in STAGES[first:last]:
         if update:
             set_params(root, update)
         try:

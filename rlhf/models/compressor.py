@@ -50,10 +50,7 @@ CONFIG_FILE = "compressor_config.json"
 QUERY_SEPARATOR = "\n"  # between a chunk and the query a query-aware compressor reads after it
 WEIGHTS_FILE = "compressor.safetensors"
 FORMAT = "rlhf-context-compressor/1"
-SLOT_POSITIONS = {
-    "parallel": "each chunk's slots at positions 0..tokens-1, the prompt after them (Parallel Context Windows)",
-    "sequential": "the slots at positions 0..k-1, one after another, the prompt after them",
-}
+SLOT_POSITIONS = ("parallel", "sequential")  # where the model reads the slots: ContextCompressor.decoder_inputs
 
 
 def question_text(prompt) -> str:
@@ -176,7 +173,7 @@ class ContextCompressor(nn.Module):
     ):
         super().__init__()
         if slot_positions not in SLOT_POSITIONS:
-            raise CompressorError(f"slot_positions {slot_positions!r}: expected one of {list(SLOT_POSITIONS)}")
+            raise CompressorError(f"slot_positions {slot_positions!r}: expected one of {SLOT_POSITIONS}")
         self.model = model  # a PeftModel: the adapter is the encoder's
         self.tokens, self.chunk_tokens, self.served = tokens, chunk_tokens, served
         self.query_aware, self.adapter_reads, self.slot_positions = query_aware, adapter_reads, slot_positions

@@ -53,8 +53,6 @@ def with_crops(rows, crops: list[int], seed: int):
 
     from rlhf.tasks.long_context import cropped
 
-    if not crops:
-        return rows
     rng = random.Random(seed)
     parts = [rows] + [
         rows.assign(context=[cropped(c, r, n, rng) for c, r in zip(rows["context"], rows["relevant"])]) for n in crops
@@ -84,9 +82,9 @@ def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: P
         run_name=f"compress-{tokens}",
         remove_unused_columns=False,
     )
-    if params.crops and "relevant" in rows:
+    if params.crops:  # stages.compress.run refuses crops and recite without a `relevant` column
         rows = with_crops(rows, params.crops, params.seed)
-    columns = ["context", "prompt", "completion"] + (["relevant"] if params.recite > 0 and "relevant" in rows else [])
+    columns = ["context", "prompt", "completion"] + (["relevant"] if params.recite > 0 else [])
     data = Dataset.from_pandas(rows[columns].reset_index(drop=True))
     trainer = CompressorTrainer(
         model=compressor,

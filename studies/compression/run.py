@@ -10,8 +10,9 @@ window, the relevant sentences alone, and each compressor's.
 
 Each variant is `key=value` pairs: name, and any key of params `compress` (tokens: one
 count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
-query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; recite: a weight; crops: N+N+N). A variant whose folder under --work/compressors
-exists is scored again, not retrained. Writes --work/results-<suite>.json: per reading, the
+query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; recite: a
+weight; crops: N+N+N). A variant whose folder under --work/compressors exists is scored
+again, not retrained. Writes --work/results-<suite>.json: per reading, the
 accuracy with its 95% bootstrap interval, and per variant its training time and losses.
 Tune on dev; only a setting chosen on dev is scored on test.
 """
