@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from real_size import ROW, build_model, measured, project, set_params  # noqa: E402
+from real_size import ROW, build_model, copy_code, measured, project, set_params  # noqa: E402
 
 LORA = {"enabled": True, "r": 8, "alpha": 16, "target_modules": "all-linear"}
 STEPS = {"max_steps": 2, "save_steps": 1000, "logging_steps": 1, "per_device_train_batch_size": 1}
@@ -89,9 +89,33 @@ STAGES = [
 ]
 
 
+PRM_FILE = "data/raw/prm.jsonl"
+
+
+def write_step_labels(path: Path) -> None:
+    """Step labels for stage prm (prepare.files.prm): random weights write no steps for it
+    to label by rollouts. real_size.py's sums, solved in two steps (the sum of the first
+    half, then the total), every other solution wrong from its first step."""
+    import random
+
+    rng = random.Random(1)
+    with open(path, "w") as file:
+        for row in range(64):
+            numbers = [rng.randint(1, 99) for _ in range(30)]
+            half, total = sum(numbers[:15]), sum(numbers)
+            slip = 0 if row % 2 else rng.randint(1, 9)
+            file.write(json.dumps({
+                "prompt": " + ".join(map(str, numbers)) + " =",
+                "completions": [f"the first fifteen add up to {half + slip}", f"the sum is {total + slip}"],
+                "labels": [not slip, not slip],
+            }) + "\n")  # fmt: skip
+
+
 def real_dag_params(params: dict) -> None:
     """real_size.py's params (files of 256-token rows, task last_number, LoRA sft and DPO)
-    with every other stage at a few steps and a few problems."""
+    with every other stage at a few steps and a few problems, and step labels from a file."""
+    params["prepare"]["files"]["prm"] = {"path": PRM_FILE}
+    params["task"]["step_separator"] = ";"  # the model's saved tokenizer drops newlines, the default
     params["verifier"].update(STEPS, max_length=LENGTH, lora=LORA)
     params["rm"].update(STEPS, num_members=2, max_length=LENGTH, lora=LORA)
     params["prm"].update(
@@ -139,7 +163,10 @@ def main() -> None:
     root = work / "project"
     if not (root / "params.yaml").exists():
         root = project(work, model_dir, args.sft_steps)
-    set_params(root, real_dag_params)  # again on a kept project: a fix to these params takes effect
+    else:  # a kept project: this checkout's code and these params take effect
+        copy_code(root)
+    write_step_labels(root / PRM_FILE)
+    set_params(root, real_dag_params)
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(root)}
     names = [name for name, _, _ in STAGES]
     start = args.only or args.start

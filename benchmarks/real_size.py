@@ -98,14 +98,21 @@ def write_data(raw: Path) -> None:
             file.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
 
 
+def copy_code(root: Path) -> None:
+    """This checkout's code into the scratch project `root`, replacing what a kept one held."""
+    for name in ("rlhf", "stages", "flows", "configs", "dvc.yaml", ".dvcignore"):
+        source, target = ROOT / name, root / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, target)
+
+
 def project(work: Path, model_dir: Path, steps: int) -> Path:
     """A scratch copy of the project's code with params for the real-size model."""
     import yaml
 
     root = work / "project"
-    for name in ("rlhf", "stages", "flows", "configs", "dvc.yaml", ".dvcignore"):
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, root / name)
+    copy_code(root)
     write_data(root / "data/raw")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     budget = {"max_steps": steps, "save_steps": 1000, "logging_steps": 1, "per_device_train_batch_size": 2}

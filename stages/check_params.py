@@ -202,15 +202,24 @@ def sharding_problems(params: dict) -> list[str]:
     a LoRA adapter, or the likelihood reward model (an LM with a head of ours), would fail
     at the end of its stage's training, after the model had loaded and trained. Each stage
     that would is named here, with its key. (PPO, our own loop, replicates its models on
-    every process whatever the config says.)"""
+    every process whatever the config says.) On a CPU neither strategy shards: accelerate's
+    `AcceleratorState` turns a launch into FSDP or DeepSpeed only in its branch for
+    accelerators (MULTI_GPU, NPU, XPU...), never for MULTI_CPU, so it is refused too."""
     compute = params["compute"]
     strategy = compute.launcher == "accelerate" and sharded_config(compute.accelerate_config)
     if not strategy:
         return []
+    from rlhf.models.compute import resolve
+
+    problems = []
+    if resolve(compute).device == "cpu":
+        problems.append(f"compute.accelerate_config: {strategy} ({compute.accelerate_config}) shards the weights on GPUs "
+                        "only: accelerate (1.15) chooses FSDP or DeepSpeed only when it launches on accelerators, and "
+                        "a CPU launch runs as plain data parallelism, each process holding the whole model; use "
+                        "configs/accelerate/ddp.yaml here")  # fmt: skip
     trained = {"sft": params["sft"], "verifier": params["verifier"], "rm": params["rm"], "prm": params["prm"]}
     policy = params["policy"]
     trained |= {f"policy.{m}": getattr(policy, m) for m in [*policy.offline, *policy.online] if m != "ppo"}
-    problems = []
     for key, config in trained.items():
         if key == "prm" and config.kind == "likelihood":
             continue  # fitted by rank 0 alone, nothing sharded

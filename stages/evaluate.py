@@ -221,6 +221,7 @@ def run(
     model (no preference data) reward and win-rate are null."""
     from rlhf.data.prepared import read_prepared
     from rlhf.evaluation.suites import SUITE_COLUMNS
+    from rlhf.models.compute import release_memory
     from rlhf.models.folders import absent_reason
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble
@@ -250,7 +251,7 @@ def run(
         for name, suite in suites.items()
         for suffix, frame in (readings(suite, tokenizer, budget) if name in long_suites else {"": suite}).items()
     }
-    # The judge one member at a time, beside the reference and a candidate (rlhf.rewards.ensemble).
+    # The judge scores every model's completions after the models are freed (`judged`).
     judge = None if absent_reason(RM_DIR) else RewardEnsemble.load(RM_DIR, config.trust_remote_code, resident=False)
     baselines = list(baseline_dirs(config))
     report: dict = {
@@ -262,19 +263,15 @@ def run(
     outcomes: dict = {"suites": {name: {**suite_identity(s), "models": {}} for name, s in suites.items()}}
     samples: dict = {name: {} for name in suites}
     completions: dict = {"suites": {n: {"prompts": s["prompt"].tolist(), "models": {}} for n, s in suites.items()}}
-    reference_rewards: dict = {}
     for model_name, path in dirs.items():
         model = reference if model_name == REFERENCE else load_causal_lm(path, config.trust_remote_code, what=str(path))
         baseline = model_name in baselines  # scored for what it answers: no judge, no KL to the reference
         for suite_name, suite in suites.items():
             start = time.perf_counter()
-            metrics, per_problem, rewards, texts = evaluate_model(
-                config, task, model, None if baseline else reference, tokenizer, None if baseline else judge, suite,
-                reference_rewards.get(suite_name),
+            metrics, per_problem, _, texts = evaluate_model(
+                config, task, model, None if baseline else reference, tokenizer, None, suite, None,
                 max_new_tokens=config.baseline_max_new_tokens if baseline else None,
             )  # fmt: skip
-            if model_name == REFERENCE:
-                reference_rewards[suite_name] = rewards
             metrics["seconds"] = time.perf_counter() - start
             report["suites"].setdefault(suite_name, {})[model_name] = metrics
             outcomes["suites"][suite_name]["models"][model_name] = per_problem
@@ -293,11 +290,40 @@ def run(
             for name, metrics in scores.items():
                 report["suites"].setdefault(f"{HARNESS_PREFIX}{name}", {})[model_name] = metrics
         del model
+    del reference
+    release_memory()
+    judged(config, judge, suites, completions, report, outcomes)
     if workdir:
         workdir.cleanup()
     if config.compress.enabled and long_suites:
         compressed(config, task, tokenizer, long_suites, dirs, report, outcomes, samples)
     return report, outcomes, samples, completions
+
+
+def judged(config: Config, judge, suites: dict, completions: dict, report: dict, outcomes: dict) -> None:
+    """The judge's reward and win rate (against the reference) for each candidate and suite,
+    scored after generation has freed every model: one call of the ensemble over all their
+    completions (each member loaded once, alone), not a member beside the reference and a
+    candidate. Baselines are not judged (`completions` holds the candidates' texts only):
+    they get the same keys, empty, as every model does without a judge."""
+    from rlhf.evaluation.suites import judge_metrics
+    from rlhf.rewards.ensemble import EnsembleScores
+
+    texts = completions["suites"]
+    spans, prompts, answers = [], [], []
+    for suite_name in suites:
+        for model_name, completed in texts[suite_name]["models"].items():
+            spans.append((suite_name, model_name, len(answers), len(answers) + len(completed)))
+            prompts += texts[suite_name]["prompts"]
+            answers += completed
+    scores = judge.score(prompts, answers) if judge is not None and answers else None
+    rewards = {(suite, model): None if scores is None else EnsembleScores(scores.members[:, start:end])
+               for suite, model, start, end in spans}  # fmt: skip
+    for suite_name in suites:
+        reference = rewards.get((suite_name, REFERENCE))
+        for model_name, metrics in report["suites"][suite_name].items():
+            judge_metrics(config, metrics, outcomes["suites"][suite_name]["models"][model_name],
+                          rewards.get((suite_name, model_name)), None if reference is None else reference.mean)  # fmt: skip
 
 
 def compressed(config: Config, task, tokenizer, long_suites: dict, dirs: dict, report, outcomes, samples) -> None:

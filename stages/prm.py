@@ -106,6 +106,22 @@ def init_dir(config: Config) -> Path:
     return MODELS_DIR / config.init
 
 
+def check_separator(config: Config, separator: str) -> None:
+    """The task's step separator must be a token of the init model's tokenizer: each step's
+    label or score sits on its separator's tokens. Checked before labels are derived by
+    rollouts or a model loads (a tokenizer that drops newlines refused the default)."""
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.params import PARAMS_FILE, ParamsError
+
+    init = init_dir(config)
+    check_model_dir(resolve_model_dir(init), f"prm.init {config.init!r} (models/{config.init})")
+    if not load_tokenizer(init, config.trust_remote_code)(separator, add_special_tokens=False)["input_ids"]:
+        raise ParamsError(PARAMS_FILE, [
+            f"task.step_separator: {separator!r} tokenizes to nothing with the tokenizer of {init.as_posix()}, and "
+            "the PRM marks each step on its separator's tokens; choose one it keeps (for example ';')"
+        ])  # fmt: skip
+
+
 def load_labels(config: Config, task, data: Path, eval_data: Path, out_dir: Path) -> tuple:
     """The training step labels (a `datasets.Dataset`), the held-out ones (a frame) and the
     derivation's counts: the prepared files, or, when they have no rows, labels derived by
@@ -259,6 +275,7 @@ def main() -> None:
     config, task = params["prm"], get_task(params["task"])
     with stage_run("prm", config) as active:
         with atomic_dir(OUT_DIR) as tmp:
+            check_separator(config, task.step_separator)
             rows, held_out, derived = load_labels(config, task, DATA, EVAL_DATA, tmp)
             if rows is None:
                 drop_out("prm", tmp, derived, METRICS, PLOT)

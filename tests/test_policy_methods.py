@@ -4,6 +4,7 @@ the loss is finite."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -122,6 +123,15 @@ def test_reference_logps_are_computed_once_per_reference_and_data(sft_project, m
         metrics, _ = stages.policy.run(config.model_copy(update={"dpo": params}), get_task(), "dpo", out)
         return metrics
 
+    # One step of 4 rows draws under half of the 64 pairs: `auto` scores the reference per batch.
+    small = run_dpo(beta=0.1, precompute_ref_log_probs="auto")
+    assert small["reference_precomputed"] is False and "ref_logps_cache_hit" not in small
+    assert not cache.exists() or not list(cache.glob("*.parquet"))
+    assert run_dpo(beta=0.1, max_steps=8, precompute_ref_log_probs="auto")["reference_precomputed"] is True
+    for entry in cache.glob("*.parquet"):
+        entry.unlink()
+
+    run_dpo = functools.partial(run_dpo, precompute_ref_log_probs=True)  # a sweep asks for the cache
     assert run_dpo(beta=0.1)["ref_logps_cache_hit"] is False
     entries = sorted(cache.glob("*.parquet"))
     assert len(entries) == 1
@@ -138,6 +148,24 @@ def test_reference_logps_are_computed_once_per_reference_and_data(sft_project, m
     entries[0].unlink()
     assert run_dpo(beta=0.3)["ref_logps_cache_hit"] is False
     assert pq.read_table(entries[0]).equals(first)
+
+
+def test_auto_precomputes_reference_logps_when_the_run_draws_half_the_rows_or_more():
+    from rlhf.training.methods.dpo import Params as DPOParams
+    from rlhf.training.params import precompute_reference
+
+    ten_steps = DPOParams(max_steps=10, per_device_train_batch_size=32)  # 320 rows a process
+    assert precompute_reference(ten_steps, rows=169_000, processes=1) is False
+    assert precompute_reference(ten_steps, rows=640, processes=1) is True  # 320 is half
+    assert precompute_reference(ten_steps, rows=641, processes=1) is False
+    assert precompute_reference(ten_steps, rows=1280, processes=2) is True
+    accumulated = ten_steps.model_copy(update={"gradient_accumulation_steps": 4})
+    assert precompute_reference(accumulated, rows=2560, processes=1) is True
+    assert precompute_reference(ten_steps.model_copy(update={"max_steps": None}), rows=10**9, processes=1) is True
+    for asked in (True, False):
+        forced = ten_steps.model_copy(update={"precompute_ref_log_probs": asked})
+        assert precompute_reference(forced, rows=169_000, processes=1) is asked
+    assert DPOParams().precompute_ref_log_probs == "auto"
 
 
 @pytest.mark.parametrize("method", ["simpo", "orpo", "dpo", "kto"])

@@ -33,6 +33,7 @@ from rlhf.training.ppo import (
     token_logprobs,
     token_values,
     train_ppo,
+    value_adapters,
     value_returns,
     whiten,
 )
@@ -425,6 +426,80 @@ def test_ppo_with_lora_returns_a_merged_plain_policy(model_dir, tokenizer, tmp_p
         assert row["kl"] == pytest.approx(other["kl"], abs=1e-6) and row["policy_loss"] == pytest.approx(
             other["policy_loss"], abs=1e-6
         )
+
+
+@pytest.fixture
+def bf16_compute():
+    """This process computing in bfloat16 on the CPU (autocast; LoRA bases load in bf16)."""
+    from rlhf.models import compute
+
+    compute.configure(compute.ComputeConfig(device="cpu", dtype="bfloat16"))
+    yield
+    compute.configure(None)
+
+
+def test_value_adapters_leave_the_body_frozen_in_the_compute_dtype_and_train_a_float32_head(model_dir, bf16_compute):
+    """Under LoRA the value model trains adapters and its head, not 16 bytes a weight: its
+    frozen weights load in the compute dtype (bf16 here) and the head, trained in full, in
+    float32, reading the bf16 hidden state without a dtype error."""
+    value = load_value_model(model_dir, adapters=True)
+    assert value.model.embed_tokens.weight.dtype == torch.bfloat16
+    wrapped = value_adapters(value, PPOParams().lora.model_copy(update={"enabled": True, "r": 4}))
+    trainable = {name: p for name, p in wrapped.named_parameters() if p.requires_grad}
+    head = [name for name in trainable if "lora_" not in name]
+    assert head and all(".score." in name for name in head), head
+    assert all(p.dtype == torch.float32 for p in trainable.values())
+    ids, mask = T([[5, 6, 7, 8], [0, 5, 6, 7]]), T([[1, 1, 1, 1], [0, 1, 1, 1]])
+    values = token_values(wrapped, ids, mask, response_start=2)
+    assert values.dtype == torch.float32 and not values.any(), "a zeroed head: V = 0 at the start"
+    ((values - 1.0) ** 2).mean().backward()
+    assert all(trainable[name].grad.any() for name in head)
+
+
+@pytest.mark.slow
+def test_ppo_with_lora_in_bf16_trains_value_adapters_and_returns_plain_models(
+    model_dir, tokenizer, tmp_path, bf16_compute
+):
+    """A LoRA run under bf16 autocast on the CPU: finite metrics, and both the policy and the
+    value model come back plain (adapters merged) and changed, the value head included."""
+    policy = load_causal_lm(model_dir, adapters=True)
+    value = load_value_model(model_dir, adapters=True)
+    before = {k: v.clone() for k, v in value.state_dict().items()}
+    lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
+    history, _ = run_ppo(model_dir, tokenizer, tmp_path / "ckpt", models=(policy, None, value), lora=lora)
+    assert all(math.isfinite(row[key]) for row in history for key in METRICS)
+    assert set(value.state_dict()) == set(before), "the value model's adapters are merged too"
+    assert changed(before, value.state_dict(), "model.layers") and changed(before, value.state_dict(), "score")
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same(model_dir, tokenizer, tmp_path):
+    """params model.gradient_checkpointing: PPO keeps its models in eval mode (no dropout),
+    where transformers would not recompute; the layers run again in the backward pass (the
+    attention of the first layer is called more often) and the run ends with the same
+    weights and metrics."""
+    from rlhf.models import settings
+
+    lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
+    runs = []
+    for checkpointing in (False, True):
+        settings.configure(settings.ModelSettings(gradient_checkpointing=checkpointing))
+        try:
+            policy, _, value = fresh_models(model_dir)
+            calls = []
+            policy.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+            history, _ = run_ppo(model_dir, tokenizer, tmp_path / f"ckpt-{checkpointing}",
+                                 models=(policy, None, value), lora=lora)  # fmt: skip
+        finally:
+            settings.configure(None)
+        runs.append((history, policy.state_dict(), len(calls)))
+    (plain, plain_weights, plain_calls), (checkpointed, weights, checkpointed_calls) = runs
+    assert checkpointed_calls > plain_calls
+    for row, other in zip(plain, checkpointed):
+        assert row["policy_loss"] == pytest.approx(other["policy_loss"], abs=1e-5)
+        assert row["value_loss"] == pytest.approx(other["value_loss"], abs=1e-5)
+    for key, tensor in plain_weights.items():
+        torch.testing.assert_close(weights[key], tensor, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -288,6 +288,29 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
     assert not (tmp_path / "checkpoints/prm").exists()
 
 
+def test_a_separator_the_tokenizer_drops_fails_naming_the_key_before_labels(
+    tmp_path, monkeypatch, mlflow_store, micro_dir
+):
+    """A tokenizer whose normaliser removes the task's separator (a real one dropped
+    newlines) gives the PRM nowhere to put a step's label: refused naming
+    task.step_separator, before labels are read or derived and before any model loads."""
+    from tokenizers import normalizers
+
+    import stages.prm as stage
+    from rlhf.params import ParamsError
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = build_tokenizer()
+    tokenizer.backend_tokenizer.normalizer = normalizers.Replace(SEP, "")
+    tokenizer.save_pretrained(str(micro_dir))
+    config = stage.Config(kind="classifier", init="sft", max_steps=2)
+    monkeypatch.setattr(stage, "load_model_stage", lambda *args, **kwargs: {"prm": config, "task": TaskConfig()})
+    monkeypatch.setattr(stage, "load_labels", lambda *args: pytest.fail("labels read before the separator's check"))
+    with pytest.raises(ParamsError, match=r"task\.step_separator: .* tokenizes to nothing with the tokenizer of "):
+        stage.main()
+    assert not (tmp_path / "models/prm").exists()
+
+
 @pytest.mark.slow
 def test_a_resumed_run_reproduces_an_uninterrupted_one(tmp_path, monkeypatch, mlflow_store, micro_dir):
     """Stop after step 2 (checkpoint-2), resume in a fresh trainer to step 4: the weights

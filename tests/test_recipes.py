@@ -75,3 +75,26 @@ def test_the_command_lists_the_recipes():
     out = subprocess.run([sys.executable, "-m", "rlhf.recipes", "list"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert [line.split()[0] for line in out.stdout.splitlines()] == RECIPES
+
+
+def test_the_8b_recipe_mends_llamas_template_that_trl_cannot_mark(tmp_path):
+    """TRL 1.16 trains on the assistant's turns through {% generation %} markers and can add
+    them to Llama 3's template, not to Llama 3.1's (the one Llama-3.1-8B-Instruct ships):
+    SFT refuses that template before loading the model. The 8B recipe puts TRL's Llama 3
+    training template on the tokenizer (base.chat_template: llama3), which SFT accepts."""
+    from rlhf.models.loading import build_tokenizer
+    from rlhf.models.templates import apply_template, read_template, trl_templates_dir
+    from rlhf.training.methods.sft import SFTDataError, check_assistant_masking
+
+    shipped = build_tokenizer()
+    shipped.chat_template = (trl_templates_dir() / "llama3_1.jinja").read_text()
+    with pytest.raises(SFTDataError, match=r"sft\.loss_on: completion .* TRL cannot patch it"):
+        check_assistant_masking(shipped, "sft", tmp_path)
+    recipe = yaml.safe_load((RECIPES_DIR / "llama3.1-8b-qlora-dpo-24gb.yaml").read_text())
+    assert recipe["base"]["chat_template"] == "llama3" and recipe["sft"].get("loss_on", "completion") == "completion"
+    mended = build_tokenizer()
+    apply_template(mended, read_template(recipe["base"]["chat_template"]))
+    check_assistant_masking(mended, "sft", tmp_path)
+    turn = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]
+    text = mended.apply_chat_template(turn, tokenize=False)
+    assert "<|start_header_id|>assistant<|end_header_id|>\n\n2<|eot_id|>" in text

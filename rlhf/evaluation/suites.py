@@ -102,7 +102,7 @@ def evaluate_model(
     import pandas as pd
     import torch
 
-    from rlhf.evaluation.metrics import completion_kl, distinct_n, wins
+    from rlhf.evaluation.metrics import completion_kl, distinct_n
     from rlhf.models.generation import generate
 
     prompts = suite["prompt"].tolist()
@@ -121,17 +121,31 @@ def evaluate_model(
         if task.checks_answers
         else [],
         "format_rate": [float(task.is_well_formatted(t)) for t in texts] if task.has_format else [],
+    }
+    metrics = {
+        **summarise(config, outcomes, answer_difficulty(suite)),
+        "kl_to_ref": float(kl.mean()) if kl is not None else None,
+        "distinct_1": distinct_n(texts, 1),
+        "distinct_2": distinct_n(texts, 2),
+        "mean_length": sum(len(t) for t in texts) / len(texts),
+    }
+    judge_metrics(config, metrics, outcomes, rewards, ref_rewards)
+    return metrics, outcomes, rewards.mean if rewards is not None else None, texts
+
+
+def judge_metrics(config, metrics: dict, outcomes: dict, rewards, ref_rewards) -> None:
+    """Add the judge's per-problem `reward` and `win_rate` (against `ref_rewards`, the
+    reference's rewards on the same prompts; None: against itself) to `outcomes`, and their
+    means with intervals and the members' spread (`reward_std`) to `metrics`; `rewards`
+    None (no judge): the same keys, empty or None."""
+    from rlhf.evaluation.metrics import wins
+
+    judged = {
         "reward": rewards.mean.tolist() if rewards is not None else [],
         "win_rate": wins(rewards.mean, rewards.mean if ref_rewards is None else ref_rewards).tolist()
         if rewards is not None
         else [],
     }
-    metrics = {
-        **summarise(config, outcomes, answer_difficulty(suite)),
-        "kl_to_ref": float(kl.mean()) if kl is not None else None,
-        "reward_std": float(rewards.std.mean()) if rewards is not None else None,
-        "distinct_1": distinct_n(texts, 1),
-        "distinct_2": distinct_n(texts, 2),
-        "mean_length": sum(len(t) for t in texts) / len(texts),
-    }
-    return metrics, outcomes, rewards.mean if rewards is not None else None, texts
+    outcomes.update(judged)
+    metrics.update(summarise(config, judged, None))
+    metrics["reward_std"] = float(rewards.std.mean()) if rewards is not None else None

@@ -18,6 +18,28 @@ from pydantic import Field, field_validator, model_validator
 from rlhf.models.settings import ModelOverride
 from rlhf.params import InputError, StageConfig
 
+PRECOMPUTE_REF_FIELD = Field(
+    "auto",
+    description="reference log-probs of every row before training, cached by content (sweeps: true), or per "
+    "batch as training goes (false); auto: before training when the run draws at least half the rows",
+)
+
+
+def precompute_reference(params, rows: int, processes: int) -> bool:
+    """Whether the reference log-probs of all `rows` are computed before training (TRL's
+    precompute, cached here by content) rather than per batch as training goes: params
+    `precompute_ref_log_probs`, or with `auto` when the run draws at least half the rows
+    (max_steps x batch x accumulation x processes; every epoch when max_steps is null). A
+    run of 10 steps over 169k pairs first scored all of them: about 25 minutes on 2 cores
+    for the 320 it trained on."""
+    if params.precompute_ref_log_probs != "auto":
+        return params.precompute_ref_log_probs
+    if params.max_steps is None:
+        return True
+    drawn = params.max_steps * params.per_device_train_batch_size * params.gradient_accumulation_steps * processes
+    return 2 * drawn >= rows
+
+
 KEYED_SAMPLING = (
     "draw each completion from a generator keyed by (seed, step, row): the same completions with 1 or N "
     "processes and any batch split, at the cost of a generator per row and token (rlhf.models.generation)"

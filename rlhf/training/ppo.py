@@ -32,10 +32,17 @@ Departures from the paper: the value model is a separate network (no shared trun
 coefficient), dropout is off throughout (models stay in eval mode, so old and new log-probs
 agree before the first update), and losses are means over all response tokens of a
 mini-batch (TRL's convention), not per-sequence means.
+
+Memory under LoRA: the policy with its adapters disabled is the reference (no copy), and
+the value model trains adapters of its own and its head, so a run holds two frozen copies
+of the weights in the compute dtype and the adapters' optimizer state; without LoRA it holds
+policy and value model as float32 master weights with their gradients and AdamW's moments,
+and a reference copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -49,6 +56,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForTokenClassification, GenerationConfig, get_scheduler
 
+import rlhf.models.settings as model_settings
 from rlhf.atomic import atomic_dir
 from rlhf.models.compute import current, is_main, rank, world_size
 from rlhf.models.folders import check_model_dir, resolve_model_dir
@@ -377,14 +385,15 @@ class _Values:
     logits: torch.Tensor
 
 
-def load_value_model(path: str | Path, trust_remote_code: bool = False):
+def load_value_model(path: str | Path, trust_remote_code: bool = False, adapters: bool = False):
     """A token-classification model with one output per position (the value head), from a
     causal LM directory (`value_init: sft`: a new head, zero-initialised so that V = 0 at
     the start and the load is deterministic) or a reward-model directory
     (`value_init: rm`: a classifier member's Llama-style `score` head carries over, its new
     bias at 0; a likelihood member gives its trained LM body and a new, zeroed head). An
     architecture without a token-classification class gets its body and a new, zeroed
-    head (`ValueHeadModel`)."""
+    head (`ValueHeadModel`). With `adapters` (PPO's LoRA: `value_adapters` follows) the
+    frozen weights load in the compute dtype, else as float32 master weights."""
     from transformers import AutoModel
 
     from rlhf.models.loading import init_kwargs, missing_classifier_type
@@ -393,7 +402,7 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False):
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code, num_labels=1)
     config.classifier_dropout = 0.0
     # Trained in full: float32 master weights unless params `model` asks for pure half precision.
-    kwargs = init_kwargs(training=True, trust_remote_code=trust_remote_code)
+    kwargs = init_kwargs(training=True, adapters=adapters, trust_remote_code=trust_remote_code)
     kwargs.pop("quantization_config", None)  # refused for PPO by the params check: never a quantized value model
     kwargs.pop("device_map", None)
     if missing_classifier_type(path, trust_remote_code):
@@ -409,6 +418,66 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False):
             if key in parameters:
                 parameters[key].zero_()
     return model
+
+
+def value_adapters(value_model, lora):
+    """LoRA on the value model, as on the policy (params `lora`: the same rank and targets):
+    adapters on its body, its head (hidden size x 1) trained in full in float32 (peft's
+    `modules_to_save` for a token-classification model, the head reading its input in its
+    own dtype). The value model then holds one frozen copy of its weights in the compute
+    dtype instead of float32 master weights, their gradients and AdamW's two moments: 16
+    bytes a parameter, 8 GB at 0.5B. Returns the model to train (peft wraps a
+    token-classification model; a `ValueHeadModel`'s body is wrapped in place)."""
+    from peft import get_peft_model
+
+    if isinstance(value_model, ValueHeadModel):  # its own float32 head reads the hidden state cast
+        value_model.body = get_peft_model(value_model.body, lora.peft_config("FEATURE_EXTRACTION"))
+        return value_model
+    config = lora.peft_config("TOKEN_CLS")
+    config.exclude_modules = list(VALUE_HEADS)  # `all-linear` would adapt the head it trains in full
+    model = get_peft_model(value_model, config)
+    heads = {name.rsplit(".", 1)[0] for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name}
+    for name, module in model.named_modules():
+        if name in heads:
+            module.float()
+            module.register_forward_pre_hook(_input_in_weights_dtype)
+    return model
+
+
+VALUE_HEADS = ("score", "classifier")  # a token-classification model's head: peft's names for TOKEN_CLS
+
+
+def _input_in_weights_dtype(module, args):
+    return tuple(a.to(module.weight.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def unwrapped_value_model(value_model):
+    """The plain value model after `value_adapters`: its adapters merged."""
+    if isinstance(value_model, ValueHeadModel):
+        value_model.body = merged_model(value_model.body)
+        return value_model
+    return merged_model(value_model)
+
+
+def mixed_precision(device: torch.device):
+    """bfloat16 autocast where this process computes in it (params `compute.dtype`; a GPU's
+    default): the matmuls in bf16 over float32 master weights and adapters, as the
+    Trainer's mixed precision does for the TRL methods. Nothing on a float32 CPU. float16
+    computes in the weights' dtype: autocast to it would need a gradient scaler."""
+    if current().dtype != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def checkpointed_in_eval(model) -> None:
+    """Gradient checkpointing (params `model.gradient_checkpointing`) for a model PPO keeps in
+    eval mode (no dropout: module docstring). transformers recomputes a decoder layer only
+    while that layer is training, so each checkpointing layer alone is marked training;
+    its attention and MLP stay in eval mode, where dropout is off."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            module.training = True
 
 
 # ----------------------------------------------------------------------------- training
@@ -436,13 +505,15 @@ def ppo_iteration(
     rows = len(prompts)
     first_row, batch_rows = ranks.rank * rows, ranks.world * rows
     keyed = KeyedSampling(params.seed, iteration, first_row, params.temperature) if params.keyed_sampling else None
-    rollout = generate_rollouts(
-        policy, tokenizer, prompts, params.max_new_tokens, params.temperature,
-        params.max_length - params.max_new_tokens, keyed=keyed,
-    )  # fmt: skip
+    device = policy.device
+    with mixed_precision(device):
+        rollout = generate_rollouts(
+            policy, tokenizer, prompts, params.max_new_tokens, params.temperature,
+            params.max_length - params.max_new_tokens, keyed=keyed,
+        )  # fmt: skip
     ids, attention, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
     mask = rollout.response_mask
-    with torch.no_grad():
+    with torch.no_grad(), mixed_precision(device):
         if ref_policy is None:  # LoRA: the policy with its adapters off is the initial policy
             with policy.disable_adapter():
                 ref_logprobs = token_logprobs(policy, ids, attention, start, params.temperature)
@@ -468,13 +539,14 @@ def ppo_iteration(
             mine = mb[(mb >= first_row) & (mb < first_row + rows)] - first_row
             count = ranks.sum(mask[mine].sum().to(torch.float32))
             if len(mine):
-                logprobs, entropy = token_logprobs(
-                    policy, ids[mine], attention[mine], start, params.temperature, entropy=True
-                )
+                with mixed_precision(device):
+                    logprobs, entropy = token_logprobs(
+                        policy, ids[mine], attention[mine], start, params.temperature, entropy=True
+                    )
+                    new_values = token_values(value_model, ids[mine], attention[mine], start)
                 policy_loss, clipfrac, approx_kl = clipped_policy_loss(
                     logprobs, rollout.logprobs[mine], advantages[mine], mask[mine], params.cliprange, count
                 )
-                new_values = token_values(value_model, ids[mine], attention[mine], start)
                 value_loss, value_clipfrac = clipped_value_loss(
                     new_values, values[mine], returns[mine], mask[mine], params.cliprange_value, count
                 )
@@ -580,8 +652,12 @@ def train_ppo(
 
     `ref_policy` is frozen (pass a separate copy of the initial policy; with LoRA, None: the
     policy with its adapters disabled is the reference, no second copy); `value_model` is a
-    `load_value_model` model, trained in full (LoRA applies to the policy only). With LoRA the
-    adapters are merged into `policy` before returning, so it is a plain model afterwards.
+    `load_value_model` model, trained in full, or under LoRA with adapters of its own
+    (`value_adapters`). With LoRA the adapters are merged into `policy` (and the value
+    model's into it) before returning, so both are plain models afterwards. Forward passes
+    run under bf16 autocast where the process computes in bf16 (`mixed_precision`), and
+    with params `model.gradient_checkpointing` both trained models recompute their layers
+    in the backward pass (`checkpointed_in_eval`).
     A checkpoint is kept in `checkpoint_dir` every `save_steps` iterations and at the end; a
     call that finds one resumes from it (choose the folder per run, e.g. by fingerprint).
 
@@ -606,11 +682,15 @@ def train_ppo(
 
         torch.manual_seed(params.seed)  # the adapters' initialisation, whatever ran before in this process
         model = get_peft_model(policy, params.lora.peft_config())
+        value_model = value_adapters(value_model, params.lora)
     if ref_policy is None and not params.lora.enabled:
         raise ValueError("ref_policy: None only with LoRA (the policy with its adapters off is the reference)")
     for m in (model, ref_policy, value_model):
         if m is not None:
             m.to(device).eval()  # no dropout anywhere: see the module docstring
+    if model_settings.current().gradient_checkpointing:
+        for m in (model, value_model.body if isinstance(value_model, ValueHeadModel) else value_model):
+            checkpointed_in_eval(m)
     if ref_policy is not None:
         ref_policy.requires_grad_(False)
     updates = params.max_steps * params.ppo_epochs * (params.rollout_batch_size // params.mini_batch_size)
@@ -657,4 +737,6 @@ def train_ppo(
         if step % params.save_steps == 0 or step == params.max_steps:
             save_checkpoint(checkpoint_dir, step, (model, value_model), opts, kl_ctl.value, history)
     merged_model(model)
+    if params.lora.enabled:
+        unwrapped_value_model(value_model)
     return history

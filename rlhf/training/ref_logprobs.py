@@ -103,9 +103,9 @@ def with_reference_cache(trainer_cls: type, cache_dir: str | Path) -> type:
 
 
 def reference_trainer(trainer_cls, params, job):
-    """The trainer class of a method with a reference model (DPO, KTO): with
-    `precompute_ref_log_probs` the trainer keeps its reference log-probs in the
-    content-keyed cache `job.ref_cache` (rlhf.training.ref_logprobs)."""
-    if params.precompute_ref_log_probs and job.ref_cache is not None:
+    """The trainer class of a method with a reference model (DPO, KTO): where it precomputes
+    reference log-probs (`rlhf.training.params.precompute_reference`) it keeps them in the content-keyed cache
+    `job.ref_cache` (rlhf.training.ref_logprobs)."""
+    if params.precompute_ref_log_probs is not False and job.ref_cache is not None:
         return with_reference_cache(trainer_cls, job.ref_cache)
     return trainer_cls

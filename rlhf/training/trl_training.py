@@ -83,8 +83,10 @@ def train_trl(
     `fit_rows` (SFT's, which measures conversations by their template). `curve`: the logged
     values the curve holds (default: `logged`)."""
     from rlhf.data.prepared import prepared_dataset
+    from rlhf.models.compute import world_size
     from rlhf.models.folders import check_model_dir, resolve_model_dir
     from rlhf.models.loading import empty_causal_lm, load_tokenizer
+    from rlhf.training.params import precompute_reference
     from rlhf.training.trainer_setup import (
         adapters_without_casts,
         checkpoint_dir,
@@ -135,6 +137,12 @@ def train_trl(
     )
     loading, loader_kwargs = trainer_loading(params, job.trust_remote_code, trainer_cls, settings)
     trainer_kwargs |= loader_kwargs
+    if getattr(params, "precompute_ref_log_probs", None) == "auto":
+        precompute = precompute_reference(params, len(dataset), world_size())
+        trl_args = {**(trl_args or {}), "precompute_ref_log_probs": precompute}
+        counts["reference_precomputed"] = precompute
+        if not precompute:
+            print(f"{job.stage}: reference log-probs per batch: the run draws under half of the {len(dataset)} rows")
     args = trl_config(
         config_cls, params, checkpoint_dir(job.checkpoints, job.stage, key), job.trust_remote_code, job.key,
         model_init_kwargs=loading, settings=settings, **(trl_args or {}),

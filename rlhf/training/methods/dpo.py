@@ -16,11 +16,11 @@ Data: preference (prompt, chosen, rejected), data/prepared/prefs.parquet.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf.training.params import OfflineParams
+from rlhf.training.params import PRECOMPUTE_REF_FIELD, OfflineParams
 
 NAME = "dpo"
 KIND = "offline"
@@ -54,7 +54,7 @@ class Params(OfflineParams):
         description="weight of an NLL term on chosen (RPO, Pang et al. 2024); 0 = off. Plain DPO loses accuracy here",
     )
     save_steps: int = Field(50, gt=0, description="checkpoint every N steps (a killed run resumes from the last)")
-    precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")
+    precompute_ref_log_probs: bool | Literal["auto"] = PRECOMPUTE_REF_FIELD
 
     @field_validator("loss_type")
     @classmethod

@@ -10,11 +10,11 @@ preference pairs when not given).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from rlhf.training.params import OfflineParams
+from rlhf.training.params import PRECOMPUTE_REF_FIELD, OfflineParams
 
 NAME = "kto"
 KIND = "offline"
@@ -30,7 +30,7 @@ class Params(OfflineParams):
     desirable_weight: float = Field(1.0, gt=0, description="loss weight of desirable samples")
     undesirable_weight: float = Field(1.0, gt=0, description="loss weight of undesirable samples")
     learning_rate: float = Field(3e-6, gt=0, lt=1, description="peak learning rate")
-    precompute_ref_log_probs: bool = Field(True, description="reference log-probs once, cached by content (sweeps)")
+    precompute_ref_log_probs: bool | Literal["auto"] = PRECOMPUTE_REF_FIELD
     per_device_train_batch_size: int = Field(
         32, gt=1, description="samples per step (KTO's KL estimate needs a real batch: at least 2)"
     )

@@ -57,7 +57,10 @@ class Params(TrainingParams):
     value_init: Literal["sft", "rm"] = Field(
         "sft", description="value model init (the caller loads it): SFT model or reward model"
     )
-    lora: LoraParams = Field(default_factory=LoraParams, description="optional LoRA on the policy, merged at the end")
+    lora: LoraParams = Field(
+        default_factory=LoraParams,
+        description="optional LoRA on the policy and on the value model (its head trained in full), merged at the end",
+    )
     rewards: list[RewardSpec] = REWARDS_FIELD
     ewc: EwcParams = Field(
         default_factory=EwcParams, description="elastic weight consolidation towards SFT, Fisher on the SFT data"
@@ -122,7 +125,7 @@ def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     # Under LoRA the policy with its adapters disabled is the reference: no second copy.
     reference = None if params.lora.enabled else load_causal_lm(start, trust, what=what)
     value_init = start if params.value_init == "sft" else member_dirs(job.reward_dirs["reward_model"])[0]
-    value_model = load_value_model(value_init, trust)
+    value_model = load_value_model(value_init, trust, adapters=params.lora.enabled)
     functions, weights = build_rewards(params.rewards, job.task, job.reward_dirs, trust)
     ewc = consolidate_on_sft(policy, ewc_data, params)
     inputs = [start, job.data, value_init, *model_paths(params.rewards, job.reward_dirs)]
