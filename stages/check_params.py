@@ -55,6 +55,7 @@ def main() -> None:
     problems += listed_params_problems(read_params(PARAMS_FILE), params)
     problems += package_problems(params)  # this machine's packages (attention, bitsandbytes, vLLM, lm-eval)
     problems += sharding_problems(params)
+    problems += template_problems(params)
     compute = params["compute"]
     if compute.device not in ("auto", "cpu") or compute.processes > 1:  # torch imported only then
         from rlhf.models.compute import placement_problem
@@ -233,6 +234,40 @@ def sharding_problems(params: dict) -> list[str]:
                             "sharded save can gather; set rm.kind: classifier, or use configs/accelerate/ddp.yaml "
                             "or deepspeed_zero2.yaml")  # fmt: skip
     return problems
+
+
+def template_problems(params: dict) -> list[str]:
+    """`sft.loss_on: completion` on conversations trains the assistant's turns through the
+    chat template's {% generation %} markers, which the template must have or TRL must be
+    able to add (Llama 3.1's and Mistral's it cannot). Checked here where both are known
+    without a download: the base model is a local folder with its own template (none put on
+    by `base.chat_template`) and the SFT rows come from a local file whose first row is a
+    conversation; stage sft checks the rest before its model loads."""
+    from rlhf.data.contracts import mapped_columns
+    from rlhf.data.readers import read_batches
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.training.methods.sft import SFTDataError, check_assistant_masking
+
+    base, spec = params["base"], params["prepare"].files.get("sft")
+    if params["sft"].loss_on != "completion" or base.chat_template is not None or spec is None:
+        return []
+    if not (Path(str(base.model)) / "tokenizer_config.json").is_file() or not Path(spec.path).exists():
+        return []
+    try:
+        first = next(read_batches(spec.path, split=spec.split, config=spec.config, batch_rows=1))
+    except (OSError, ValueError, StopIteration):
+        return []  # prepare names what is wrong with the file
+    first = mapped_columns(first, spec.columns or {})
+    conversation = "messages" in first or any(
+        isinstance(first[c].iloc[0], list) for c in ("prompt", "completion") if c in first
+    )
+    if not conversation:
+        return []
+    try:
+        check_assistant_masking(load_tokenizer(base.model, base.trust_remote_code), "sft", Path(str(base.model)))
+    except SFTDataError as error:
+        return [f"{error} (or set base.chat_template to one with the markers, e.g. llama3 for Llama 3.x)"]
+    return []
 
 
 def harness_problems(params: dict) -> list[str]:

@@ -68,6 +68,7 @@ class DeriveLabels(StageConfig):
     threshold: float = Field(0.5, gt=0, le=1, description="soft: the share of rollouts that makes a step good")
     eval_share: float = Field(0.2, gt=0, lt=1, description="share of the derived rows held out (prm_eval)")
     seed: int = Field(0, description="sampling seed")
+    batch_size: int = Field(64, gt=0, description="sequences per generation batch (solutions, then rollouts)")
 
 
 class Config(TrainingParams):
@@ -163,7 +164,7 @@ def load_labels(config: Config, task, data: Path, eval_data: Path, out_dir: Path
     derived, stats = derive_step_labels(
         model, tokenizer, task, prompts["prompt"].tolist(), prompts["answer"].tolist(),
         samples_per_prompt=d.samples_per_prompt, rollouts=d.rollouts, max_new_tokens=d.max_new_tokens,
-        temperature=d.temperature, estimate=d.estimate, threshold=d.threshold, seed=d.seed,
+        temperature=d.temperature, estimate=d.estimate, threshold=d.threshold, seed=d.seed, batch_size=d.batch_size,
     )  # fmt: skip
     stats["seconds"] = time.perf_counter() - start
     if len(derived) < 2:

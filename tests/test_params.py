@@ -510,6 +510,44 @@ def test_check_params_names_what_a_sharded_launch_cannot_save(tmp_path, repo_par
     assert problems("configs/accelerate/ddp.yaml", compute={"device": "cpu"}) == []
 
 
+def test_check_params_names_a_chat_template_sft_cannot_mask_when_model_and_data_are_local(tmp_path, repo_params):
+    """A local base model whose template TRL cannot give generation markers (Llama 3.1's),
+    with conversations in a local SFT file and sft.loss_on: completion, is named at the
+    check, before any stage; text rows, loss_on: all, or base.chat_template: llama3 pass."""
+    import json
+
+    from rlhf.models.loading import build_tiny_model, build_tokenizer, save_model
+    from rlhf.models.templates import trl_templates_dir
+    from stages.check_params import template_problems
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (trl_templates_dir() / "llama3_1.jinja").read_text()
+    save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, tmp_path / "llama")
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1"},
+                                              {"role": "assistant", "content": "2"}]}) + "\n")  # fmt: skip
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"prompt": "1+1", "completion": "2"}) + "\n")
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
+
+    def problems(sft_file, **updates) -> list[str]:
+        params = copy.deepcopy(repo_params)
+        params["base"].update(model=str(tmp_path / "llama"), **updates.pop("base", {}))
+        params["prepare"].update(
+            source="files", files={"sft": {"path": str(sft_file)}, "eval_heldout": {"path": str(suite)}}
+        )
+        params["sft"].update(updates)
+        params["policy"].update(offline=[], online=["grpo"])
+        return template_problems(stages.load_all(write_params(tmp_path, params)))
+
+    (found,) = problems(turns)
+    assert found.startswith("sft.loss_on: completion trains on the assistant's messages only") and "llama3" in found
+    assert problems(texts) == []
+    assert problems(turns, loss_on="all") == []
+    assert problems(turns, base={"chat_template": "llama3"}) == []
+
+
 def test_a_ppo_batch_the_processes_cannot_share_is_named_before_any_stage(tmp_path, repo_params):
     """Each process samples an equal share of PPO's rollout batch: a batch of 3 over 2
     processes failed in every rank after the models loaded."""

@@ -472,12 +472,104 @@ def test_ppo_with_lora_in_bf16_trains_value_adapters_and_returns_plain_models(
     assert changed(before, value.state_dict(), "model.layers") and changed(before, value.state_dict(), "score")
 
 
+def test_a_shared_trunk_value_is_a_separate_lora_value_model_without_the_copy(model_dir):
+    """Under LoRA from SFT the value model is a second adapter and a head on the policy's
+    weights: its values equal those of a separate copy of the weights carrying the same
+    adapter and head; its parameters are its adapter and head only, apart from the
+    policy's; a value step leaves the policy's log-probs as they were, and a policy step
+    the values."""
+    from peft import get_peft_model
+
+    from rlhf.training.ppo import SharedTrunkValue, trained_parameters
+
+    lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
+    torch.manual_seed(0)
+    policy = get_peft_model(load_causal_lm(model_dir), lora.peft_config())
+    value = SharedTrunkValue(policy, lora)
+    ids, mask = T([[5, 6, 7, 8, 9], [0, 5, 6, 7, 8]]), T([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    assert not token_values(value, ids, mask, response_start=2).any(), "a zeroed head: V = 0 at the start"
+    mine, its = trained_parameters(value), trained_parameters(policy)
+    assert set(mine) == {"score.weight", "score.bias", *(n for n in mine if ".value." in n)} and len(mine) > 2
+    assert not set(mine) & set(its) and all(".default." in n for n in its)
+    with torch.no_grad():  # a trained-looking value adapter and head
+        for parameter in mine.values():
+            parameter.normal_(0, 0.1)
+
+    separate = get_peft_model(load_causal_lm(model_dir), lora.peft_config())
+    adapter = {n.replace(".value.", ".default."): p for n, p in mine.items() if ".value." in n}
+    with torch.no_grad():
+        for name, parameter in separate.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(adapter[name])
+    hidden = separate.get_base_model().model(input_ids=ids, attention_mask=mask).last_hidden_state
+    expected = value.score(hidden)[:, 1:-1, 0]
+    torch.testing.assert_close(token_values(value, ids, mask, response_start=2), expected, atol=1e-5, rtol=1e-5)
+
+    logprobs = token_logprobs(policy, ids, mask, response_start=2)
+    values = token_values(value, ids, mask, response_start=2)
+    token_values(value, ids, mask, response_start=2).pow(2).mean().backward()
+    assert all(p.grad is None for p in its.values()) and all(p.grad is not None for p in mine.values())
+    torch.optim.SGD(mine.values(), lr=1.0).step()
+    assert torch.equal(token_logprobs(policy, ids, mask, response_start=2), logprobs)
+    moved = token_values(value, ids, mask, response_start=2).detach()
+    assert not torch.equal(moved, values)
+    token_logprobs(policy, ids, mask, response_start=2).sum().backward()
+    torch.optim.SGD(its.values(), lr=1.0).step()
+    assert not torch.equal(token_logprobs(policy, ids, mask, response_start=2), logprobs)
+    assert torch.equal(token_values(value, ids, mask, response_start=2), moved)
+
+
+def test_a_shared_trunk_value_pass_is_not_recomputed_with_the_policys_adapter(model_dir):
+    """Under gradient checkpointing a layer runs again in the backward pass, when the
+    policy's adapter is the active one: a value pass is therefore not checkpointed, and its
+    gradients equal those of a run without checkpointing."""
+    from peft import get_peft_model
+
+    from rlhf.training.ppo import SharedTrunkValue, checkpointed_in_eval, trained_parameters
+
+    lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
+    ids, mask = T([[5, 6, 7, 8, 9], [0, 5, 6, 7, 8]]), T([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    grads = []
+    for checkpointing in (False, True):
+        policy = get_peft_model(load_causal_lm(model_dir), lora.peft_config())
+        value = SharedTrunkValue(policy, lora)
+        torch.manual_seed(0)
+        with torch.no_grad():  # both adapters and the head away from their zero start
+            for parameter in [*trained_parameters(policy).values(), *trained_parameters(value).values()]:
+                parameter.normal_(0, 0.1)
+        policy.eval()
+        if checkpointing:
+            checkpointed_in_eval(policy)
+        token_values(value, ids, mask, response_start=2).pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in trained_parameters(value).items()})
+    plain, checkpointed = grads
+    assert all(g is not None for g in checkpointed.values())
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad)
+
+
 @pytest.mark.slow
-def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same(model_dir, tokenizer, tmp_path):
+def test_ppo_with_lora_from_sft_needs_no_value_model_and_returns_a_plain_policy(model_dir, tokenizer, tmp_path):
+    """With LoRA and no value model given, PPO trains a value adapter and head on the
+    policy's weights; the policy comes back plain (its adapter merged, the value adapter
+    gone) and changed."""
+    policy = load_causal_lm(model_dir)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
+    history, _ = run_ppo(model_dir, tokenizer, tmp_path / "ckpt", models=(policy, None, None), lora=lora)
+    assert all(math.isfinite(row[key]) for row in history for key in METRICS)
+    assert history[-1]["value_loss"] > 0
+    assert set(policy.state_dict()) == set(before) and changed(before, policy.state_dict(), "model.layers")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ["separate", "shared"])
+def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same(model_dir, tokenizer, tmp_path, value):
     """params model.gradient_checkpointing: PPO keeps its models in eval mode (no dropout),
     where transformers would not recompute; the layers run again in the backward pass (the
     attention of the first layer is called more often) and the run ends with the same
-    weights and metrics."""
+    weights and metrics, with a separate value model or one on the policy's trunk (whose
+    passes are not recomputed: they would run with the policy's adapter)."""
     from rlhf.models import settings
 
     lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
@@ -485,11 +577,11 @@ def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same(model_
     for checkpointing in (False, True):
         settings.configure(settings.ModelSettings(gradient_checkpointing=checkpointing))
         try:
-            policy, _, value = fresh_models(model_dir)
+            policy, _, value_model = fresh_models(model_dir)
             calls = []
             policy.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
-            history, _ = run_ppo(model_dir, tokenizer, tmp_path / f"ckpt-{checkpointing}",
-                                 models=(policy, None, value), lora=lora)  # fmt: skip
+            models = (policy, None, value_model if value == "separate" else None)
+            history, _ = run_ppo(model_dir, tokenizer, tmp_path / f"ckpt-{checkpointing}", models=models, lora=lora)
         finally:
             settings.configure(None)
         runs.append((history, policy.state_dict(), len(calls)))

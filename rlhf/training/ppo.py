@@ -33,11 +33,13 @@ coefficient), dropout is off throughout (models stay in eval mode, so old and ne
 agree before the first update), and losses are means over all response tokens of a
 mini-batch (TRL's convention), not per-sequence means.
 
-Memory under LoRA: the policy with its adapters disabled is the reference (no copy), and
-the value model trains adapters of its own and its head, so a run holds two frozen copies
-of the weights in the compute dtype and the adapters' optimizer state; without LoRA it holds
-policy and value model as float32 master weights with their gradients and AdamW's moments,
-and a reference copy.
+Memory under LoRA: one copy of the weights, in the compute dtype. The policy with its
+adapter disabled is the reference, and with `value_init: sft` the value model is a second
+adapter and a head on the same weights (`SharedTrunkValue`: the frozen trunk is shared,
+the trained parts are not, so it is the separate network above without a second copy).
+With `value_init: rm` the value model is the reward model with adapters of its own. Without
+LoRA a run holds policy and value model as float32 master weights with their gradients and
+AdamW's moments, and a reference copy.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoConfig, AutoModelForTokenClassification, GenerationConfig, get_scheduler
 
 import rlhf.models.settings as model_settings
@@ -459,6 +462,76 @@ def unwrapped_value_model(value_model):
     return merged_model(value_model)
 
 
+VALUE_ADAPTER = "value"  # the value model's adapter on a shared trunk, beside the policy's ("default")
+
+
+class SharedTrunkValue(nn.Module):
+    """The value model under LoRA with `value_init: sft`: the policy's own frozen weights with
+    a second LoRA adapter (`VALUE_ADAPTER`, switched on for value passes only) and a linear
+    head, zeroed (V = 0 at the start) and trained in float32. It equals a separate value
+    model loaded from the SFT weights with adapters of its own, without a second copy of the
+    weights. Its parameters are the head and the value adapter's (the policy's weights
+    are not its own). A value pass runs without gradient checkpointing: a layer recomputed
+    in the backward pass would run with the policy's adapter."""
+
+    def __init__(self, policy, lora):
+        super().__init__()
+        policy.add_adapter(VALUE_ADAPTER, lora.peft_config())
+        self._policy = (policy,)  # a tuple: not a submodule, its weights are the policy's
+        self.adapter = {n: p for n, p in policy.named_parameters() if f".{VALUE_ADAPTER}." in n}
+        for parameter in self.adapter.values():
+            parameter.requires_grad_(True)
+        hidden = policy.get_base_model().config.get_text_config().hidden_size
+        self.score = nn.Linear(hidden, 1, dtype=torch.float32)
+        nn.init.zeros_(self.score.weight)
+        nn.init.zeros_(self.score.bias)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        yield from self.score.named_parameters(prefix="score")
+        yield from self.adapter.items()
+
+    def parameters(self, recurse: bool = True):
+        for _, parameter in self.named_parameters():
+            yield parameter
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        own = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        policy = self._policy[0]
+        base = policy.get_base_model()
+        body = getattr(base, base.base_model_prefix)
+        recomputing = [
+            m for m in policy.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training
+        ]
+        flags = {p: p.requires_grad for p in policy.parameters()}
+        policy.set_adapter(VALUE_ADAPTER)
+        for module in recomputing:
+            module.training = False
+        try:
+            hidden = body(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            ).last_hidden_state
+        finally:
+            policy.set_adapter("default")
+            for module in recomputing:
+                module.training = True
+            for parameter, flag in flags.items():  # peft's set_adapter froze the other adapter
+                parameter.requires_grad_(flag)
+        return _Values(self.score(hidden.to(self.score.weight.dtype)))
+
+
+def trained_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The parameters PPO's optimizer steps for `model`: those that require gradients, less a
+    shared trunk's value adapter on the policy (`SharedTrunkValue` steps it)."""
+    own = isinstance(model, SharedTrunkValue)
+    marker = f".{VALUE_ADAPTER}."
+    return {n: p for n, p in model.named_parameters() if p.requires_grad and (own or marker not in n)}
+
+
 def mixed_precision(device: torch.device):
     """bfloat16 autocast where this process computes in it (params `compute.dtype`; a GPU's
     default): the matmuls in bf16 over float32 master weights and adapters, as the
@@ -529,7 +602,7 @@ def ppo_iteration(
         advantages = whiten(advantages, mask, total=ranks.sum)
 
     (policy_opt, policy_sched), (value_opt, value_sched) = opts
-    trainable = {id(m): [p for p in m.parameters() if p.requires_grad] for m in (policy, value_model)}
+    trainable = {id(m): list(trained_parameters(m).values()) for m in (policy, value_model)}
     stats: dict[str, list[float]] = {}
     for _ in range(params.ppo_epochs):
         # Rows of the whole batch, in rank 0's order (the processes' generators differ
@@ -587,7 +660,7 @@ def ppo_iteration(
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    return {name: p.detach().contiguous() for name, p in trained_parameters(model).items()}
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -653,8 +726,10 @@ def train_ppo(
     `ref_policy` is frozen (pass a separate copy of the initial policy; with LoRA, None: the
     policy with its adapters disabled is the reference, no second copy); `value_model` is a
     `load_value_model` model, trained in full, or under LoRA with adapters of its own
-    (`value_adapters`). With LoRA the adapters are merged into `policy` (and the value
-    model's into it) before returning, so both are plain models afterwards. Forward passes
+    (`value_adapters`); with LoRA, None: a value adapter and head on the policy's own
+    weights (`SharedTrunkValue`, no second copy). With LoRA the policy's adapter is merged
+    into `policy` (and a separate value model's into it) before returning, so they are
+    plain models afterwards. Forward passes
     run under bf16 autocast where the process computes in bf16 (`mixed_precision`), and
     with params `model.gradient_checkpointing` both trained models recompute their layers
     in the backward pass (`checkpointed_in_eval`).
@@ -682,21 +757,27 @@ def train_ppo(
 
         torch.manual_seed(params.seed)  # the adapters' initialisation, whatever ran before in this process
         model = get_peft_model(policy, params.lora.peft_config())
-        value_model = value_adapters(value_model, params.lora)
+        if value_model is None:  # the policy's weights, with an adapter and a head of its own
+            value_model = SharedTrunkValue(model, params.lora)
+        else:
+            value_model = value_adapters(value_model, params.lora)
     if ref_policy is None and not params.lora.enabled:
         raise ValueError("ref_policy: None only with LoRA (the policy with its adapters off is the reference)")
+    if value_model is None:
+        raise ValueError("value_model: None only with LoRA (a value adapter and head on the policy's weights)")
     for m in (model, ref_policy, value_model):
         if m is not None:
             m.to(device).eval()  # no dropout anywhere: see the module docstring
     if model_settings.current().gradient_checkpointing:
         for m in (model, value_model.body if isinstance(value_model, ValueHeadModel) else value_model):
-            checkpointed_in_eval(m)
+            if not isinstance(m, SharedTrunkValue):  # its trunk is the policy's
+                checkpointed_in_eval(m)
     if ref_policy is not None:
         ref_policy.requires_grad_(False)
     updates = params.max_steps * params.ppo_epochs * (params.rollout_batch_size // params.mini_batch_size)
     opts = []
     for m, lr in ((model, params.learning_rate), (value_model, params.value_learning_rate or params.learning_rate)):
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, weight_decay=params.weight_decay)
+        opt = torch.optim.AdamW(list(trained_parameters(m).values()), lr=lr, weight_decay=params.weight_decay)
         warmup = math.ceil(params.warmup_ratio * updates)
         opts.append((opt, get_scheduler(params.lr_scheduler_type, opt, warmup, num_training_steps=updates)))
     kl_ctl = (
@@ -736,7 +817,7 @@ def train_ppo(
                 log_fn(metrics, step)
         if step % params.save_steps == 0 or step == params.max_steps:
             save_checkpoint(checkpoint_dir, step, (model, value_model), opts, kl_ctl.value, history)
-    merged_model(model)
-    if params.lora.enabled:
+    merged_model(model)  # the policy's adapter (the active one): a shared trunk's value adapter goes
+    if params.lora.enabled and not isinstance(value_model, SharedTrunkValue):
         unwrapped_value_model(value_model)
     return history

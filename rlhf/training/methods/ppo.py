@@ -125,7 +125,9 @@ def train(job, params: Params, out_dir: Path) -> tuple[dict, list[dict]]:
     # Under LoRA the policy with its adapters disabled is the reference: no second copy.
     reference = None if params.lora.enabled else load_causal_lm(start, trust, what=what)
     value_init = start if params.value_init == "sft" else member_dirs(job.reward_dirs["reward_model"])[0]
-    value_model = load_value_model(value_init, trust, adapters=params.lora.enabled)
+    # Under LoRA from SFT: a value adapter and head on the policy's own weights (no second copy).
+    shared = params.lora.enabled and params.value_init == "sft"
+    value_model = None if shared else load_value_model(value_init, trust, adapters=params.lora.enabled)
     functions, weights = build_rewards(params.rewards, job.task, job.reward_dirs, trust)
     ewc = consolidate_on_sft(policy, ewc_data, params)
     inputs = [start, job.data, value_init, *model_paths(params.rewards, job.reward_dirs)]
