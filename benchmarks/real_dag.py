@@ -115,7 +115,6 @@ def real_dag_params(params: dict) -> None:
     """real_size.py's params (files of 256-token rows, task last_number, LoRA sft and DPO)
     with every other stage at a few steps and a few problems, and step labels from a file."""
     params["prepare"]["files"]["prm"] = {"path": PRM_FILE}
-    params["task"]["step_separator"] = ";"  # the model's saved tokenizer drops newlines, the default
     params["verifier"].update(STEPS, max_length=LENGTH, lora=LORA)
     params["rm"].update(STEPS, num_members=2, max_length=LENGTH, lora=LORA)
     params["prm"].update(

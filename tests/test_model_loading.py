@@ -338,3 +338,25 @@ def test_lora_in_bf16_mixed_precision_trains_with_one_copy_of_each_input(in_proj
     assert trainer.compute_loss.__name__ == "without_casts"
     assert layers and all(casts_after)  # peft's casts are back outside the loss
     assert {p.dtype for n, p in trainer.model.named_parameters()} == {torch.bfloat16}  # merged, saved in bf16
+
+
+def test_a_tokenizer_declared_as_saved_loads_as_saved_beside_any_architecture(tmp_path):
+    """transformers gives a qwen2 folder its Qwen2Tokenizer whatever tokenizer_config.json
+    declares, rebuilt from the vocabulary: the built-in character tokenizer beside a Qwen2
+    model lost every newline (text, prompts, the PRM's step separator). A tokenizer saved as
+    TokenizersBackend loads as saved."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf.models.loading import build_tokenizer, load_tokenizer, save_model
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    save_model(Qwen2ForCausalLM(config), tokenizer, tmp_path / "qwen2")
+    expected = tokenizer("12+3\n", add_special_tokens=False)["input_ids"]
+    assert len(expected) == 5
+    transformers_choice = AutoTokenizer.from_pretrained(str(tmp_path / "qwen2"))
+    assert transformers_choice("12+3\n", add_special_tokens=False)["input_ids"] != expected, "what this mends"
+    loaded = load_tokenizer(tmp_path / "qwen2")
+    assert loaded("12+3\n", add_special_tokens=False)["input_ids"] == expected
+    assert loaded.decode(expected) == "12+3\n" and loaded.chat_template == tokenizer.chat_template

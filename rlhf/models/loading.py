@@ -37,6 +37,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     SmolLM3Config,
     SmolLM3ForCausalLM,
+    TokenizersBackend,
 )
 
 from rlhf.models.compute import current
@@ -139,12 +140,30 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     path = Path(path)
     own = (path / POINTER_FILE).is_file() and (path / "tokenizer_config.json").is_file()
     source = path if own else resolve_model_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+    if declared_class(source) == "TokenizersBackend" and (source / "tokenizer.json").is_file():
+        # As saved: transformers (5.24) gives some model types (qwen2, phi3...) their own
+        # class whatever the folder declares, rebuilt from the vocabulary; a character
+        # tokenizer beside a Qwen2 config then lost every newline. tokenizer.json holds
+        # the whole pipeline (normaliser, pre-tokenizer, model, decoder).
+        tokenizer = TokenizersBackend.from_pretrained(str(source))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # Generation batches prompts of different lengths: pad on the left.
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def declared_class(folder: Path) -> str | None:
+    """The tokenizer class a model folder's tokenizer_config.json names, if any."""
+    import json
+
+    config = folder / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    except (OSError, ValueError):
+        return None  # AutoTokenizer reports what is wrong with the file
 
 
 def load_causal_lm(
