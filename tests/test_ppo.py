@@ -563,13 +563,12 @@ def test_ppo_with_lora_from_sft_needs_no_value_model_and_returns_a_plain_policy(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("value", ["separate", "shared"])
-def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same(model_dir, tokenizer, tmp_path, value):
+def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same(model_dir, tokenizer, tmp_path):
     """params model.gradient_checkpointing: PPO keeps its models in eval mode (no dropout),
     where transformers would not recompute; the layers run again in the backward pass (the
     attention of the first layer is called more often) and the run ends with the same
-    weights and metrics, with a separate value model or one on the policy's trunk (whose
-    passes are not recomputed: they would run with the policy's adapter)."""
+    weights and metrics. (A value model on the policy's trunk is not recomputed: its test
+    is test_a_shared_trunk_value_pass_is_not_recomputed_with_the_policys_adapter.)"""
     from rlhf.models import settings
 
     lora = PPOParams().lora.model_copy(update={"enabled": True, "r": 4})
@@ -580,8 +579,8 @@ def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same(model_
             policy, _, value_model = fresh_models(model_dir)
             calls = []
             policy.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
-            models = (policy, None, value_model if value == "separate" else None)
-            history, _ = run_ppo(model_dir, tokenizer, tmp_path / f"ckpt-{checkpointing}", models=models, lora=lora)
+            history, _ = run_ppo(model_dir, tokenizer, tmp_path / f"ckpt-{checkpointing}",
+                                 models=(policy, None, value_model), lora=lora)  # fmt: skip
         finally:
             settings.configure(None)
         runs.append((history, policy.state_dict(), len(calls)))
