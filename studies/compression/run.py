@@ -11,7 +11,9 @@ window, the relevant sentences alone, and each compressor's.
 Each variant is `key=value` pairs: name, and any key of params `compress` (tokens: one
 count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
 query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; recite: a
-weight; crops: N+N+N). A variant whose folder under --work/compressors exists is scored
+weight; crops: N+N+N), and `context=relevant`: trained and scored with every context cut to
+its relevant sentences (the default, whole, reads them whole). A variant whose folder under
+--work/compressors exists is scored
 again, not retrained. Writes --work/results-<suite>.json: per reading, the
 accuracy with its 95% bootstrap interval, and per variant its training time and losses.
 Tune on dev; only a setting chosen on dev is scored on test.
@@ -53,6 +55,10 @@ def variant(text: str) -> dict:
         if key in ("query_aware", "adapter_reads"):
             out[key] = bool(int(value))
         elif key == "slot_positions":
+            out[key] = value
+        elif key == "context":
+            if value not in ("whole", "relevant"):
+                raise argparse.ArgumentTypeError(f"context={value}: whole or relevant")
             out[key] = value
         elif key == "crops":  # N+N+N: one crop for each N
             out[key] = [int(n) for n in value.split("+")]
@@ -100,19 +106,26 @@ def main() -> None:
     for name, frame in readings(suite, tokenizer, window_budget(model, None, config.max_new_tokens)).items():
         metrics = evaluate_model(config, task, model, None, tokenizer, None, frame, None)[0]
         results["readings"]["cut to the window" if not name else name.strip("/")] = interval(metrics)
+    rows = Path("data/prepared/compress.parquet")
     for settings in args.variant:
-        name = settings.pop("name")
+        name, context = settings.pop("name"), settings.pop("context", "whole")
         folder = args.work / "compressors" / name
         record = results["variants"].get(name, {})
+        data, scored = rows, suite
+        if context == "relevant":  # every context cut to its relevant sentences
+            data = args.work / "compress-relevant.parquet"
+            table = read_prepared(rows, "study")
+            table.assign(context=table["relevant"]).to_parquet(data, index=False)
+            scored = suite.assign(context=suite["relevant"])
         if not (folder / f"k{settings['tokens'][0]}").is_dir():
             compress = Config(**{**params["compress"].model_dump(), **settings, "enabled": True})
             start = time.perf_counter()
-            metrics, curve = run(compress, serve, Path("data/prepared/compress.parquet"), folder)
-            record = {"settings": settings, "train_minutes": (time.perf_counter() - start) / 60,
+            metrics, curve = run(compress, serve, data, folder)
+            record = {"settings": {**settings, "context": context}, "train_minutes": (time.perf_counter() - start) / 60,
                       "losses": [round(row["loss"], 4) for row in curve], **metrics}  # fmt: skip
         compressor = ContextCompressor.from_pretrained(folder / f"k{settings['tokens'][0]}", load_causal_lm(serve))
         start = time.perf_counter()
-        metrics = evaluate_compressed(config, task, compressor, tokenizer, suite)[0]
+        metrics = evaluate_compressed(config, task, compressor, tokenizer, scored)[0]
         record[args.suite] = {**interval(metrics), "slots": metrics["slots"], "seconds": time.perf_counter() - start}
         results["variants"][name] = record
         out.write_text(json.dumps(results, indent=2) + "\n")
