@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,7 @@ def test_help_lists_every_subcommand_and_an_unknown_one_is_refused():
     assert wrong.returncode == 2 and "unknown command 'trian'" in wrong.stderr
 
 
+@pytest.mark.slow  # three CLI processes, one importing Prefect
 def test_a_subcommand_takes_its_modules_options():
     out = rlhf("rollback", "--help")
     assert out.returncode == 0 and "usage: rlhf rollback" in out.stdout and "--unpin" in out.stdout

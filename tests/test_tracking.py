@@ -53,6 +53,7 @@ def test_trainers_do_not_use_transformers_asynchronous_callback(tmp_path):
     assert [type(c) for c in tracking_callbacks()] == [MLflowMetrics]
 
 
+@pytest.mark.slow
 def test_trainers_back_to_back_end_their_runs_quickly_and_log_every_point(
     sft_inputs, tmp_path, mlflow_store, monkeypatch
 ):
