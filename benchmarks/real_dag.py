@@ -139,7 +139,7 @@ def real_dag_params(params: dict) -> None:
         limit=2, max_new_tokens=16, strategies=["greedy", "best_of_n", "self_consistency", "mcts"],
         best_of_n={"n": 2, "temperature": 0.7, "rewards": [{"name": "prm", "aggregate": "min"}]},
         self_consistency={"max_samples": 4, "round_size": 2, "stop_share": 0.75, "temperature": 0.7},
-        mcts={"simulations": 2, "expand": 2, "max_depth": 2, "max_step_tokens": 8},
+        mcts={"simulations": 2, "expand": 2, "max_depth": 2, "max_step_tokens": 8, "problems_per_batch": 2},
     )  # fmt: skip
     params["improve"]["defaults"].update(
         prompts=2, samples=2, max_new_tokens=16, train={**STEPS, "max_length": LENGTH, "lora": LORA}

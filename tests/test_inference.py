@@ -299,9 +299,9 @@ def test_a_step_cut_off_by_max_step_tokens_is_not_a_step(mixed, tokenizer, task)
     """The first steps are "12+7=19" (or the mixed model's slip) and the separator, 9
     characters and tokens: at 16 tokens every sample reaches the separator, at 4 none does,
     and "12+7" is no step to score or build on."""
-    whole, _, _ = strategies.next_steps(mixed, tokenizer, PROBLEM, task, (), 4, 0.5, 16, seed=0)
+    ((whole, _, _),) = strategies.next_steps(mixed, tokenizer, [PROBLEM], task, [()], 4, 0.5, 16, seed=0)
     assert sum(whole.values()) == 4 and all(step.count("=") == 1 for step in whole)
-    cut, _, tokens = strategies.next_steps(mixed, tokenizer, PROBLEM, task, (), 4, 0.5, 4, seed=0)
+    ((cut, _, tokens),) = strategies.next_steps(mixed, tokenizer, [PROBLEM], task, [()], 4, 0.5, 4, seed=0)
     assert not cut and tokens > 0, "the tokens were generated (and counted) all the same"
 
 
@@ -361,13 +361,11 @@ def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task,
     expansions, generated = [], []
     real_next_steps = strategies.next_steps
 
-    def recording(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed):
-        expansions.append((steps, seed))
-        counted, final, tokens = real_next_steps(
-            model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed
-        )
-        generated.append(tokens)
-        return counted, final, tokens
+    def recording(model, tokenizer, prompts, task, paths, k, temperature, max_step_tokens, seed):
+        expansions.extend((steps, seed) for steps in paths)
+        found = real_next_steps(model, tokenizer, prompts, task, paths, k, temperature, max_step_tokens, seed)
+        generated.extend(tokens for _, _, tokens in found)
+        return found
 
     monkeypatch.setattr(strategies, "next_steps", recording)
 
@@ -387,6 +385,38 @@ def test_mcts_widens_a_node_whose_children_all_score_low(mixed, tokenizer, task,
     assert root_seeds(reject, 0.5) == [0, 1, 2]
     assert root_seeds(reject, 0.0) == [0]
     assert root_seeds(exact_step_scorer, 0.5) == [0]
+
+
+@pytest.mark.slow
+def test_mcts_searches_problems_in_lockstep_each_tree_on_its_own_problem(mixed, tokenizer, task, monkeypatch):
+    """Three trees advanced together (the mixed model on the problem it learned, twice, and
+    on 29-9, whose steps it does not know): each simulation samples every tree's expansion
+    in one generation batch (a tree whose selection ends on a leaf it values needs none)
+    and scores the new steps of all trees in one scorer call. The
+    trees stay apart: both searches of the learned problem find the right solution (the
+    exact checker guides them, as one search does alone), and the third tree's steps are
+    checked against 29-9, which the learned solution fails, not against 12+7-3."""
+    other = "29-9\n"
+    batches, scored = [], []
+    real_next_steps = strategies.next_steps
+
+    def recording(model, tokenizer, prompts, *args, **kwargs):
+        batches.append(list(prompts))
+        return real_next_steps(model, tokenizer, prompts, *args, **kwargs)
+
+    def exact(prompts, steps_lists, finished=None):
+        scored.append(list(prompts))
+        return exact_step_scorer(prompts, steps_lists)
+
+    monkeypatch.setattr(strategies, "next_steps", recording)
+    options = MCTS()
+    answers = strategies.mcts_batch(mixed, tokenizer, [PROBLEM, PROBLEM, other], task, exact, options, BUDGET)
+    assert len(batches) <= options.simulations and batches[0] == [PROBLEM, PROBLEM, other]
+    assert len(scored) <= options.simulations and {other, PROBLEM} <= set(scored[0])
+    for answer in answers[:2]:
+        assert answer.completion == GOOD and answer.extra["terminal"] is True and answer.extra["value"] == 1.0
+        assert answer.samples % options.expand == 0 and answer.tokens > 0
+    assert answers[2].completion != GOOD and not all(check_steps(other, answers[2].completion))
 
 
 # ----------------------------------------------------------------------------- dispatch and the command
@@ -598,11 +628,12 @@ def test_mcts_expands_a_node_at_most_max_expansions_times(task, monkeypatch):
 
     calls = Counter()
 
-    def next_steps(model, tokenizer, prompt, task, steps, k, temperature, max_step_tokens, seed):
+    def next_steps(model, tokenizer, prompts, task, paths, k, temperature, max_step_tokens, seed):
+        (steps,) = paths
         calls[steps] += 1
         if steps == ():  # a new first step at each expansion of the root, which nothing continues
-            return Counter({f"1+{calls[steps]}={1 + calls[steps]}": k}), set(), 5
-        return Counter(), set(), 5
+            return [(Counter({f"1+{calls[steps]}={1 + calls[steps]}": k}), set(), 5)]
+        return [(Counter(), set(), 5)]
 
     monkeypatch.setattr(strategies, "next_steps", next_steps)
     monkeypatch.setattr(strategies, "prefix_text", lambda *args: "")

@@ -48,6 +48,11 @@ class MCTS(StageConfig):
     max_step_tokens: int = Field(
         64, ge=1, description="most tokens of one step; a sample that reaches it without the separator is cut off"
     )
+    problems_per_batch: int = Field(
+        1, ge=1, description="problems searched in lockstep, their expansions sampled in one generation batch of "
+        "problems_per_batch x expand rows and scored in one PRM call: raise it on a GPU (8-32); the draws, hence the "
+        "answers, depend on which problems share a batch"
+    )  # fmt: skip
 
 
 class Speculative(StageConfig):

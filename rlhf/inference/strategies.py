@@ -206,39 +206,79 @@ def join_continuation(steps: Sequence[str], rest: str, separator: str) -> str:
 def next_steps(
     model,
     tokenizer,
-    prompt,
+    prompts: Sequence,
     task: Task,
-    steps: tuple[str, ...],
+    paths: Sequence[tuple[str, ...]],
     k: int,
     temperature: float,
     max_step_tokens: int,
     seed,
-) -> tuple[Counter, int]:
-    """Sample `k` continuations of a partial solution, each stopped at the task's step
-    separator. Returns the distinct next steps with how often each was sampled, the steps
-    that end the solution (their samples ended on a stop token, not on the separator), and
-    the tokens generated. A sample that used all `max_step_tokens` without reaching the
-    separator or a stop token holds a step cut off mid-way, not a step; an empty one holds
-    none: both are dropped."""
+) -> list[tuple[Counter, set[str], int]]:
+    """Sample `k` continuations of each partial solution (`paths[i]`, the steps written so
+    far for `prompts[i]`), all in one batch of len(prompts) x k rows, each stopped at the
+    task's step separator. Per partial solution: the distinct next steps with how often
+    each was sampled, the steps that end the solution (their samples ended on a stop
+    token, not on the separator), and the tokens generated. A sample that used all
+    `max_step_tokens` without reaching the separator or a stop token holds a step cut off
+    mid-way, not a step; an empty one holds none: both are dropped."""
     separator = task.step_separator
-    prefix = prefix_text(tokenizer, prompt, steps, separator)
+    prefixes = [prefix_text(tokenizer, prompt, steps, separator) for prompt, steps in zip(prompts, paths)]
     drawn = generate(
-        model, tokenizer, [prefix], max_step_tokens, 1, True, temperature, k, seed=seed, stop_strings=[separator],
-        formatted=True, details=True,
+        model, tokenizer, prefixes, max_step_tokens, len(prefixes), True, temperature, k, seed=seed,
+        stop_strings=[separator], formatted=True, details=True,
     )  # fmt: skip
-    counted: Counter = Counter()
-    ended: Counter = Counter()
-    for text, finished in zip(drawn.texts, drawn.finished):
-        if separator not in text and not finished:
-            continue
-        # Exactly as written (a leading space stays), so that the next prefix is the text the
-        # model produced; only what follows the step's end is dropped.
-        step = text.split(separator)[0].rstrip()
-        if step.strip():
-            counted[step] += 1
-            ended[step] += separator not in text
-    final = {step for step in counted if task.is_final_step(step) or 2 * ended[step] >= counted[step] > 0}
-    return counted, final, sum(drawn.tokens)
+    found = []
+    for i in range(len(prefixes)):
+        rows = slice(i * k, (i + 1) * k)
+        counted: Counter = Counter()
+        ended: Counter = Counter()
+        for text, finished in zip(drawn.texts[rows], drawn.finished[rows]):
+            if separator not in text and not finished:
+                continue
+            # Exactly as written (a leading space stays), so that the next prefix is the text
+            # the model produced; only what follows the step's end is dropped.
+            step = text.split(separator)[0].rstrip()
+            if step.strip():
+                counted[step] += 1
+                ended[step] += separator not in text
+        final = {step for step in counted if task.is_final_step(step) or 2 * ended[step] >= counted[step] > 0}
+        found.append((counted, final, sum(drawn.tokens[rows])))
+    return found
+
+
+@dataclass
+class Search:
+    """One problem's tree search, advanced a simulation at a time (`mcts_batch`)."""
+
+    prompt: object
+    root: Node = field(default_factory=lambda: Node(steps=(), visits=1))
+    tokens: int = 0
+    drawn: int = 0
+    path: list[Node] = field(default_factory=list)  # this simulation's selected path
+
+    def select(self, options: MCTS) -> Node:
+        """Descend by PUCT from the root to the node this simulation expands or values
+        (kept in `path`). A node whose children all score below `widen_below` is where the
+        descent stops while it may still widen."""
+        self.path, node = [self.root], self.root
+        while not node.terminal:
+            open_children = [c for c in node.children if not c.exhausted]
+            if not open_children:
+                break
+            if max(c.value for c in open_children) < options.widen_below and node.expansions < options.max_expansions:
+                break
+            node = max(open_children, key=lambda child, parent=node: puct(parent, child, options.c_puct))
+            self.path.append(node)
+        return node
+
+    def backup(self, value: float) -> None:
+        for visited in self.path:
+            visited.visits += 1
+            visited.total += value
+
+
+def expandable(node: Node, options: MCTS) -> bool:
+    return not node.terminal and len(node.steps) < options.max_depth and node.expansions < options.max_expansions
 
 
 def mcts(
@@ -251,85 +291,107 @@ def mcts(
     max_new_tokens: int,
     seed: int = 0,
 ) -> Answer:
-    """Step-level MCTS for one prompt, over the task's steps (a step the task calls final
-    ends a path). `step_scorer(prompts, steps_lists)` returns P(good) per step (a PRM's
-    `score_steps`, rlhf.rewards.prm); a node's value is the score of its
-    last step, which under Math-Shepherd labels estimates P(the chain so far leads to the
-    right answer). The answer is the highest-valued terminal path (ties: most visited);
-    without one, the most visited path, completed greedily.
+    """Step-level MCTS for one prompt (`mcts_batch` of that prompt alone)."""
+    return mcts_batch(model, tokenizer, [prompt], task, step_scorer, options, max_new_tokens, seed)[0]
+
+
+def mcts_batch(
+    model,
+    tokenizer,
+    prompts: Sequence,
+    task: Task,
+    step_scorer,
+    options: MCTS,
+    max_new_tokens: int,
+    seed: int = 0,
+) -> list[Answer]:
+    """Step-level MCTS over the task's steps (a step the task calls final ends a path), one
+    tree per prompt, the trees advanced in lockstep: each simulation selects a node in every
+    tree, samples the next steps of all of them in one generation batch (seeded `seed +
+    simulation`) and scores every new step in one `step_scorer` call. One prompt alone makes
+    the calls a search of that prompt alone always made.
+
+    `step_scorer(prompts, steps_lists, finished=...)` returns P(good) per step (a PRM's
+    `score_steps`, rlhf.rewards.prm); a node's value is the score of its last step, which
+    under Math-Shepherd labels estimates P(the chain so far leads to the right answer). The
+    answer is the highest-valued terminal path (ties: most visited); without one, the most
+    visited path, completed greedily (those completions, too, in one batch).
 
     Progressive widening: a node whose children all score below `widen_below` is expanded
     again (new samples, new seed), up to `max_expansions` times, instead of descending into
     a child the scorer already rejects: the policy's confident mistakes repeat in every
     sample of one expansion."""
-    simulations, expand, c_puct, temperature = options.simulations, options.expand, options.c_puct, options.temperature
-    max_depth, widen_below, max_expansions = options.max_depth, options.widen_below, options.max_expansions
     separator = task.step_separator
-    root = Node(steps=(), visits=1)
-    tokens, drawn = 0, 0
-    for simulation in range(simulations):
-        path, node = [root], root
-        while not node.terminal:
-            open_children = [c for c in node.children if not c.exhausted]
-            if not open_children:
-                break
-            if max(c.value for c in open_children) < widen_below and node.expansions < max_expansions:
-                break
-            node = max(open_children, key=lambda child, parent=node: puct(parent, child, c_puct))
-            path.append(node)
-        if not node.terminal and len(node.steps) < max_depth and node.expansions < max_expansions:
-            counted, final, generated = next_steps(
-                model,
-                tokenizer,
-                prompt,
-                task,
-                node.steps,
-                expand,
-                temperature,
-                options.max_step_tokens,
-                seed + simulation,
-            )
-            node.expansions += 1
-            tokens += generated
-            drawn += expand
-            known = {child.steps[-1] for child in node.children}
-            candidates = [node.steps + (step,) for step in counted if step not in known]
-            if candidates:
+    searches = [Search(prompt) for prompt in prompts]
+    for simulation in range(options.simulations):
+        values: dict[int, float] = {}
+        growing: list[tuple[int, Node]] = []  # (which search, the node it expands)
+        for i, search in enumerate(searches):
+            node = search.select(options)
+            if expandable(node, options):
+                growing.append((i, node))
+            elif not node.terminal and node.children and all(c.exhausted for c in node.children):
+                node.exhausted, values[i] = True, 0.0  # every way on is a dead end, and it may not widen again
+            else:
+                values[i] = node.value
+        if growing:
+            drawn = next_steps(
+                model, tokenizer, [searches[i].prompt for i, _ in growing], task, [n.steps for _, n in growing],
+                options.expand,
+                options.temperature, options.max_step_tokens, seed + simulation,
+            )  # fmt: skip
+            new: list[tuple[object, Node, tuple[str, ...], float, bool]] = []  # (prompt, parent, steps, prior, ends)
+            for (i, node), (counted, final, generated) in zip(growing, drawn):
+                search = searches[i]
+                node.expansions += 1
+                search.tokens += generated
+                search.drawn += options.expand
+                known = {child.steps[-1] for child in node.children}
+                for step in counted:
+                    if step not in known:
+                        prior = counted[step] / options.expand
+                        new.append((search.prompt, node, node.steps + (step,), prior, step in final))
+            if new:
                 # A path that goes on is scored as one (its last step followed by the
                 # separator), one that ends as a whole solution.
-                ends = [steps[-1] in final for steps in candidates]
-                scores = step_scorer([prompt] * len(candidates), [list(c) for c in candidates], finished=ends)
-                for steps, step_scores, end in zip(candidates, scores, ends):
-                    child = Node(
-                        steps=steps, prior=counted[steps[-1]] / expand, value=float(step_scores[-1]), terminal=end
-                    )
+                scores = step_scorer(
+                    [prompt for prompt, *_ in new], [list(steps) for _, _, steps, *_ in new],
+                    finished=[end for *_, end in new],
+                )  # fmt: skip
+                for (_, node, steps, prior, end), step_scores in zip(new, scores):
+                    child = Node(steps=steps, prior=prior, value=float(step_scores[-1]), terminal=end)
                     child.visits, child.total = 1, child.value
                     node.children.append(child)
-            open_children = [c for c in node.children if not c.exhausted]
-            if open_children:
-                value = max(child.value for child in open_children)
-            else:  # nothing to continue with: a dead end, never an answer
-                node.exhausted, value = True, 0.0
-        elif not node.terminal and node.children and all(c.exhausted for c in node.children):
-            node.exhausted, value = True, 0.0  # every way on is a dead end, and it may not widen again
+            for i, node in growing:
+                open_children = [c for c in node.children if not c.exhausted]
+                if open_children:
+                    values[i] = max(child.value for child in open_children)
+                else:  # nothing to continue with: a dead end, never an answer
+                    node.exhausted, values[i] = True, 0.0
+        for i, search in enumerate(searches):
+            search.backup(values[i])
+    answers: list[Answer | None] = [None] * len(searches)
+    unfinished: list[tuple[int, Node]] = []
+    for i, search in enumerate(searches):
+        best = _best_terminal(search.root)
+        if best is None:
+            node = search.root
+            while node.children:
+                node = max(node.children, key=lambda child: child.visits)
+            unfinished.append((i, node))
         else:
-            value = node.value
-        for visited in path:
-            visited.visits += 1
-            visited.total += value
-    best = _best_terminal(root)
-    if best is None:
-        node = root
-        while node.children:
-            node = max(node.children, key=lambda child: child.visits)
-        prefix = prefix_text(tokenizer, prompt, node.steps, separator)
-        rest = generate(model, tokenizer, [prefix], max_new_tokens, formatted=True, details=True)
-        tokens += rest.tokens[0]
-        completion = join_continuation(node.steps, rest.texts[0], separator)
-        extra = {"terminal": False, "root_expansions": root.expansions, "simulations": simulations}
-        return Answer(completion, tokens, drawn + 1, extra)
-    extra = {"terminal": True, "value": best.value, "root_expansions": root.expansions, "simulations": simulations}
-    return Answer(separator.join(best.steps), tokens, drawn, extra)
+            extra = {"terminal": True, "value": best.value, "root_expansions": search.root.expansions}
+            extra["simulations"] = options.simulations
+            answers[i] = Answer(separator.join(best.steps), search.tokens, search.drawn, extra)
+    if unfinished:
+        prefixes = [prefix_text(tokenizer, searches[i].prompt, node.steps, separator) for i, node in unfinished]
+        rest = generate(model, tokenizer, prefixes, max_new_tokens, len(prefixes), formatted=True, details=True)
+        for (i, node), text, taken in zip(unfinished, rest.texts, rest.tokens):
+            search = searches[i]
+            completion = join_continuation(node.steps, text, separator)
+            extra = {"terminal": False, "root_expansions": search.root.expansions, "simulations": options.simulations}
+            answers[i] = Answer(completion, search.tokens + taken, search.drawn + 1, extra)
+    return answers
 
 
 def _best_terminal(root: Node) -> Node | None:
@@ -497,9 +559,20 @@ def load_strategy(name: str, settings: Strategies, task: Task, model_dirs: Model
         if prm_dir is None:
             raise ValueError("strategy mcts needs a process reward model: set `prm` (the pipeline writes models/prm)")
         prm = load_prm(prm_dir, trust, task.step_separator, key="mcts prm")
+        group = settings.mcts.problems_per_batch
         return lambda model, tokenizer, prompts, early_stop=True: [
-            mcts(model, tokenizer, prompt, task, prm.score_steps, settings.mcts, budget, seed + i)
-            for i, prompt in enumerate(prompts)
+            answer
+            for start in range(0, len(prompts), group)
+            for answer in mcts_batch(
+                model,
+                tokenizer,
+                prompts[start : start + group],
+                task,
+                prm.score_steps,
+                settings.mcts,
+                budget,
+                seed + start,
+            )
         ]
     if name == "speculative":
         draft = load_causal_lm(settings.speculative.draft, trust, what="speculative draft")
