@@ -386,6 +386,37 @@ def test_generate_tells_a_completion_cut_by_the_budget_from_one_that_ended():
     assert all(drawn.finished) and all(len(text) <= 1 for text in drawn.texts) and drawn.tokens == [1] * 4
 
 
+def test_greedy_batches_are_formed_by_prompt_length_and_answered_in_order():
+    """Prompts long, short, long, short at 2 a batch: greedy decoding batches the two short
+    ones together and the two long ones together (each batch padded to its own longest
+    row, not every batch to a long one), and returns every completion, with its details,
+    where its prompt was: the same texts as decoding each prompt alone. Sampled batches
+    keep the caller's order (a seed's draws go by row position)."""
+    from rlhf.models.generation import format_prompt, generate
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model("micro", tokenizer, seed=0)
+    prompts = ["12+13+14+15+16+17\n", "4+5\n", "21-1-1-1-1-1-1\n", "6-1\n"]
+    width = [len(tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in prompts]
+    widths = []
+    plain_generate = model.generate
+
+    def recording(**batch):
+        widths.append(batch["input_ids"].shape[1])
+        return plain_generate(**batch)
+
+    model.generate = recording
+    alone = [generate(model, tokenizer, [p], 12, details=True) for p in prompts]
+    widths.clear()
+    together = generate(model, tokenizer, prompts, 12, batch_size=2, details=True)
+    assert widths == [max(width[1], width[3]), max(width[0], width[2])] and width[1] < width[2]
+    assert together.texts == [a.texts[0] for a in alone] and together.tokens == [a.tokens[0] for a in alone]
+    assert together.finished == [a.finished[0] for a in alone]
+    widths.clear()
+    generate(model, tokenizer, prompts, 4, batch_size=2, do_sample=True, seed=0)
+    assert widths == [max(width[:2]), max(width[2:])]
+
+
 def test_published_weights_cut_short_are_named_with_how_to_restore_them(tmp_path):
     """A published model.safetensors cut short (a kill mid-copy, a full disk) failed inside
     transformers with a bare SafetensorError; it is named before anything loads, with the

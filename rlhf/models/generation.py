@@ -146,22 +146,31 @@ def generate(
     plus steps written so far), to continue as they are (formatting twice would put a
     second BOS, or a chat template's text inside plain text). `details`: a `Generated`
     instead, which also says whether each completion ended (a stop token or string) before
-    `max_new_tokens` cut it, and how many tokens it took."""
+    `max_new_tokens` cut it, and how many tokens it took.
+
+    Greedy batches are formed from the prompts sorted by token length (results in the
+    caller's order): a batch pads its prompts to its longest, and a greedy row's output
+    does not depend on the rows beside it. Sampled batches keep the caller's order: the
+    process's generator hands out draws by row position, so sorting would change which
+    completions a seed draws."""
     model.eval()
     if seed is not None:
         torch.manual_seed(seed)
     tokenizer.padding_side = "left"
     texts = list(prompts) if formatted else [format_prompt(tokenizer, p) for p in prompts]
+    order = list(range(len(texts)))
+    if not do_sample and len(texts) > batch_size:
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        order.sort(key=lambda i: lengths[i])
     completions: list[str] = []
     finished: list[bool] = []
     tokens: list[int] = []
     stops = stop_token_ids(model, tokenizer, chat=not formatted and any(not isinstance(p, str) for p in prompts[:1]))
     for start in range(0, len(texts), batch_size):
-        batch = tokenizer(
-            texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
-        ).to(model.device)
+        rows = [texts[i] for i in order[start : start + batch_size]]
+        batch = tokenizer(rows, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         longest = int(batch["attention_mask"].sum(dim=1).argmax())
-        check_fits(model, int(batch["attention_mask"][longest].sum()), max_new_tokens, texts[start + longest])
+        check_fits(model, int(batch["attention_mask"][longest].sum()), max_new_tokens, rows[longest])
         output = model.generate(
             **batch,
             max_new_tokens=max_new_tokens,
@@ -177,6 +186,13 @@ def generate(
         ended, taken = ends(output[:, batch["input_ids"].shape[1] :], stops, tokenizer.pad_token_id, max_new_tokens)
         finished.extend(ended)
         tokens.extend(taken)
+    if order != sorted(order):  # back to the caller's order (num_return_sequences rows per prompt)
+        n = num_return_sequences
+        at = {prompt: place for place, prompt in enumerate(order)}
+        completions, finished, tokens = (
+            [column[at[i] * n + j] for i in range(len(texts)) for j in range(n)]
+            for column in (completions, finished, tokens)
+        )
     return Generated(completions, finished, tokens) if details else completions
 
 
