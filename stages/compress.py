@@ -79,6 +79,12 @@ class Config(TrainingParams):
         description="train on each row again as crops of its context: its relevant sentences (the table's "
         "`relevant` column) and N sentences around them, one crop for each N; []: whole contexts only",
     )
+    select: int = Field(
+        0,
+        ge=0,
+        description="chunks the model reads per context: the best by a relevance head trained on which chunks hold "
+        "the table's `relevant` sentences; 0: every chunk",
+    )
     lora_r: int = Field(16, gt=0, description="rank of the encoder's LoRA adapter")
     lora_alpha: int = Field(32, gt=0, description="its scaling numerator")
     max_steps: int | None = Field(600, gt=0, description="optimizer steps per compressor")
@@ -119,13 +125,15 @@ def run(config: Config, serve_dir: Path, data: Path, out_dir: Path) -> tuple[dic
 
     rows = read_prepared(data, "compress", ["context", "prompt", "completion", "relevant"])
     if "relevant" not in rows:
-        asks = [f"compress.{key}" for key, on in (("crops", config.crops), ("recite", config.recite > 0)) if on]
+        wants = (("crops", config.crops), ("recite", config.recite > 0), ("select", config.select > 0))
+        asks = [f"compress.{key}" for key, on in wants if on]
         if asks:
             from rlhf.models.compressor import CompressorError
 
             raise CompressorError(
                 f"{' and '.join(asks)} read each row's relevant sentences, and {data} has no `relevant` column: add "
-                "one (the part of the context the prompt needs), or set compress.crops: [] and compress.recite: 0"
+                "one (the part of the context the prompt needs), or set compress.crops: [], compress.recite: 0 and "
+                "compress.select: 0"
             )
     tokenizer = load_tokenizer(serve_dir, config.trust_remote_code)
     metrics: dict = {"serve": str(serve_dir), "rows": len(rows), "compressors": {}}

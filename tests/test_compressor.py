@@ -111,7 +111,12 @@ def test_crops_and_recite_without_relevant_sentences_fail_before_training(tmp_pa
 
     data = tmp_path / "compress.parquet"
     pd.DataFrame({"context": ["A long text."], "prompt": ["Q?"], "completion": ["1"]}).to_parquet(data)
-    for settings, key in (({"crops": [0]}, "compress.crops"), ({"recite": 1.0}, "compress.recite")):
+    asks = (
+        ({"crops": [0]}, "compress.crops"),
+        ({"recite": 1.0}, "compress.recite"),
+        ({"select": 1}, "compress.select"),
+    )
+    for settings, key in asks:
         with pytest.raises(
             CompressorError,
             match=rf"{re.escape(key)} read each row's relevant sentences, and .*compress.parquet has no `relevant` column",
@@ -193,6 +198,68 @@ def test_training_moves_only_the_compressor_and_lowers_the_answers_loss(micro):
     assert all(torch.equal(before[k], after[k]) for k in before), "the served model's weights are untouched"
     texts = compressor.generate(tokenizer, contexts[:2], prompts[:2], max_new_tokens=4)
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
+
+def test_relevant_chunks_are_the_chunks_a_relevant_sentence_overlaps(micro):
+    """The built-in tokenizer reads a character a token: chunks of 10 characters. "Facts
+    here." spans characters 14-24 (chunks 1 and 2), "More." 40-45 (chunk 4); a sentence not
+    in the context is refused naming its row."""
+    from rlhf.models.compressor import relevant_chunks
+
+    _, tokenizer = micro
+    context = "Aaaaaaaa bbbb Facts here. Cccccc dddddd More. Eeeeeeee"
+    assert context.index("Facts here.") == 14 and context.index("More.") == 40 and len(context) == 54
+    assert relevant_chunks(tokenizer, [context], ["Facts here. More."], 10) == [[False, True, True, False, True, False]]
+    with pytest.raises(CompressorError, match=r"row 0: relevant sentence 'Not there.' is not in its context"):
+        relevant_chunks(tokenizer, [context], ["Not there."], 10)
+
+
+def test_select_reads_the_best_scored_chunks_and_learns_which_hold_the_facts(micro, tmp_path):
+    """select 1: of a context's used chunks, only the best-scored chunk's slots stay on, or
+    those `must` marks (training's chunks holding the facts), however many; padding chunks
+    never. Trained, the relevance head scores the
+    chunk holding each row's fact above the others (it starts at 0 for every chunk), the
+    answer loss reads that chunk alone, and the head saves and loads with the compressor."""
+    model, tokenizer = micro
+    compressor = ContextCompressor.new(model, tokens=2, chunk_tokens=16, served_path="m", window=256, select=1)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]])
+    scores = torch.tensor([[0.1, 2.0, -1.0], [-5.0, 9.0, 9.0]])
+    assert compressor.selected(mask, scores).tolist() == [[0, 0, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
+    must = torch.tensor([[True, False, True], [False, True, False]])  # row 1's chunk 1 is padding
+    assert compressor.selected(mask, scores, must).tolist() == [[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0]]
+    must = torch.tensor([[False, False, True], [False, False, False]])
+    assert compressor.selected(mask, scores, must).tolist() == [[0, 0, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0]]
+    assert compressor.slots_for(40) == 2 and compressor.slots_for(10) == 2
+    rng = random.Random(0)
+    filler = ["Filler words here. ", "Other words there. ", "More filler words. "]
+    rows = []
+    for n in (rng.randint(10, 99) for _ in range(8)):
+        sentences = filler[:]
+        sentences.insert(rng.randint(0, 3), f"The code is {n}. ")
+        rows.append(("".join(sentences)[:-1], f"The code is {n}.", str(n)))
+    contexts, relevant = [c for c, _, _ in rows], [r for _, r, _ in rows]
+    prompts = [[{"role": "user", "content": "Code?"}]] * len(rows)
+    answers = [[{"role": "assistant", "content": a}] for *_, a in rows]
+    optimizer = torch.optim.Adam([p for p in compressor.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(40):
+        loss = compressor.loss(tokenizer, contexts, prompts, answers, relevant)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    from rlhf.models.compressor import relevant_chunks
+
+    labels = torch.tensor(
+        [row + [False] * (5 - len(row)) for row in relevant_chunks(tokenizer, contexts, relevant, 16)]
+    )
+    with torch.no_grad():
+        _, slot_mask, scores = compressor.compress_prompts(tokenizer, contexts, prompts, scores=True)
+    used = slot_mask[:, ::2].bool()
+    assert scores[labels].min() > scores[used & ~labels].max(), (scores, labels)
+    compressor.save_pretrained(tmp_path / "k2")
+    again = ContextCompressor.from_pretrained(tmp_path / "k2", build_tiny_model("micro", tokenizer, seed=0))
+    assert again.select == 1 and torch.equal(again.relevance.weight, compressor.relevance.weight)
+    with pytest.raises(CompressorError, match="compress.select trains on each row's `relevant` sentences"):
+        compressor.loss(tokenizer, contexts, prompts, answers)
 
 
 @pytest.mark.slow

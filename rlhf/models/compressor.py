@@ -23,6 +23,14 @@ serves: its folder and a fingerprint of its weights. `from_pretrained(folder, mo
 the adapter on that model and refuses another one (`CompressorMismatchError`): slots made
 for one model's embedding space mean nothing to another's.
 
+With `select: m` the compressor also picks what to read: a linear relevance head on each
+chunk's memory states (query-aware, so it judges a chunk against the question) scores the
+chunks, trained by binary cross-entropy on which chunks hold the row's `relevant`
+sentences, and the model reads the slots of the m best-scored chunks only (in training,
+those of the chunks that do hold them). A chunk read alone is a small task; finding two
+facts among the slots of 8 chunks is one the model failed to learn (the study,
+docs/results/context-compression.md).
+
 Entry points: `compress_context_from_ids` (token ids to slots), `compress_prompts` (texts
 to slots), `generate` (answers from slots and questions) and `loss` (what training
 minimizes). Stage `compress` (stages/compress.py) trains one.
@@ -70,6 +78,33 @@ def prompt_frame(tokenizer, prompt) -> tuple[str, str]:
     framed = format_prompt(tokenizer, marker if isinstance(prompt, str) else [{"role": "user", "content": marker}])
     head, _, tail = framed.partition(marker)
     return head, tail
+
+
+def relevant_chunks(tokenizer, contexts: Sequence[str], relevant: Sequence[str], chunk_tokens: int) -> list[list[bool]]:
+    """Per context, for each of its chunks of `chunk_tokens` tokens (as
+    `compress_context_from_ids` cuts it), whether the chunk overlaps a sentence of that
+    row's `relevant` text; each sentence must appear in its context as written."""
+    import re
+
+    labels = []
+    for row, (context, facts) in enumerate(zip(contexts, relevant)):
+        spans = []
+        for sentence in re.split(r"(?<=[.?!])\s+", str(facts).strip()):
+            at = context.find(sentence)
+            if at < 0:
+                raise CompressorError(
+                    f"row {row}: relevant sentence {sentence[:60]!r} is not in its context as written; `relevant` "
+                    "must quote the context's sentences"
+                )
+            spans.append((at, at + len(sentence)))
+        offsets = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        chunks = []
+        for first in range(0, max(1, len(offsets)), chunk_tokens):
+            piece = offsets[first : first + chunk_tokens]
+            start, end = (piece[0][0], piece[-1][1]) if piece else (0, 0)
+            chunks.append(any(a < end and start < b for a, b in spans))
+        labels.append(chunks)
+    return labels
 
 
 class CompressorError(InputError, ValueError):
@@ -130,11 +165,16 @@ def hidden_to_embedding_scale(model, sample: int = 256) -> float:
 
 
 def trained_parts(folder: str | Path) -> tuple[torch.Tensor, dict]:
-    """(the memory embeddings, the slot map's state dict) saved in `folder`."""
+    """(the memory embeddings, {"proj": the slot map's state dict, "relevance": the
+    relevance head's, empty in a compressor saved without one}) saved in `folder`."""
     from safetensors.torch import load_file
 
     weights = load_file(str(Path(folder) / WEIGHTS_FILE))
-    return weights["memory"], {k.removeprefix("proj."): v for k, v in weights.items() if k.startswith("proj.")}
+    parts = {
+        name: {k.removeprefix(f"{name}."): v for k, v in weights.items() if k.startswith(f"{name}.")}
+        for name in ("proj", "relevance")
+    }
+    return weights["memory"], parts
 
 
 def check_settings(tokens: int, chunk_tokens: int, window: int | None, key: str = "compress") -> None:
@@ -170,6 +210,8 @@ class ContextCompressor(nn.Module):
         query_aware: bool = False,
         adapter_reads: bool = False,
         slot_positions: str = "parallel",
+        select: int = 0,
+        relevance=None,
     ):
         super().__init__()
         if slot_positions not in SLOT_POSITIONS:
@@ -189,6 +231,15 @@ class ContextCompressor(nn.Module):
             nn.init.zeros_(self.proj.bias)
         else:
             self.proj.load_state_dict(proj)
+        if select < 0:
+            raise CompressorError(f"select {select}: the chunks read per context, 0 for all")
+        self.select = select
+        self.relevance = nn.Linear(hidden, 1, dtype=embed.dtype, device=embed.device)  # a chunk's score
+        if relevance:
+            self.relevance.load_state_dict(relevance)
+        else:
+            nn.init.zeros_(self.relevance.weight)
+            nn.init.zeros_(self.relevance.bias)
 
     # ------------------------------------------------------------------ building, saving
 
@@ -206,6 +257,7 @@ class ContextCompressor(nn.Module):
         query_aware: bool = False,
         adapter_reads: bool = False,
         slot_positions: str = "parallel",
+        select: int = 0,
     ) -> ContextCompressor:
         """An untrained compressor for `model` (loaded from `served_path`), its weights frozen."""
         from peft import LoraConfig, get_peft_model
@@ -221,7 +273,7 @@ class ContextCompressor(nn.Module):
         adapted = get_peft_model(model, config)
         return cls(
             adapted, tokens, chunk_tokens, served, seed=seed, query_aware=query_aware, adapter_reads=adapter_reads,
-            slot_positions=slot_positions,
+            slot_positions=slot_positions, select=select,
         )  # fmt: skip
 
     def save_pretrained(self, folder: str | Path) -> None:
@@ -231,7 +283,10 @@ class ContextCompressor(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder)  # the adapter only
         weights = {"memory": self.memory.detach().contiguous().cpu()}
-        weights |= {f"proj.{k}": v.detach().contiguous().cpu() for k, v in self.proj.state_dict().items()}
+        for name in ("proj", "relevance"):
+            weights |= {
+                f"{name}.{k}": v.detach().contiguous().cpu() for k, v in getattr(self, name).state_dict().items()
+            }
         save_file(weights, folder / WEIGHTS_FILE)
         config = {
             "format": FORMAT,
@@ -240,6 +295,7 @@ class ContextCompressor(nn.Module):
             "query_aware": self.query_aware,
             "adapter_reads": self.adapter_reads,
             "slot_positions": self.slot_positions,
+            "select": self.select,
             "served": self.served,
         }
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -276,11 +332,12 @@ class ContextCompressor(nn.Module):
         for param in model.parameters():
             param.requires_grad_(False)
         peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
-        memory, proj = trained_parts(folder)
+        memory, parts = trained_parts(folder)
         return cls(
-            peft_model, config["tokens"], config["chunk_tokens"], served, memory, proj,
+            peft_model, config["tokens"], config["chunk_tokens"], served, memory, parts["proj"],
             query_aware=config.get("query_aware", False), adapter_reads=config.get("adapter_reads", False),
-            slot_positions=config.get("slot_positions", "sequential"),
+            slot_positions=config.get("slot_positions", "sequential"), select=config.get("select", 0),
+            relevance=parts["relevance"],
         )  # fmt: skip
 
     def load_trained(self, folder: str | Path) -> None:
@@ -289,10 +346,12 @@ class ContextCompressor(nn.Module):
         from safetensors.torch import load_file
 
         set_peft_model_state_dict(self.model, load_file(str(Path(folder) / "adapter_model.safetensors")))
-        memory, proj = trained_parts(folder)
+        memory, parts = trained_parts(folder)
         with torch.no_grad():
             self.memory.copy_(memory.to(self.memory.dtype))
-        self.proj.load_state_dict(proj)
+        self.proj.load_state_dict(parts["proj"])
+        if parts["relevance"]:
+            self.relevance.load_state_dict(parts["relevance"])
 
     # ------------------------------------------------------------------ compressing
 
@@ -301,8 +360,10 @@ class ContextCompressor(nn.Module):
         return self.chunk_tokens / self.tokens
 
     def slots_for(self, context_tokens: int) -> int:
-        """k: the slots a context of `context_tokens` tokens becomes."""
-        return -(-context_tokens // self.chunk_tokens) * self.tokens
+        """k: the slots the model reads for a context of `context_tokens` tokens (its chunks',
+        or with `select` those of at most that many chunks)."""
+        chunks = -(-context_tokens // self.chunk_tokens)
+        return (min(chunks, self.select) if self.select else chunks) * self.tokens
 
     def compress_context_from_ids(
         self,
@@ -311,6 +372,7 @@ class ContextCompressor(nn.Module):
         query_ids: torch.Tensor | None = None,
         query_mask: torch.Tensor | None = None,
         prefix_ids: torch.Tensor | None = None,
+        scores: bool = False,
     ):
         """(slots [batch, k, hidden], their mask [batch, k]) of right-padded context ids
         [batch, length]: each chunk of `chunk_tokens` is read alone with the memory
@@ -318,7 +380,8 @@ class ContextCompressor(nn.Module):
         right-padded ids [batch, query length]: the question the context will answer), and
         after `prefix_ids` [prefix length] (the same for every row: the chat template's
         text before a user turn), so that a chunk and its question read as a prompt the model
-        was trained on; a chunk that is all padding gives masked slots."""
+        was trained on; a chunk that is all padding gives masked slots. With `scores`, a
+        third value: each chunk's relevance logit [batch, chunks] (the `select` head's)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         batch, length = input_ids.shape
@@ -345,10 +408,32 @@ class ContextCompressor(nn.Module):
         positions = (full_mask.cumsum(-1) - 1).clamp(min=0)  # padding inside a row takes no position
         body = self.model.get_base_model().base_model  # the decoder stack (no LM head), its linear layers adapted
         hidden = body(inputs_embeds=embeds, attention_mask=full_mask, position_ids=positions).last_hidden_state
-        slots = self.proj(hidden[:, -self.tokens :]).reshape(batch, chunks * self.tokens, -1)
+        memory = hidden[:, -self.tokens :]
+        slots = self.proj(memory).reshape(batch, chunks * self.tokens, -1)
         used = (mask.sum(-1) > 0).to(attention_mask.dtype)  # [batch * chunks]
         slot_mask = used.reshape(batch, chunks).repeat_interleave(self.tokens, dim=1)
-        return slots, slot_mask
+        if not scores:
+            return slots, slot_mask
+        relevance = self.relevance(memory.mean(dim=1).to(self.relevance.weight.dtype)).reshape(batch, chunks)
+        return slots, slot_mask, relevance.float()
+
+    def selected(self, slot_mask: torch.Tensor, relevance: torch.Tensor, must: torch.Tensor | None = None):
+        """`slot_mask` with only the slots of the chunks read left on: per row, the `select`
+        used chunks `relevance` [batch, chunks] scores best, the chunks `must` marks (bool
+        [batch, chunks]; training's chunks that hold the facts) always among them, however
+        many; every used chunk when `select` is 0."""
+        used = slot_mask[:, :: self.tokens].bool()
+        if not self.select:
+            return slot_mask
+        ranked = relevance.detach().float().masked_fill(~used, float("-inf"))
+        limit = torch.full((used.shape[0], 1), self.select, device=used.device)
+        if must is not None:
+            must = must.to(used.device) & used
+            ranked = ranked.masked_fill(must, float("inf"))
+            limit = torch.maximum(limit, must.sum(dim=1, keepdim=True))
+        rank = ranked.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+        keep = ((rank < limit) & used).repeat_interleave(self.tokens, dim=1)
+        return slot_mask * keep.to(slot_mask.dtype)
 
     def tokenize(self, tokenizer, texts: Sequence[str]):
         """Right-padded ids and mask of `texts` (no special tokens)."""
@@ -362,18 +447,20 @@ class ContextCompressor(nn.Module):
             mask[row, : len(e)] = 1
         return ids, mask
 
-    def compress_prompts(self, tokenizer, contexts: Sequence[str], prompts: Sequence | None = None):
-        """(slots, mask) of context texts (`compress_context_from_ids` on their tokens); a
-        query-aware compressor also reads each one's prompt (text, or a conversation whose
-        last user turn is read), after a separator."""
+    def compress_prompts(self, tokenizer, contexts: Sequence[str], prompts: Sequence | None = None, scores=False):
+        """(slots, mask) of context texts (`compress_context_from_ids` on their tokens; with
+        `scores`, the chunks' relevance too); a query-aware compressor also reads each one's
+        prompt (text, or a conversation whose last user turn is read), after a separator."""
         if not self.query_aware:
-            return self.compress_context_from_ids(*self.tokenize(tokenizer, contexts))
+            return self.compress_context_from_ids(*self.tokenize(tokenizer, contexts), scores=scores)
         if prompts is None:
             raise ValueError("a query-aware compressor reads each context with its prompt: give prompts")
         head, tail = prompt_frame(tokenizer, prompts[0])
         queries = self.tokenize(tokenizer, [QUERY_SEPARATOR + question_text(p) + tail for p in prompts])
         prefix = torch.tensor(tokenizer(head, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        return self.compress_context_from_ids(*self.tokenize(tokenizer, contexts), *queries, prefix_ids=prefix)
+        return self.compress_context_from_ids(
+            *self.tokenize(tokenizer, contexts), *queries, prefix_ids=prefix, scores=scores
+        )
 
     # ------------------------------------------------------------------ reading slots
 
@@ -420,9 +507,26 @@ class ContextCompressor(nn.Module):
         prompt, as the model reads slots (`reading`); with `recite` > 0 and each row's
         `relevant` sentences, plus `recite` times the cross-entropy of those sentences
         written from the same slots in place of the answer (every character of the facts
-        is a target, where the answer's few numbers are all the answer loss asks for)."""
-        slots, slot_mask = self.compress_prompts(tokenizer, contexts, prompts)
+        is a target, where the answer's few numbers are all the answer loss asks for). With
+        `select`, the model reads the slots of the chunks that hold the `relevant` sentences
+        and of the best-scored others up to `select` (as it will read them), and the
+        relevance head's binary cross-entropy on which chunks hold them is added."""
+        if not self.select:
+            slots, slot_mask = self.compress_prompts(tokenizer, contexts, prompts)
+            selection = None
+        else:
+            if relevant is None:
+                raise CompressorError("compress.select trains on each row's `relevant` sentences: give them")
+            slots, slot_mask, scores = self.compress_prompts(tokenizer, contexts, prompts, scores=True)
+            labels = torch.zeros_like(scores)
+            for row, chunks in enumerate(relevant_chunks(tokenizer, contexts, relevant, self.chunk_tokens)):
+                labels[row, : len(chunks)] = torch.tensor(chunks, dtype=labels.dtype)
+            used = slot_mask[:, :: self.tokens].bool()
+            selection = nn.functional.binary_cross_entropy_with_logits(scores[used], labels[used])
+            slot_mask = self.selected(slot_mask, scores, must=labels.bool())
         loss = self._response_loss(tokenizer, slots, slot_mask, prompts, completions)
+        if selection is not None:
+            loss = loss + selection
         if recite > 0 and relevant is not None:
             facts = [
                 [{"role": "assistant", "content": r}] if not isinstance(p, str) else r
@@ -458,7 +562,8 @@ class ContextCompressor(nn.Module):
         texts: list[str] = []
         for start in range(0, len(prompts), batch_size):
             part = slice(start, start + batch_size)
-            slots, slot_mask = self.compress_prompts(tokenizer, contexts[part], prompts[part])
+            slots, slot_mask, scores = self.compress_prompts(tokenizer, contexts[part], prompts[part], scores=True)
+            slot_mask = self.selected(slot_mask, scores)
             pieces = [
                 tokenizer(format_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts[part]
             ]

@@ -73,6 +73,7 @@ def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: P
     compressor = ContextCompressor.new(
         model, tokens, params.chunk_tokens, str(served_path), params.lora_r, params.lora_alpha, params.seed, window,
         query_aware=params.query_aware, adapter_reads=params.adapter_reads, slot_positions=params.slot_positions,
+        select=params.select,
     )  # fmt: skip
     args = trl_config(
         TrainingArguments,
@@ -84,7 +85,7 @@ def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: P
     )
     if params.crops:  # stages.compress.run refuses crops and recite without a `relevant` column
         rows = with_crops(rows, params.crops, params.seed)
-    columns = ["context", "prompt", "completion"] + (["relevant"] if params.recite > 0 else [])
+    columns = ["context", "prompt", "completion"] + (["relevant"] if params.recite > 0 or params.select else [])
     data = Dataset.from_pandas(rows[columns].reset_index(drop=True))
     trainer = CompressorTrainer(
         model=compressor,

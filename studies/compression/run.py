@@ -11,7 +11,7 @@ window, the relevant sentences alone, and each compressor's.
 Each variant is `key=value` pairs: name, and any key of params `compress` (tokens: one
 count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
 query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; recite: a
-weight; crops: N+N+N), and `context=relevant`: trained and scored with every context cut to
+weight; crops: N+N+N; select: chunks read), and `context=relevant`: trained and scored with every context cut to
 its relevant sentences (the default, whole, reads them whole). A variant whose folder under
 --work/compressors exists is scored
 again, not retrained. Writes --work/results-<suite>.json: per reading, the
