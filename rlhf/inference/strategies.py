@@ -337,8 +337,7 @@ def mcts_batch(
         if growing:
             drawn = next_steps(
                 model, tokenizer, [searches[i].prompt for i, _ in growing], task, [n.steps for _, n in growing],
-                options.expand,
-                options.temperature, options.max_step_tokens, seed + simulation,
+                options.expand, options.temperature, options.max_step_tokens, seed + simulation,
             )  # fmt: skip
             new: list[tuple[object, Node, tuple[str, ...], float, bool]] = []  # (prompt, parent, steps, prior, ends)
             for (i, node), (counted, final, generated) in zip(growing, drawn):
