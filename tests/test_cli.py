@@ -50,6 +50,7 @@ def test_help_only_helps(tmp_path):
     assert "usage: rlhf launch MODULE" in rlhf("launch").stderr
 
 
+@pytest.mark.slow  # git, dvc init and two CLI processes
 def test_status_reads_the_champion_and_the_last_verdict(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)

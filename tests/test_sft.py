@@ -104,6 +104,7 @@ def test_conversations_need_a_template_that_can_mask_the_assistant(base, tmp_pat
     assert metrics["steps"] == 2
 
 
+@pytest.mark.slow  # two trainings
 def test_the_verifier_puts_its_loss_where_sft_did_unless_told(in_project):
     """Conversations and a template TRL cannot mask: the user sets `sft.loss_on: all` once.
     The verifier (the SFT model trained further on the same rows) takes it (its

@@ -89,6 +89,7 @@ def test_trainers_back_to_back_end_their_runs_quickly_and_log_every_point(
         assert client.get_run(run_id).info.status == "FINISHED"
 
 
+@pytest.mark.slow  # waits out a 2 s lock
 def test_a_locked_store_holds_a_write_only_until_it_is_free(mlflow_store, tmp_path, monkeypatch):
     """Another connection holds the sqlite store's write lock for 2 s: the synchronous write
     waits for it, then lands (not lost, and not an error)."""
