@@ -84,12 +84,12 @@ def relevant_chunks(tokenizer, contexts: Sequence[str], relevant: Sequence[str],
     """Per context, for each of its chunks of `chunk_tokens` tokens (as
     `compress_context_from_ids` cuts it), whether the chunk overlaps a sentence of that
     row's `relevant` text; each sentence must appear in its context as written."""
-    import re
+    from rlhf.tasks.long_context import sentences
 
     labels = []
     for row, (context, facts) in enumerate(zip(contexts, relevant)):
         spans = []
-        for sentence in re.split(r"(?<=[.?!])\s+", str(facts).strip()):
+        for sentence in sentences(str(facts)):
             at = context.find(sentence)
             if at < 0:
                 raise CompressorError(
@@ -422,9 +422,9 @@ class ContextCompressor(nn.Module):
         used chunks `relevance` [batch, chunks] scores best, the chunks `must` marks (bool
         [batch, chunks]; training's chunks that hold the facts) always among them, however
         many; every used chunk when `select` is 0."""
-        used = slot_mask[:, :: self.tokens].bool()
         if not self.select:
             return slot_mask
+        used = slot_mask[:, :: self.tokens].bool()
         ranked = relevance.detach().float().masked_fill(~used, float("-inf"))
         limit = torch.full((used.shape[0], 1), self.select, device=used.device)
         if must is not None:

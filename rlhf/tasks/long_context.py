@@ -40,12 +40,17 @@ DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sun
 _SENTENCE_END = re.compile(r"(?<=[.?!])\s+")
 
 
+def sentences(text: str) -> list[str]:
+    """`text` cut into sentences (each ends at ".", "?" or "!" followed by white space)."""
+    return _SENTENCE_END.split(text.strip())
+
+
 def split_question(problem: str) -> tuple[list[str], str]:
     """(the fact sentences, the question sentence) of a word problem's text."""
-    sentences = _SENTENCE_END.split(problem.strip())
-    if len(sentences) < 2 or not sentences[-1].endswith("?"):
+    parts = sentences(problem)
+    if len(parts) < 2 or not parts[-1].endswith("?"):
         raise ValueError(f"a word problem should be facts then one question: {problem!r}")
-    return sentences[:-1], sentences[-1]
+    return parts[:-1], parts[-1]
 
 
 def _named(text: str, words) -> set[str]:
@@ -126,8 +131,8 @@ def cropped(context: str, relevant: str, extra: int, rng: random.Random) -> str:
     if at < 0 or not relevant:
         return context
     head, tail = context[:at].strip(), context[at + len(relevant) :].strip()
-    before = _SENTENCE_END.split(head) if head else []
-    after = _SENTENCE_END.split(tail) if tail else []
+    before = sentences(head) if head else []
+    after = sentences(tail) if tail else []
     extra = min(extra, len(before) + len(after))
     take_before = rng.randint(max(0, extra - len(after)), min(extra, len(before)))
     take_after = min(extra - take_before, len(after))
