@@ -192,11 +192,10 @@ def run(
 ) -> dict:
     """Merge `members` (name -> model dir) into `out_dir`; returns the metrics. `score`
     replaces greedy soup's prompt accuracy (tests)."""
-    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.loading import load_tokenizer, stored_dtype
     from rlhf.models.merging import (
         SPARSIFYING_METHODS,
         TASK_VECTOR_METHODS,
-        base_dtype,
         check_compatible,
         greedy_soup,
         merge_configuration,
@@ -230,7 +229,7 @@ def run(
         t=config.t,
         normalize=True if config.method == "greedy_soup" else config.normalize,
         int8_mask=config.int8_mask,
-        out_dtype=base_dtype(base, config.trust_remote_code),
+        out_dtype=stored_dtype(base, config.trust_remote_code),
     )
     run_mergekit(mergekit_config, out_dir, base, config.seed, config.trust_remote_code)
     metrics |= {"members": names, "seconds": time.perf_counter() - start}

@@ -360,3 +360,47 @@ def test_a_tokenizer_declared_as_saved_loads_as_saved_beside_any_architecture(tm
     loaded = load_tokenizer(tmp_path / "qwen2")
     assert loaded("12+3\n", add_special_tokens=False)["input_ids"] == expected
     assert loaded.decode(expected) == "12+3\n" and loaded.chat_template == tokenizer.chat_template
+
+
+def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, micro_dir):
+    """A model loaded from a bfloat16 checkpoint and changed in float32 (a CPU's compute
+    dtype) is saved in bfloat16, its config saying so, half the bytes, the values its float32
+    weights rounded to bf16, tied weights stored once; `save_dtype: float32` keeps every bit;
+    the model in memory is left as it was. A float32 checkpoint's model stays float32."""
+    import torch
+    from safetensors import safe_open
+
+    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+
+    def stored(path):
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        return tensors, json.loads((path / "config.json").read_text())["dtype"]
+
+    tokenizer = load_tokenizer(micro_dir)
+    save_model(load_causal_lm(micro_dir, dtype="bfloat16"), tokenizer, tmp_path / "hub")  # held bf16: as held
+    hub, dtype = stored(tmp_path / "hub")
+    assert dtype == "bfloat16" and {t.dtype for t in hub.values()} == {torch.bfloat16}
+
+    model = load_causal_lm(tmp_path / "hub", training=True)  # full fine-tuning: float32 master weights
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    trained = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    save_model(model, tokenizer, tmp_path / "auto")
+    save_model(model, tokenizer, tmp_path / "exact", settings=ModelSettings(save_dtype="float32"))
+    auto, auto_dtype = stored(tmp_path / "auto")
+    exact, exact_dtype = stored(tmp_path / "exact")
+    assert (auto_dtype, exact_dtype) == ("bfloat16", "float32")
+    assert set(auto) == set(exact) == set(hub)  # the same tensors: a tied one is not stored twice
+    assert all(torch.equal(auto[name], trained[name].to(torch.bfloat16)) for name in auto)
+    assert all(torch.equal(exact[name], trained[name]) for name in exact)
+    assert any(not torch.equal(auto[name], hub[name]) for name in auto)  # the change survived the rounding
+    size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("auto", "exact")}
+    assert size["auto"] < 0.55 * size["exact"]
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and str(model.config.dtype).endswith("float32")
+
+    float32 = load_causal_lm(micro_dir, training=True)  # a float32 checkpoint: stored as held
+    save_model(float32, tokenizer, tmp_path / "f32")
+    assert stored(tmp_path / "f32")[1] == "float32"

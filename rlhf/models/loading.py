@@ -330,16 +330,79 @@ def check_finite(weights: dict, what: str) -> None:
         )
 
 
-def save_model(model, tokenizer, path: str | Path, state_dict: dict | None = None, checked: bool = False) -> None:
+def stored_dtype(path: str | Path, trust_remote_code: bool = False) -> str | None:
+    """The dtype a model folder's weights are stored in ('float32', 'bfloat16', ...), as its
+    config states it; None when it states none."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def save_dtype(model, settings=None) -> str | None:
+    """The dtype to store `model`'s float32 weights in (params `model.save_dtype`), or None
+    to store them as held: with `auto`, the dtype of the checkpoint the model was loaded
+    from (`config._name_or_path`) when that is bfloat16 or float16 and the model holds
+    float32 weights (trained or merged on a CPU, or full fine-tuning's master weights)."""
+    import rlhf.models.settings as model_settings
+
+    chosen = (settings or model_settings.current()).save_dtype
+    if chosen != "auto":
+        return chosen
+    source = getattr(model.config, "_name_or_path", "") or ""
+    held = {p.dtype for p in model.parameters() if torch.is_floating_point(p)}
+    if held != {torch.float32} or not source or not Path(source).is_dir():
+        return None
+    try:
+        stored = stored_dtype(source, trust_remote_code=getattr(model.config, "auto_map", None) is not None)
+    except (OSError, ValueError):  # the folder has gone or holds no config: keep the weights as held
+        return None
+    return stored if stored in HALF_DTYPES else None
+
+
+def cast_weights(weights: dict, dtype: str) -> dict:
+    """`weights` (name -> tensor) with their floating tensors in `dtype`; tensors that share
+    storage (tied embeddings) stay shared, so that safetensors stores them once."""
+    target, cast = getattr(torch, dtype), {}
+    out = {}
+    for name, tensor in weights.items():
+        if not torch.is_floating_point(tensor) or tensor.dtype == target:
+            out[name] = tensor
+            continue
+        key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        if key not in cast:
+            cast[key] = tensor.detach().to(target)
+        out[name] = cast[key]
+    return out
+
+
+def save_model(
+    model, tokenizer, path: str | Path, state_dict: dict | None = None, checked: bool = False, settings=None
+) -> None:
     """`model` (its weights, or `state_dict` when given: gathered weights of a sharded
     model) as safetensors, and `tokenizer`, into `path`; weights that are not finite are
     refused (`check_finite`), unless the caller has `checked` what training changed (a
-    LoRA run: its adapter, before merging)."""
+    LoRA run: its adapter, before merging). Float32 weights are stored in `save_dtype`'s
+    dtype where it names one (a bf16 checkpoint stays bf16), the config saying so."""
     if not checked:
         check_finite(state_dict if state_dict is not None else model.state_dict(), str(path))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    dtype = save_dtype(model, settings)
+    if dtype is not None:
+        state_dict = cast_weights(state_dict if state_dict is not None else model.state_dict(), dtype)
+        if dtype == "float16":  # float16 overflows where float32 and bfloat16 do not
+            check_finite(state_dict, f"{path} in float16 (model.save_dtype)")
     model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
+    if dtype is not None:  # save_pretrained wrote the dtype the model holds
+        held = model.config.dtype
+        model.config.dtype = dtype
+        model.config.save_pretrained(str(path))
+        model.config.dtype = held
     tokenizer.save_pretrained(str(path))
 
 

@@ -287,15 +287,6 @@ def run_mergekit(
     AutoTokenizer.from_pretrained(str(files_from), trust_remote_code=trust_remote_code).save_pretrained(str(out_dir))
 
 
-def base_dtype(path: str | Path, trust_remote_code: bool = False) -> str | None:
-    """The dtype the base's weights are stored in ('float32', 'bfloat16', ...), if stated."""
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if dtype is None:
-        return None
-    return str(dtype).removeprefix("torch.")
-
-
 # ----------------------------------------------------------------------------- greedy soup
 
 

@@ -18,6 +18,13 @@ overridable per stage (a `model:` block in that stage's section, or in a policy 
 * `gradient_checkpointing`: recompute activations in the backward pass (transformers'
   activation checkpointing): a large model's activations no longer hold memory, at about
   a third more compute.
+* `save_dtype`: the dtype of the weights a stage saves. `auto` stores a model back in its
+  checkpoint's dtype when that is bfloat16 or float16 (as Hub models are) and the model was
+  trained or merged in float32 (a CPU's compute dtype, full fine-tuning's master weights):
+  a bf16 model fine-tuned stays the size it was, as merge's output already does, instead
+  of doubling on disk at every stage. Otherwise the weights are stored as held. A LoRA
+  update smaller than half a bf16 step rounds away in the merged copy, as it does in any
+  bf16 merge (the adapter folder keeps it exact); `float32` keeps every bit.
 
 Light on purpose: pydantic only, so that params validate in a second; the kwargs for
 `from_pretrained` are built in rlhf.models.loading.
@@ -96,6 +103,11 @@ class ModelSettings(StageConfig):
         None, description="4- or 8-bit weights through bitsandbytes (QLoRA when training: needs lora.enabled)"
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory")
+    save_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="dtype of the weights a stage saves (auto: a model whose checkpoint is in bfloat16 or float16, "
+        "trained or merged in float32, is stored back in its checkpoint's dtype; else as held)",
+    )
 
     @field_validator("attn_implementation")
     @classmethod
@@ -121,6 +133,9 @@ class ModelOverride(StageConfig):
         None, description="as model.quantization; false: not quantized here"
     )
     gradient_checkpointing: bool | None = Field(None, description="as model.gradient_checkpointing")
+    save_dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = Field(
+        None, description="as model.save_dtype"
+    )
 
     @field_validator("attn_implementation")
     @classmethod
