@@ -300,3 +300,26 @@ def test_the_shipped_accelerate_configs_load_and_the_sharded_ones_gather_for_the
     bad.write_text((REPO / "configs/accelerate/ddp.yaml").read_text() + "num_procesess: 2\n")
     with pytest.raises(ValueError, match="num_procesess"):
         load_config_from_file(str(bad))
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_gloo_processes_shards_the_weights_and_saves_what_one_process_trains(micro_dir, tmp_path):
+    """accelerate launches FSDP on a CPU as plain data parallelism (docs/guides/real-models.md),
+    so benchmarks/fsdp_cpu.py runs torch's FSDP2 directly, as accelerate's plugin would: each
+    rank holds half of the parameters; the gathered save writes one model, tied embeddings
+    once, equal to one process's after the same two steps on the whole batch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fsdp_cpu
+
+    from rlhf.models.loading import load_causal_lm
+
+    ranks = fsdp_cpu.sharded(micro_dir, tmp_path / "sharded")
+    assert all(0.45 < ranks[rank]["share"] < 0.55 for rank in (0, 1)), ranks
+    fsdp_cpu.one_process(micro_dir, tmp_path / "one")
+    names, difference = fsdp_cpu.largest_difference(tmp_path / "sharded", tmp_path / "one")
+    assert "lm_head.weight" not in names  # tied to the input embedding: stored once
+    assert difference < 1e-5
+    _, moved = fsdp_cpu.largest_difference(tmp_path / "sharded", micro_dir)
+    assert moved > 1e-3  # two steps changed the weights
+    config = json.loads((tmp_path / "sharded/config.json").read_text())
+    assert config["architectures"] == [type(load_causal_lm(tmp_path / "sharded")).__name__]

@@ -380,6 +380,18 @@ def cast_weights(weights: dict, dtype: str) -> dict:
     return out
 
 
+def tied_as_in(model, weights: dict) -> dict:
+    """`weights` (name -> tensor) with the names `model` ties to one parameter (tied input
+    and output embeddings) pointing to one tensor, as in the model, so that transformers
+    stores it once: a state dict gathered from shards (FSDP) holds a copy under each name."""
+    out, first = dict(weights), {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        main = first.setdefault(id(parameter), name)
+        if main != name and main in out and name in out:
+            out[name] = out[main]
+    return out
+
+
 def save_model(
     model, tokenizer, path: str | Path, state_dict: dict | None = None, checked: bool = False, settings=None
 ) -> None:
@@ -387,11 +399,14 @@ def save_model(
     model) as safetensors, and `tokenizer`, into `path`; weights that are not finite are
     refused (`check_finite`), unless the caller has `checked` what training changed (a
     LoRA run: its adapter, before merging). Float32 weights are stored in `save_dtype`'s
-    dtype where it names one (a bf16 checkpoint stays bf16), the config saying so."""
+    dtype where it names one (a bf16 checkpoint stays bf16), the config saying so; tied
+    weights once (`tied_as_in`)."""
     if not checked:
         check_finite(state_dict if state_dict is not None else model.state_dict(), str(path))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if state_dict is not None:
+        state_dict = tied_as_in(model, state_dict)
     dtype = save_dtype(model, settings)
     if dtype is not None:
         state_dict = cast_weights(state_dict if state_dict is not None else model.state_dict(), dtype)
