@@ -11,14 +11,15 @@ Each stage runs as the pipeline runs it (`python -m stages.<name> ...` in a fres
 a scratch project of this checkout's code, its own MLflow store), under real_size.py's
 probe, and prints one JSON line:
 
-    {"stage": "policy@dpo", "peak_gib": 1.9, "seconds": 130, "above_imports_gib": 1.2}
+    {"stage": "policy@dpo", "peak_gib": 1.9, "seconds": 130, "above_imports_gib": 1.2, "models_gib": 5.1}
 
 `peak_gib`: the process's high-water resident set; `above_imports_gib`: that less what it
 held after importing torch, transformers, TRL, peft, datasets and MLflow (the stage's own
-memory); `seconds`: the whole process. The order is dvc.yaml's, and the variants the
-acceptance asks for: rm and prm of both kinds (the likelihood kind last, as the later
-stages read it), policy@dpo and policy@kto, rl@grpo and rl@ppo, merge, evaluate (KL
-included), validate, gate, infer with every strategy, one improve round. A stage that fails
+memory); `seconds`: the whole process; `models_gib`: what the project's models/ folder
+holds on disk after the stage (every model written so far). The order is dvc.yaml's, and
+the variants the acceptance asks for: rm and prm of both kinds (the likelihood kind last,
+as the later stages read it), policy@dpo and policy@kto, rl@grpo and rl@ppo, merge,
+evaluate (KL included), validate, gate, infer with every strategy, one improve round. A stage that fails
 prints its error's last lines and the run stops there (`--keep` and `--from` go on).
 """
 
@@ -147,6 +148,11 @@ def real_dag_params(params: dict) -> None:
     params["improve"]["rounds"] = {"r1": {"after": "sft"}}
 
 
+def folder_gib(folder: Path) -> float:
+    """The bytes of the files under `folder` (every model the stages have written), in GiB."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink()) / 2**30
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="work here and keep it (default: a temporary folder)")
@@ -181,7 +187,7 @@ def main() -> None:
             print(json.dumps({"stage": name, "failed": str(failed)[-1500:]}), flush=True)
             break
         line = {"stage": name, "peak_gib": round(m["peak"], 2), "seconds": round(m["wall"], 1),
-                "above_imports_gib": round(m["above"], 2)}  # fmt: skip
+                "above_imports_gib": round(m["above"], 2), "models_gib": round(folder_gib(root / "models"), 2)}  # fmt: skip
         results.append(line)
         print(json.dumps(line), flush=True)
     (work / "real_dag.json").write_text(json.dumps(results, indent=1) + "\n")
