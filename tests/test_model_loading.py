@@ -365,8 +365,9 @@ def test_a_tokenizer_declared_as_saved_loads_as_saved_beside_any_architecture(tm
 def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, micro_dir):
     """A model loaded from a bfloat16 checkpoint and changed in float32 (a CPU's compute
     dtype) is saved in bfloat16, its config saying so, half the bytes, the values its float32
-    weights rounded to bf16, tied weights stored once; `save_dtype: float32` keeps every bit;
-    the model in memory is left as it was. A float32 checkpoint's model stays float32."""
+    weights rounded to bf16, tied weights stored once; the model in memory is float32 again,
+    holding the values saved. `save_dtype: float32` keeps every bit. A float32 checkpoint's
+    model stays float32."""
     import torch
     from safetensors import safe_open
 
@@ -388,8 +389,8 @@ def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, mi
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
     trained = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    save_model(model, tokenizer, tmp_path / "auto")
     save_model(model, tokenizer, tmp_path / "exact", settings=ModelSettings(save_dtype="float32"))
+    save_model(model, tokenizer, tmp_path / "auto")
     auto, auto_dtype = stored(tmp_path / "auto")
     exact, exact_dtype = stored(tmp_path / "exact")
     assert (auto_dtype, exact_dtype) == ("bfloat16", "float32")
@@ -400,6 +401,7 @@ def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, mi
     size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("auto", "exact")}
     assert size["auto"] < 0.55 * size["exact"]
     assert {p.dtype for p in model.parameters()} == {torch.float32} and str(model.config.dtype).endswith("float32")
+    assert all(torch.equal(model.state_dict()[name], auto[name].float()) for name in auto)
 
     float32 = load_causal_lm(micro_dir, training=True)  # a float32 checkpoint: stored as held
     save_model(float32, tokenizer, tmp_path / "f32")

@@ -22,6 +22,7 @@ make such a directory.
 
 from __future__ import annotations
 
+import contextlib
 import string
 from pathlib import Path
 
@@ -399,8 +400,9 @@ def save_model(
     model) as safetensors, and `tokenizer`, into `path`; weights that are not finite are
     refused (`check_finite`), unless the caller has `checked` what training changed (a
     LoRA run: its adapter, before merging). Float32 weights are stored in `save_dtype`'s
-    dtype where it names one (a bf16 checkpoint stays bf16), the config saying so; tied
-    weights once (`tied_as_in`)."""
+    dtype where it names one (a bf16 checkpoint stays bf16), the config saying so, and the
+    model keeps the values it was saved with (`stored_as`); tied weights are stored once
+    (`tied_as_in`)."""
     if not checked:
         check_finite(state_dict if state_dict is not None else model.state_dict(), str(path))
     path = Path(path)
@@ -408,17 +410,41 @@ def save_model(
     if state_dict is not None:
         state_dict = tied_as_in(model, state_dict)
     dtype = save_dtype(model, settings)
-    if dtype is not None:
-        state_dict = cast_weights(state_dict if state_dict is not None else model.state_dict(), dtype)
+    if dtype is None:
+        model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
+    elif state_dict is not None:  # gathered weights: a copy in the stored dtype
+        state_dict = cast_weights(state_dict, dtype)
         if dtype == "float16":  # float16 overflows where float32 and bfloat16 do not
             check_finite(state_dict, f"{path} in float16 (model.save_dtype)")
-    model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
-    if dtype is not None:  # save_pretrained wrote the dtype the model holds
-        held = model.config.dtype
+        model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
+        held = model.config.dtype  # save_pretrained wrote the dtype the model holds
         model.config.dtype = dtype
         model.config.save_pretrained(str(path))
         model.config.dtype = held
+    else:  # cast in place, a tensor at a time, and back: one copy held, not one and a half
+        held = model.config.dtype
+        with stored_as(model, getattr(torch, dtype)):
+            if dtype == "float16":
+                check_finite(model.state_dict(), f"{path} in float16 (model.save_dtype)")
+            model.save_pretrained(str(path), safe_serialization=True)
+        model.config.dtype = held
     tokenizer.save_pretrained(str(path))
+
+
+@contextlib.contextmanager
+def stored_as(model, dtype):
+    """`model`'s float32 parameters cast to `dtype` in place, one tensor at a time, and back
+    to float32 on leaving: the model then holds the values it was saved with (rounded to
+    `dtype`), in the dtype it computes in. Buffers are left as they are (rotary frequencies
+    would not come back whole)."""
+    cast = [p for p in model.parameters() if p.dtype == torch.float32]
+    try:
+        for parameter in cast:
+            parameter.data = parameter.data.to(dtype)
+        yield model
+    finally:
+        for parameter in cast:
+            parameter.data = parameter.data.to(torch.float32)
 
 
 def count_parameters(model) -> int:
