@@ -363,15 +363,17 @@ def test_a_tokenizer_declared_as_saved_loads_as_saved_beside_any_architecture(tm
 
 
 def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, micro_dir):
-    """A model loaded from a bfloat16 checkpoint and changed in float32 (a CPU's compute
-    dtype) is saved in bfloat16, its config saying so, half the bytes, the values its float32
-    weights rounded to bf16, tied weights stored once; the model in memory is float32 again,
-    holding the values saved. `save_dtype: float32` keeps every bit. A float32 checkpoint's
-    model stays float32."""
+    """`model.save_dtype`: a model loaded from a bfloat16 checkpoint and changed in float32
+    is saved in bfloat16 where asked (or, with `auto`, where the stages compute in half
+    precision: full fine-tuning's master weights on a GPU), its config saying so, half the
+    bytes, the values its float32 weights rounded to bf16, tied weights stored once; the
+    model in memory is float32 again, holding the values saved. On a CPU computing in
+    float32, `auto` stores float32 (a float32 checkpoint loads without a copy), as it does
+    for a float32 checkpoint anywhere."""
     import torch
     from safetensors import safe_open
 
-    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_dtype, save_model
 
     def stored(path):
         with safe_open(str(path / "model.safetensors"), "pt") as f:
@@ -385,24 +387,25 @@ def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, mi
 
     model = load_causal_lm(tmp_path / "hub", training=True)  # full fine-tuning: float32 master weights
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+    gpu, cpu = Placement("cuda", "bfloat16"), Placement("cpu", "float32")
+    assert (save_dtype(model, ModelSettings(), gpu), save_dtype(model, ModelSettings(), cpu)) == ("bfloat16", None)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
     trained = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    save_model(model, tokenizer, tmp_path / "exact", settings=ModelSettings(save_dtype="float32"))
-    save_model(model, tokenizer, tmp_path / "auto")
-    auto, auto_dtype = stored(tmp_path / "auto")
-    exact, exact_dtype = stored(tmp_path / "exact")
-    assert (auto_dtype, exact_dtype) == ("bfloat16", "float32")
-    assert set(auto) == set(exact) == set(hub)  # the same tensors: a tied one is not stored twice
-    assert all(torch.equal(auto[name], trained[name].to(torch.bfloat16)) for name in auto)
+    save_model(model, tokenizer, tmp_path / "auto")  # this CPU computes in float32
+    save_model(model, tokenizer, tmp_path / "half", settings=ModelSettings(save_dtype="bfloat16"))
+    exact, exact_dtype = stored(tmp_path / "auto")
+    half, half_dtype = stored(tmp_path / "half")
+    assert (half_dtype, exact_dtype) == ("bfloat16", "float32")
+    assert set(half) == set(exact) == set(hub)  # the same tensors: a tied one is not stored twice
+    assert all(torch.equal(half[name], trained[name].to(torch.bfloat16)) for name in half)
     assert all(torch.equal(exact[name], trained[name]) for name in exact)
-    assert any(not torch.equal(auto[name], hub[name]) for name in auto)  # the change survived the rounding
-    size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("auto", "exact")}
-    assert size["auto"] < 0.55 * size["exact"]
+    assert any(not torch.equal(half[name], hub[name]) for name in half)  # the change survived the rounding
+    size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("half", "auto")}
+    assert size["half"] < 0.55 * size["auto"]
     assert {p.dtype for p in model.parameters()} == {torch.float32} and str(model.config.dtype).endswith("float32")
-    assert all(torch.equal(model.state_dict()[name], auto[name].float()) for name in auto)
+    assert all(torch.equal(model.state_dict()[name], half[name].float()) for name in half)
 
-    float32 = load_causal_lm(micro_dir, training=True)  # a float32 checkpoint: stored as held
-    save_model(float32, tokenizer, tmp_path / "f32")
-    assert stored(tmp_path / "f32")[1] == "float32"
+    float32 = load_causal_lm(micro_dir, training=True)  # a float32 checkpoint: as held, on a GPU too
+    assert save_dtype(float32, ModelSettings(), gpu) is None

@@ -344,16 +344,22 @@ def stored_dtype(path: str | Path, trust_remote_code: bool = False) -> str | Non
 HALF_DTYPES = ("bfloat16", "float16")
 
 
-def save_dtype(model, settings=None) -> str | None:
+def save_dtype(model, settings=None, placement=None) -> str | None:
     """The dtype to store `model`'s float32 weights in (params `model.save_dtype`), or None
-    to store them as held: with `auto`, the dtype of the checkpoint the model was loaded
-    from (`config._name_or_path`) when that is bfloat16 or float16 and the model holds
-    float32 weights (trained or merged on a CPU, or full fine-tuning's master weights)."""
+    to store them as held. With `auto`: where the process computes in half precision (a
+    GPU), the dtype of the checkpoint the model was loaded from (`config._name_or_path`)
+    when that is bfloat16 or float16 and the model holds float32 weights (full fine-tuning's
+    master weights); on a CPU computing in float32, as held: a float32 checkpoint loads
+    without a copy (safetensors maps the file), where a bf16 one is converted into new
+    memory at every stage that loads it (rl@ppo at the 0.5B shape: 6.44 GiB above its
+    imports against 4.60; benchmarks/README.md)."""
     import rlhf.models.settings as model_settings
 
     chosen = (settings or model_settings.current()).save_dtype
     if chosen != "auto":
         return chosen
+    if (placement or current()).dtype not in HALF_DTYPES:
+        return None
     source = getattr(model.config, "_name_or_path", "") or ""
     held = {p.dtype for p in model.parameters() if torch.is_floating_point(p)}
     if held != {torch.float32} or not source or not Path(source).is_dir():

@@ -18,12 +18,14 @@ overridable per stage (a `model:` block in that stage's section, or in a policy 
 * `gradient_checkpointing`: recompute activations in the backward pass (transformers'
   activation checkpointing): a large model's activations no longer hold memory, at about
   a third more compute.
-* `save_dtype`: the dtype of the weights a stage saves. `auto` stores a model back in its
-  checkpoint's dtype when that is bfloat16 or float16 (as Hub models are) and the model was
-  trained or merged in float32 (a CPU's compute dtype, full fine-tuning's master weights):
-  a bf16 model fine-tuned stays the size it was, as merge's output already does, instead
-  of doubling on disk at every stage. Otherwise the weights are stored as held. A LoRA
-  update smaller than half a bf16 step rounds away in the merged copy, as it does in any
+* `save_dtype`: the dtype of the weights a stage saves. `auto`, where the stages compute in
+  half precision (a GPU), stores full fine-tuning's float32 master weights back in the
+  checkpoint's dtype when that is bfloat16 or float16 (as Hub models are), so a fine-tuned
+  model stays the size it was, as merge's output does. On a CPU (float32) it stores them
+  as held: a float32 checkpoint loads without a copy (safetensors maps the file), a bf16
+  one costs its float32 copy in memory at every later stage. `bfloat16` on a CPU halves the
+  disk (a real-size DAG: benchmarks/README.md) for about 1 GiB more per stage at 0.5B. A
+  LoRA update smaller than half a bf16 step rounds away in a bf16 merged copy, as in any
   bf16 merge (the adapter folder keeps it exact); `float32` keeps every bit.
 
 Light on purpose: pydantic only, so that params validate in a second; the kwargs for
@@ -105,8 +107,8 @@ class ModelSettings(StageConfig):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory")
     save_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
-        description="dtype of the weights a stage saves (auto: a model whose checkpoint is in bfloat16 or float16, "
-        "trained or merged in float32, is stored back in its checkpoint's dtype; else as held)",
+        description="dtype of the weights a stage saves (auto: computing in half precision, float32 master "
+        "weights of a bfloat16/float16 checkpoint go back to its dtype; on a CPU, as held)",
     )
 
     @field_validator("attn_implementation")
