@@ -229,7 +229,7 @@ def run(
         t=config.t,
         normalize=True if config.method == "greedy_soup" else config.normalize,
         int8_mask=config.int8_mask,
-        out_dtype=stored_dtype(base, config.trust_remote_code),
+        out_dtype=stored_dtype(base),
     )
     run_mergekit(mergekit_config, out_dir, base, config.seed, config.trust_remote_code)
     metrics |= {"members": names, "seconds": time.perf_counter() - start}

@@ -362,7 +362,7 @@ def test_a_tokenizer_declared_as_saved_loads_as_saved_beside_any_architecture(tm
     assert loaded.decode(expected) == "12+3\n" and loaded.chat_template == tokenizer.chat_template
 
 
-def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, micro_dir):
+def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, micro_dir, monkeypatch):
     """`model.save_dtype`: a model loaded from a bfloat16 checkpoint and changed in float32
     is saved in bfloat16 where asked (or, with `auto`, where the stages compute in half
     precision: full fine-tuning's master weights on a GPU), its config saying so, half the
@@ -373,7 +373,10 @@ def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, mi
     import torch
     from safetensors import safe_open
 
+    import rlhf.models.compute
     from rlhf.models.loading import load_causal_lm, load_tokenizer, save_dtype, save_model
+
+    monkeypatch.setattr(rlhf.models.compute, "_current", Placement("cpu", "float32"))  # whatever this machine has
 
     def stored(path):
         with safe_open(str(path / "model.safetensors"), "pt") as f:
@@ -409,3 +412,29 @@ def test_a_bf16_checkpoint_trained_in_float32_is_saved_back_in_bf16(tmp_path, mi
 
     float32 = load_causal_lm(micro_dir, training=True)  # a float32 checkpoint: as held, on a GPU too
     assert save_dtype(float32, ModelSettings(), gpu) is None
+    half_held = load_causal_lm(tmp_path / "hub")  # never widened
+    assert save_dtype(half_held, ModelSettings(save_dtype="float32")) is None
+
+
+def test_gathered_weights_are_stored_in_the_dtype_asked_with_tied_ones_once(tmp_path, micro_dir, monkeypatch):
+    """A state dict gathered from shards (each name its own copy, as FSDP's gather gives)
+    saved with `save_dtype: bfloat16`: bf16 tensors, the config saying bfloat16, the tied
+    output embedding not stored, and the model's own config left as it was."""
+    import torch
+    from safetensors import safe_open
+
+    from rlhf.models.loading import load_causal_lm, load_tokenizer, save_model
+
+    model = load_causal_lm(micro_dir, training=True)
+    gathered = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    assert "lm_head.weight" in gathered
+    held = model.config.dtype
+    save_model(
+        model, load_tokenizer(micro_dir), tmp_path / "out", gathered, settings=ModelSettings(save_dtype="bfloat16")
+    )
+    with safe_open(str(tmp_path / "out/model.safetensors"), "pt") as f:
+        saved = {name: f.get_tensor(name) for name in f.keys()}
+    assert "lm_head.weight" not in saved and {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert all(torch.equal(saved[name], gathered[name].to(torch.bfloat16)) for name in saved)
+    assert json.loads((tmp_path / "out/config.json").read_text())["dtype"] == "bfloat16"
+    assert model.config.dtype == held

@@ -147,6 +147,7 @@ def convert(path: Path, out_dir: Path, dtype: str, key: str = "base.model: ") ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.models.loading import count_parameters, save_model
+    from rlhf.models.settings import ModelSettings
 
     facts = read_header(path, key)
     folder, name = str(path.parent), path.name
@@ -157,7 +158,7 @@ def convert(path: Path, out_dir: Path, dtype: str, key: str = "base.model: ") ->
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = name
-    save_model(model, tokenizer, out_dir)
+    save_model(model, tokenizer, out_dir, settings=ModelSettings(save_dtype="float32"))  # in `dtype`, as asked
     return {
         "parameters": count_parameters(model),
         "vocab_size": len(tokenizer),

@@ -331,53 +331,57 @@ def check_finite(weights: dict, what: str) -> None:
         )
 
 
-def stored_dtype(path: str | Path, trust_remote_code: bool = False) -> str | None:
+def stored_dtype(path: str | Path) -> str | None:
     """The dtype a model folder's weights are stored in ('float32', 'bfloat16', ...), as its
-    config states it; None when it states none."""
-    from transformers import AutoConfig
+    config.json states it (`dtype`, or the older `torch_dtype`); None when it states none or
+    has no readable config. Read as JSON: no model code runs."""
+    import json
 
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return None if dtype is None else str(dtype).removeprefix("torch.")
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return None if not isinstance(dtype, str) else dtype.removeprefix("torch.")
 
 
 HALF_DTYPES = ("bfloat16", "float16")
 
 
 def save_dtype(model, settings=None, placement=None) -> str | None:
-    """The dtype to store `model`'s float32 weights in (params `model.save_dtype`), or None
-    to store them as held. With `auto`: where the process computes in half precision (a
-    GPU), the dtype of the checkpoint the model was loaded from (`config._name_or_path`)
-    when that is bfloat16 or float16 and the model holds float32 weights (full fine-tuning's
-    master weights); on a CPU computing in float32, as held: a float32 checkpoint loads
-    without a copy (safetensors maps the file), where a bf16 one is converted into new
-    memory at every stage that loads it (rl@ppo at the 0.5B shape: 6.44 GiB above its
-    imports against 4.60; benchmarks/README.md)."""
+    """The half-precision dtype to store `model`'s float32 weights in (params
+    `model.save_dtype`), or None to store them as held; weights are never widened
+    (`float32` keeps float32 weights whole and half-precision ones as they are). With
+    `auto`: where the process computes in half precision (a GPU), the dtype of the
+    checkpoint the model was loaded from (`config._name_or_path`) when that is bfloat16 or
+    float16 and the model holds float32 weights (full fine-tuning's master weights); on a
+    CPU computing in float32, as held: a float32 checkpoint loads without a copy
+    (safetensors maps the file), where a bf16 one is converted into new memory at every
+    stage that loads it (rl@ppo at the 0.5B shape: 6.44 GiB above its imports against 5.54;
+    benchmarks/README.md)."""
     import rlhf.models.settings as model_settings
 
     chosen = (settings or model_settings.current()).save_dtype
+    held = {p.dtype for p in model.parameters() if torch.is_floating_point(p)}
+    if chosen == "float32" or held != {torch.float32}:
+        return None
     if chosen != "auto":
         return chosen
     if (placement or current()).dtype not in HALF_DTYPES:
         return None
     source = getattr(model.config, "_name_or_path", "") or ""
-    held = {p.dtype for p in model.parameters() if torch.is_floating_point(p)}
-    if held != {torch.float32} or not source or not Path(source).is_dir():
-        return None
-    try:
-        stored = stored_dtype(source, trust_remote_code=getattr(model.config, "auto_map", None) is not None)
-    except (OSError, ValueError):  # the folder has gone or holds no config: keep the weights as held
-        return None
+    stored = stored_dtype(source) if source and Path(source).is_dir() else None
     return stored if stored in HALF_DTYPES else None
 
 
 def cast_weights(weights: dict, dtype: str) -> dict:
-    """`weights` (name -> tensor) with their floating tensors in `dtype`; tensors that share
-    storage (tied embeddings) stay shared, so that safetensors stores them once."""
+    """`weights` (name -> tensor) with their float32 tensors in `dtype` (others as they are);
+    tensors that share storage (tied embeddings) stay shared, so that safetensors stores
+    them once."""
     target, cast = getattr(torch, dtype), {}
     out = {}
     for name, tensor in weights.items():
-        if not torch.is_floating_point(tensor) or tensor.dtype == target:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
             out[name] = tensor
             continue
         key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
@@ -422,18 +426,18 @@ def save_model(
         state_dict = cast_weights(state_dict, dtype)
         if dtype == "float16":  # float16 overflows where float32 and bfloat16 do not
             check_finite(state_dict, f"{path} in float16 (model.save_dtype)")
-        model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
-        held = model.config.dtype  # save_pretrained wrote the dtype the model holds
-        model.config.dtype = dtype
-        model.config.save_pretrained(str(path))
-        model.config.dtype = held
-    else:  # cast in place, a tensor at a time, and back: one copy held, not one and a half
         held = model.config.dtype
+        try:
+            model.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
+            model.config.dtype = dtype  # save_pretrained wrote the dtype the model holds
+            model.config.save_pretrained(str(path))
+        finally:
+            model.config.dtype = held
+    else:  # cast in place, a tensor at a time, and back: one copy held, not one and a half
         with stored_as(model, getattr(torch, dtype)):
             if dtype == "float16":
                 check_finite(model.state_dict(), f"{path} in float16 (model.save_dtype)")
             model.save_pretrained(str(path), safe_serialization=True)
-        model.config.dtype = held
     tokenizer.save_pretrained(str(path))
 
 
@@ -443,7 +447,7 @@ def stored_as(model, dtype):
     to float32 on leaving: the model then holds the values it was saved with (rounded to
     `dtype`), in the dtype it computes in. Buffers are left as they are (rotary frequencies
     would not come back whole)."""
-    cast = [p for p in model.parameters() if p.dtype == torch.float32]
+    cast, held = [p for p in model.parameters() if p.dtype == torch.float32], model.config.dtype
     try:
         for parameter in cast:
             parameter.data = parameter.data.to(dtype)
@@ -451,6 +455,7 @@ def stored_as(model, dtype):
     finally:
         for parameter in cast:
             parameter.data = parameter.data.to(torch.float32)
+        model.config.dtype = held  # save_pretrained set it to the dtype it wrote
 
 
 def count_parameters(model) -> int:

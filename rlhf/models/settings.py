@@ -26,7 +26,8 @@ overridable per stage (a `model:` block in that stage's section, or in a policy 
   one costs its float32 copy in memory at every later stage. `bfloat16` on a CPU halves the
   disk (a real-size DAG: benchmarks/README.md) for about 1 GiB more per stage at 0.5B. A
   LoRA update smaller than half a bf16 step rounds away in a bf16 merged copy, as in any
-  bf16 merge (the adapter folder keeps it exact); `float32` keeps every bit.
+  bf16 merge (the adapter folder keeps it exact); `float32` keeps every bit. Weights held in
+  half precision are stored as held: nothing is widened.
 
 Light on purpose: pydantic only, so that params validate in a second; the kwargs for
 `from_pretrained` are built in rlhf.models.loading.
