@@ -24,7 +24,7 @@ overridable per stage (a `model:` block in that stage's section, or in a policy 
   model stays the size it was, as merge's output does. On a CPU (float32) it stores them
   as held: a float32 checkpoint loads without a copy (safetensors maps the file), a bf16
   one costs its float32 copy in memory at every later stage. `bfloat16` on a CPU halves the
-  disk (a real-size DAG: benchmarks/README.md) for about 1 GiB more per stage at 0.5B. A
+  disk (a real-size DAG: benchmarks/README.md) for up to 0.9 GiB more a stage at 0.5B. A
   LoRA update smaller than half a bf16 step rounds away in a bf16 merged copy, as in any
   bf16 merge (the adapter folder keeps it exact); `float32` keeps every bit. Weights held in
   half precision are stored as held: nothing is widened.
