@@ -345,9 +345,6 @@ def stored_dtype(path: str | Path) -> str | None:
     return None if not isinstance(dtype, str) else dtype.removeprefix("torch.")
 
 
-HALF_DTYPES = ("bfloat16", "float16")
-
-
 def save_dtype(model, settings=None, placement=None) -> str | None:
     """The half-precision dtype to store `model`'s float32 weights in (params
     `model.save_dtype`), or None to store them as held; weights are never widened
@@ -361,33 +358,31 @@ def save_dtype(model, settings=None, placement=None) -> str | None:
     benchmarks/README.md)."""
     import rlhf.models.settings as model_settings
 
+    half = model_settings.HALF
     chosen = (settings or model_settings.current()).save_dtype
     held = {p.dtype for p in model.parameters() if torch.is_floating_point(p)}
     if chosen == "float32" or held != {torch.float32}:
         return None
     if chosen != "auto":
         return chosen
-    if (placement or current()).dtype not in HALF_DTYPES:
+    if (placement or current()).dtype not in half:
         return None
     source = getattr(model.config, "_name_or_path", "") or ""
     stored = stored_dtype(source) if source and Path(source).is_dir() else None
-    return stored if stored in HALF_DTYPES else None
+    return stored if stored in half else None
 
 
 def cast_weights(weights: dict, dtype: str) -> dict:
     """`weights` (name -> tensor) with their float32 tensors in `dtype` (others as they are);
-    tensors that share storage (tied embeddings) stay shared, so that safetensors stores
-    them once."""
-    target, cast = getattr(torch, dtype), {}
-    out = {}
+    a tensor under several names (tied weights, `tied_as_in`) is cast once and stays shared,
+    so that safetensors stores it once."""
+    target, cast, out = getattr(torch, dtype), {}, {}
     for name, tensor in weights.items():
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
-            out[name] = tensor
-            continue
-        key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
-        if key not in cast:
-            cast[key] = tensor.detach().to(target)
-        out[name] = cast[key]
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+            if id(tensor) not in cast:  # the dict keeps every tensor alive: ids stay unique
+                cast[id(tensor)] = tensor.detach().to(target)
+            tensor = cast[id(tensor)]
+        out[name] = tensor
     return out
 
 
