@@ -243,16 +243,14 @@ def template_problems(params: dict) -> list[str]:
     without a download: the base model is a local folder with its own template (none put on
     by `base.chat_template`) and the SFT rows come from a local file whose first row is a
     conversation; stage sft checks the rest before its model loads."""
-    from rlhf.data.contracts import mapped_columns
-    from rlhf.data.readers import read_batches
-    from rlhf.models.loading import load_tokenizer
-    from rlhf.training.methods.sft import SFTDataError, check_assistant_masking
-
     base, spec = params["base"], params["prepare"].files.get("sft")
     if params["sft"].loss_on != "completion" or base.chat_template is not None or spec is None:
         return []
     if not (Path(str(base.model)) / "tokenizer_config.json").is_file() or not Path(spec.path).exists():
         return []
+    from rlhf.data.contracts import mapped_columns
+    from rlhf.data.readers import read_batches
+
     try:
         first = next(read_batches(spec.path, split=spec.split, config=spec.config, batch_rows=1))
     except (OSError, ValueError, StopIteration):
@@ -263,6 +261,9 @@ def template_problems(params: dict) -> list[str]:
     )
     if not conversation:
         return []
+    from rlhf.models.loading import load_tokenizer  # transformers, torch: only for a local template to read
+    from rlhf.training.methods.sft import SFTDataError, check_assistant_masking
+
     try:
         check_assistant_masking(load_tokenizer(base.model, base.trust_remote_code), "sft", Path(str(base.model)))
     except SFTDataError as error:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -68,6 +70,21 @@ def test_validation_imports_no_training_library():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_check_params_imports_no_training_library(tmp_path):
+    """Stage check_params on the default params, run as DVC runs it, imports none of them
+    either (its chat-template check loaded transformers and torch for every project, 5-10 s
+    a run, when only a local template and a local conversation file need it)."""
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    code = (
+        "import runpy, sys; runpy.run_module('stages.check_params', run_name='__main__'); "
+        "print(sorted(m for m in ('torch', 'transformers', 'trl', 'datasets', 'mlflow') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines() == ["check_params: params.yaml is valid", "[]"], result.stdout
 
 
 def test_every_section_has_a_config():
