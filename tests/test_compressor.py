@@ -262,6 +262,50 @@ def test_select_reads_the_best_scored_chunks_and_learns_which_hold_the_facts(mic
         compressor.loss(tokenizer, contexts, prompts, answers)
 
 
+def test_select_back_propagates_through_the_chunks_it_reads_and_the_best_scored_only(micro):
+    """With `select`, training encodes every chunk once without gradients (to score it) and
+    again with gradients only the chunks read, the best-scored and one other per row: the
+    loss has the value that encoding every chunk with gradients gives, and its gradient
+    reaches the encoder through those chunks alone."""
+    from rlhf.models.compressor import relevant_chunks
+
+    model, tokenizer = micro
+    compressor = ContextCompressor.new(model, tokens=2, chunk_tokens=16, served_path="m", window=256, select=1)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(compressor.relevance.weight, std=0.5)
+    filler = "Filler words here. Other words there. More filler words. Yet more words. "
+    contexts = [filler + "The code is 41.", "The code is 7. " + filler, filler[:40] + " The code is 3. " + filler]
+    relevant = ["The code is 41.", "The code is 7.", "The code is 3."]
+    prompts = [[{"role": "user", "content": "Code?"}]] * 3
+    answers = [[{"role": "assistant", "content": a}] for a in ("41", "7", "3")]
+    body = compressor.model.get_base_model().base_model
+    passes = []
+    hook = body.register_forward_hook(
+        lambda module, args, kwargs, out: passes.append((kwargs["inputs_embeds"].shape[0], torch.is_grad_enabled())),
+        with_kwargs=True,
+    )
+    loss = compressor.loss(tokenizer, contexts, prompts, answers, relevant)
+    hook.remove()
+    # The reference: every chunk encoded with gradients, then the same reading.
+    reference = compressor.loss(tokenizer, contexts, prompts, answers, relevant, every_chunk=True)
+    assert torch.allclose(loss, reference, atol=1e-5), (loss, reference)
+    slots, slot_mask, scores = compressor.compress_prompts(tokenizer, contexts, prompts, scores=True)
+    labels = torch.zeros_like(scores)
+    for row, chunks in enumerate(relevant_chunks(tokenizer, contexts, relevant, 16)):
+        labels[row, : len(chunks)] = torch.tensor(chunks, dtype=labels.dtype)
+    used = slot_mask[:, ::2].bool()
+    read = compressor.selected(slot_mask, scores, must=labels.bool())
+    best = compressor.selected(slot_mask, scores)
+    chunks = used.numel()
+    picked = int((read[:, ::2].bool() | best[:, ::2].bool()).sum())
+    # The encoder's two passes (all chunks without gradients, the picked with), then the decoder's.
+    assert passes[0] == (chunks, False) and passes[1][1] and passes[2] == (3, True), passes
+    assert picked <= passes[1][0] <= picked + 3 and passes[1][0] < int(used.sum()), (passes, picked)
+    loss.backward()
+    adapter = [p for n, p in compressor.named_parameters() if "lora_B" in n]
+    assert compressor.relevance.weight.grad.abs().sum() > 0 and all(p.grad is not None for p in adapter)
+
+
 @pytest.mark.slow
 def test_the_stage_trains_and_saves_a_compressor_that_loads_back(tmp_path, monkeypatch, mlflow_store):
     """stages.compress.run: transformers' Trainer over the rows, into a folder

@@ -384,6 +384,19 @@ class ContextCompressor(nn.Module):
         text before a user turn), so that a chunk and its question read as a prompt the model
         was trained on; a chunk that is all padding gives masked slots. With `scores`, a
         third value: each chunk's relevance logit [batch, chunks] (the `select` head's)."""
+        embeds, full_mask, mask = self._encoder_inputs(input_ids, attention_mask, query_ids, query_mask, prefix_ids)
+        batch = input_ids.shape[0]
+        memory = self._memory(embeds, full_mask)
+        slots = self.proj(memory).reshape(batch, -1, memory.shape[-1])
+        slot_mask = self._slot_mask(mask, batch)
+        if not scores:
+            return slots, slot_mask
+        return slots, slot_mask, self._scores(memory).reshape(batch, -1)
+
+    def _encoder_inputs(self, input_ids, attention_mask, query_ids, query_mask, prefix_ids):
+        """(embeddings, mask) of what the encoder reads for each chunk [batch * chunks, ...]
+        (`compress_context_from_ids`), and the chunks' own token mask [batch * chunks,
+        chunk_tokens]."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         batch, length = input_ids.shape
@@ -406,18 +419,63 @@ class ContextCompressor(nn.Module):
             masks.append(query_mask.repeat_interleave(chunks, dim=0))
         pieces.append(self.memory.unsqueeze(0).expand(batch * chunks, -1, -1).to(pieces[0].dtype))
         masks.append(torch.ones(batch * chunks, self.tokens, dtype=mask.dtype, device=mask.device))
-        embeds, full_mask = torch.cat(pieces, dim=1), torch.cat(masks, dim=1)
+        return torch.cat(pieces, dim=1), torch.cat(masks, dim=1), mask
+
+    def _memory(self, embeds, full_mask):
+        """The encoder's last hidden states at the memory positions [chunks, tokens, hidden]."""
         positions = (full_mask.cumsum(-1) - 1).clamp(min=0)  # padding inside a row takes no position
         body = self.model.get_base_model().base_model  # the decoder stack (no LM head), its linear layers adapted
         hidden = body(inputs_embeds=embeds, attention_mask=full_mask, position_ids=positions).last_hidden_state
-        memory = hidden[:, -self.tokens :]
-        slots = self.proj(memory).reshape(batch, chunks * self.tokens, -1)
-        used = (mask.sum(-1) > 0).to(attention_mask.dtype)  # [batch * chunks]
-        slot_mask = used.reshape(batch, chunks).repeat_interleave(self.tokens, dim=1)
-        if not scores:
-            return slots, slot_mask
-        relevance = self.relevance(memory.mean(dim=1).to(self.relevance.weight.dtype)).reshape(batch, chunks)
-        return slots, slot_mask, relevance.float()
+        return hidden[:, -self.tokens :]
+
+    def _scores(self, memory):
+        """Each chunk's relevance logit from its memory states [chunks]."""
+        return self.relevance(memory.mean(dim=1).to(self.relevance.weight.dtype)).reshape(-1).float()
+
+    def _slot_mask(self, mask, batch: int):
+        """[batch, chunks * tokens]: on for the slots of chunks that hold a context token."""
+        used = (mask.sum(-1) > 0).to(mask.dtype)  # [batch * chunks]
+        return used.reshape(batch, -1).repeat_interleave(self.tokens, dim=1)
+
+    def _selected_slots(self, tokenizer, contexts, prompts, relevant, every_chunk: bool = False):
+        """Training's reading with `select`: (slots, the mask of the slots read, the
+        relevance head's loss). Every chunk is encoded once without gradients to score it;
+        only the chunks read (those holding the facts, then the best-scored, as
+        `selected`), the `select` best-scored (the hard negatives) and one other chunk per
+        row, drawn at random, are encoded again with gradients, so a step back-propagates
+        through a few chunks, not all of them. The head learns from every chunk's score,
+        the encoder from those encoded again. The loss's value is the one `every_chunk`
+        (every chunk encoded with gradients, once) gives."""
+        tokens = self._encoder_tokens(tokenizer, contexts, prompts)
+        batch = len(contexts)
+        if every_chunk:
+            slots, slot_mask, scores = self.compress_context_from_ids(*tokens, scores=True)
+            pick = None
+        else:
+            embeds, full_mask, mask = self._encoder_inputs(*tokens)
+            with torch.no_grad():
+                pooled = self._memory(embeds, full_mask).mean(dim=1)
+            scores = self.relevance(pooled.to(self.relevance.weight.dtype)).reshape(batch, -1).float()
+            slot_mask = self._slot_mask(mask, batch)
+        labels = torch.zeros_like(scores)
+        for row, chunks in enumerate(relevant_chunks(tokenizer, contexts, relevant, self.chunk_tokens)):
+            labels[row, : len(chunks)] = torch.tensor(chunks, dtype=labels.dtype)
+        read = self.selected(slot_mask, scores, must=labels.bool())
+        used = slot_mask[:, :: self.tokens].bool()
+        if not every_chunk:
+            other = torch.rand(scores.shape, device=scores.device).masked_fill(~used, -1.0).argmax(dim=1, keepdim=True)
+            pick = read[:, :: self.tokens].bool() | self.selected(slot_mask, scores)[:, :: self.tokens].bool()
+            pick = pick.scatter(1, other, True).reshape(-1)
+            memory = self._memory(embeds[pick], full_mask[pick])
+            hidden, projected = memory.shape[-1], self.proj(memory)
+            slots = projected.new_zeros(pick.shape[0], self.tokens, hidden)
+            slots[pick] = projected
+            slots = slots.reshape(batch, -1, hidden)
+            scores = scores.reshape(-1).clone()
+            scores[pick] = self._scores(memory)
+            scores = scores.reshape(batch, -1)
+        selection = nn.functional.binary_cross_entropy_with_logits(scores[used], labels[used])
+        return slots, read, selection
 
     def selected(self, slot_mask: torch.Tensor, relevance: torch.Tensor, must: torch.Tensor | None = None):
         """`slot_mask` with only the slots of the chunks read left on: per row, the `select`
@@ -449,20 +507,23 @@ class ContextCompressor(nn.Module):
             mask[row, : len(e)] = 1
         return ids, mask
 
-    def compress_prompts(self, tokenizer, contexts: Sequence[str], prompts: Sequence | None = None, scores=False):
-        """(slots, mask) of context texts (`compress_context_from_ids` on their tokens; with
-        `scores`, the chunks' relevance too); a query-aware compressor also reads each one's
-        prompt (text, or a conversation whose last user turn is read), after a separator."""
+    def _encoder_tokens(self, tokenizer, contexts: Sequence[str], prompts: Sequence | None = None):
+        """`compress_context_from_ids`'s token arguments for context texts (and, for a
+        query-aware compressor, their prompts): ids, mask, query ids, query mask, prefix."""
         if not self.query_aware:
-            return self.compress_context_from_ids(*self.tokenize(tokenizer, contexts), scores=scores)
+            return (*self.tokenize(tokenizer, contexts), None, None, None)
         if prompts is None:
             raise ValueError("a query-aware compressor reads each context with its prompt: give prompts")
         head, tail = prompt_frame(tokenizer, prompts[0])
         queries = self.tokenize(tokenizer, [QUERY_SEPARATOR + question_text(p) + tail for p in prompts])
         prefix = torch.tensor(tokenizer(head, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        return self.compress_context_from_ids(
-            *self.tokenize(tokenizer, contexts), *queries, prefix_ids=prefix, scores=scores
-        )
+        return (*self.tokenize(tokenizer, contexts), *queries, prefix)
+
+    def compress_prompts(self, tokenizer, contexts: Sequence[str], prompts: Sequence | None = None, scores=False):
+        """(slots, mask) of context texts (`compress_context_from_ids` on their tokens; with
+        `scores`, the chunks' relevance too); a query-aware compressor also reads each one's
+        prompt (text, or a conversation whose last user turn is read), after a separator."""
+        return self.compress_context_from_ids(*self._encoder_tokens(tokenizer, contexts, prompts), scores=scores)
 
     # ------------------------------------------------------------------ reading slots
 
@@ -504,7 +565,9 @@ class ContextCompressor(nn.Module):
 
         return contextlib.nullcontext() if self.adapter_reads else self.model.disable_adapter()
 
-    def loss(self, tokenizer, contexts, prompts, completions, relevant=None, recite: float = 0.0) -> torch.Tensor:
+    def loss(
+        self, tokenizer, contexts, prompts, completions, relevant=None, recite: float = 0.0, every_chunk: bool = False
+    ) -> torch.Tensor:
         """Mean cross-entropy of each completion's tokens given its context's slots and its
         prompt, as the model reads slots (`reading`); with `recite` > 0 and each row's
         `relevant` sentences, plus `recite` times the cross-entropy of those sentences
@@ -512,20 +575,16 @@ class ContextCompressor(nn.Module):
         is a target, where the answer's few numbers are all the answer loss asks for). With
         `select`, the model reads the slots of the chunks that hold the `relevant` sentences
         and of the best-scored others up to `select` (as it will read them), and the
-        relevance head's binary cross-entropy on which chunks hold them is added."""
+        relevance head's binary cross-entropy on which chunks hold them is added; only the
+        chunks read and a few others are back-propagated through (`_selected_slots`), every
+        chunk with `every_chunk`."""
+        selection = None
         if not self.select:
             slots, slot_mask = self.compress_prompts(tokenizer, contexts, prompts)
-            selection = None
+        elif relevant is None:
+            raise CompressorError("compress.select trains on each row's `relevant` sentences: give them")
         else:
-            if relevant is None:
-                raise CompressorError("compress.select trains on each row's `relevant` sentences: give them")
-            slots, slot_mask, scores = self.compress_prompts(tokenizer, contexts, prompts, scores=True)
-            labels = torch.zeros_like(scores)
-            for row, chunks in enumerate(relevant_chunks(tokenizer, contexts, relevant, self.chunk_tokens)):
-                labels[row, : len(chunks)] = torch.tensor(chunks, dtype=labels.dtype)
-            used = slot_mask[:, :: self.tokens].bool()
-            selection = nn.functional.binary_cross_entropy_with_logits(scores[used], labels[used])
-            slot_mask = self.selected(slot_mask, scores, must=labels.bool())
+            slots, slot_mask, selection = self._selected_slots(tokenizer, contexts, prompts, relevant, every_chunk)
         loss = self._response_loss(tokenizer, slots, slot_mask, prompts, completions)
         if selection is not None:
             loss = loss + selection

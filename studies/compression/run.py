@@ -11,8 +11,11 @@ window, the relevant sentences alone, and each compressor's.
 Each variant is `key=value` pairs: name, and any key of params `compress` (tokens: one
 count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
 query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; recite: a
-weight; crops: N+N+N; select: chunks read), and `context=relevant`: trained and scored with every context cut to
-its relevant sentences (the default, whole, reads them whole). A variant whose folder under
+weight; crops: N+N+N; select: chunks read), `context=relevant`: trained and scored with every context cut to
+its relevant sentences (the default, whole, reads them whole), and `init=NAME`: training starts from
+variant NAME's trained compressor (its adapter, memory, map and head; same settings) with a fresh
+optimizer and schedule (its warm-up, then a linear decay): with half NAME's learning rate and as
+many steps again, close to the second half of a schedule twice as long. A variant whose folder under
 --work/compressors exists is scored
 again, not retrained. Writes --work/results-<suite>.json: per reading, the
 accuracy with its 95% bootstrap interval, and per variant its training time and losses.
@@ -22,6 +25,7 @@ Tune on dev; only a setting chosen on dev is scored on test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -56,6 +60,8 @@ def variant(text: str) -> dict:
             out[key] = bool(int(value))
         elif key == "slot_positions":
             out[key] = value
+        elif key == "init":
+            out[key] = value
         elif key == "context":
             if value not in ("whole", "relevant"):
                 raise argparse.ArgumentTypeError(f"context={value}: whole or relevant")
@@ -66,6 +72,31 @@ def variant(text: str) -> dict:
             out[key] = float(value) if "." in value or "e" in value else int(value)
     out["tokens"] = [int(out.get("tokens", 32))]
     return out
+
+
+@contextlib.contextmanager
+def warm_start(folder: Path | None):
+    """While open, a new compressor (stage compress's `ContextCompressor.new`) starts from
+    the trained parts saved in `folder` (`load_trained`); nothing changes when None."""
+    from rlhf.models.compressor import ContextCompressor
+
+    if folder is None:
+        yield
+        return
+    if not (folder / "compressor_config.json").is_file():
+        raise SystemExit(f"init: {folder} holds no trained compressor; train that variant first")
+    new, saved = ContextCompressor.new, ContextCompressor.__dict__["new"]
+
+    def started(*args, **kwargs):
+        compressor = new(*args, **kwargs)
+        compressor.load_trained(folder)
+        return compressor
+
+    ContextCompressor.new = started
+    try:
+        yield
+    finally:
+        ContextCompressor.new = saved
 
 
 def main() -> None:
@@ -108,7 +139,7 @@ def main() -> None:
         results["readings"]["cut to the window" if not name else name.strip("/")] = interval(metrics)
     rows = Path("data/prepared/compress.parquet")
     for settings in args.variant:
-        name, context = settings.pop("name"), settings.pop("context", "whole")
+        name, context, init = settings.pop("name"), settings.pop("context", "whole"), settings.pop("init", None)
         folder = args.work / "compressors" / name
         record = results["variants"].get(name, {})
         data, scored = rows, suite
@@ -120,8 +151,10 @@ def main() -> None:
         if not (folder / f"k{settings['tokens'][0]}").is_dir():
             compress = Config(**{**params["compress"].model_dump(), **settings, "enabled": True})
             start = time.perf_counter()
-            metrics, curve = run(compress, serve, data, folder)
-            record = {"settings": {**settings, "context": context}, "train_minutes": (time.perf_counter() - start) / 60,
+            with warm_start(args.work / "compressors" / init / f"k{settings['tokens'][0]}" if init else None):
+                metrics, curve = run(compress, serve, data, folder)
+            record = {"settings": {**settings, "context": context, "init": init},
+                      "train_minutes": (time.perf_counter() - start) / 60,
                       "losses": [round(row["loss"], 4) for row in curve], **metrics}  # fmt: skip
         compressor = ContextCompressor.from_pretrained(folder / f"k{settings['tokens'][0]}", load_causal_lm(serve))
         start = time.perf_counter()
