@@ -55,6 +55,11 @@ class Config(TrainingParams):
         default_factory=lambda: [32], min_length=1, description="memory slots per chunk; one compressor for each"
     )
     chunk_tokens: int = Field(128, gt=0, description="context tokens per chunk (compression: chunk_tokens / tokens)")
+    chunk_by: Literal["tokens", "sentences"] = Field(
+        "tokens",
+        description="where a context is cut into chunks: every chunk_tokens tokens, or between sentences (as many "
+        "whole sentences as fit; needs a fast tokenizer)",
+    )
     query_aware: bool = Field(
         True, description="the encoder reads each chunk with the question after it (which facts to keep)"
     )

@@ -131,7 +131,7 @@ def test_slots_replace_chunks_and_save_and_load_with_the_model_they_serve(micro,
     slots, mask = compressor.compress_prompts(tokenizer, contexts)
     # 40 tokens: 3 chunks of 16 (the last part padding), 4 slots each; 10 tokens: one chunk.
     assert slots.shape == (2, 12, model.config.hidden_size)
-    assert mask.tolist() == [[1] * 12, [1] * 4 + [0] * 8] and compressor.slots_for(40) == 12
+    assert mask.tolist() == [[1] * 12, [1] * 4 + [0] * 8] and compressor.context_slots(tokenizer, contexts) == [12, 4]
     compressor.save_pretrained(tmp_path / "k4")
     again = ContextCompressor.from_pretrained(tmp_path / "k4", build_tiny_model("micro", tokenizer, seed=0))
     assert torch.allclose(again.compress_prompts(tokenizer, contexts)[0], slots, atol=1e-6)
@@ -144,6 +144,39 @@ def test_slots_replace_chunks_and_save_and_load_with_the_model_they_serve(micro,
         ContextCompressor.from_pretrained(tmp_path / "k4", build_tiny_model("micro", tokenizer, seed=1))
     with pytest.raises(CompressorError, match="holds no context compressor"):
         ContextCompressor.from_pretrained(tmp_path, model)
+
+
+def test_sentence_chunks_hold_whole_sentences_so_a_fact_sits_in_one_chunk(micro, tmp_path):
+    """`chunk_by: sentences` packs as many whole sentences into a chunk as fit and cuts a
+    longer sentence every `chunk_tokens`; the chunks are laid out at multiples of
+    `chunk_tokens`, the labels of `select` follow them, and the setting saves and loads."""
+    from rlhf.models.compressor import chunk_spans, relevant_chunks
+
+    model, tokenizer = micro  # a character a token
+    text = "Aaaa bbb. Cc dd eee. The code is 41. " + "F" * 40 + "."
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert text.index("Cc") == 10 and text.index("The") == 21 and text.index("F") == 37 and len(text) == 78
+    assert chunk_spans(text, offsets, 16) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 78)]
+    assert chunk_spans(text, offsets, 16, "sentences") == [(0, 10), (10, 21), (21, 37), (37, 53), (53, 69), (69, 78)]
+    assert chunk_spans("", [], 16, "sentences") == [(0, 0)]
+    # By tokens the fact is cut over two chunks; by sentences it sits in one.
+    assert relevant_chunks(tokenizer, [text], ["The code is 41."], 16) == [[False, True, True, False, False]]
+    assert relevant_chunks(tokenizer, [text], ["The code is 41."], 16, "sentences") == [
+        [False, False, True, False, False, False]
+    ]
+    compressor = ContextCompressor.new(model, 4, 16, "models/sft", window=256, chunk_by="sentences")
+    ids, mask = compressor.context_ids(tokenizer, [text, "Short one."])
+    assert ids.shape == (2, 6 * 16) and mask[0].reshape(6, 16).sum(-1).tolist() == [10, 11, 16, 16, 16, 9]
+    assert tokenizer.decode(ids[0, 32:48]) == "The code is 41. " and mask[1].sum() == 10
+    slots, slot_mask = compressor.compress_prompts(tokenizer, [text, "Short one."])
+    assert slots.shape == (2, 24, model.config.hidden_size) and slot_mask.sum(-1).tolist() == [24, 4]
+    assert compressor.context_slots(tokenizer, [text, "Short one."]) == [24, 4]
+    compressor.save_pretrained(tmp_path / "k4")
+    again = ContextCompressor.from_pretrained(tmp_path / "k4", build_tiny_model("micro", tokenizer, seed=0))
+    assert again.chunk_by == "sentences"
+    assert torch.allclose(again.compress_prompts(tokenizer, [text])[0], slots[:1], atol=1e-6)
+    with pytest.raises(CompressorError, match="chunk_by 'words'"):
+        ContextCompressor.new(build_tiny_model("micro", tokenizer, seed=0), 4, 16, "m", chunk_by="words")
 
 
 def test_the_model_reads_each_chunks_slots_at_the_same_positions_in_training_and_generation(micro):
@@ -229,7 +262,7 @@ def test_select_reads_the_best_scored_chunks_and_learns_which_hold_the_facts(mic
     assert compressor.selected(mask, scores, must).tolist() == [[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0]]
     must = torch.tensor([[False, False, True], [False, False, False]])
     assert compressor.selected(mask, scores, must).tolist() == [[0, 0, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0]]
-    assert compressor.slots_for(40) == 2 and compressor.slots_for(10) == 2
+    assert compressor.context_slots(tokenizer, ["x" * 40, "y" * 10, ""]) == [2, 2, 0]
     rng = random.Random(0)
     filler = ["Filler words here. ", "Other words there. ", "More filler words. "]
     rows = []

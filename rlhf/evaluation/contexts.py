@@ -135,7 +135,7 @@ def evaluate_compressed(config, task, compressor, tokenizer, suite: pd.DataFrame
         "format_rate": [float(task.is_well_formatted(t)) for t in texts] if task.has_format else [],
     }
     tokens = [len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in contexts]
-    slots = [compressor.slots_for(n) for n in tokens]
+    slots = compressor.context_slots(tokenizer, contexts)
     metrics = {
         **summarise(config, outcomes, answer_difficulty(suite)),
         "distinct_1": distinct_n(texts, 1),

@@ -73,7 +73,7 @@ def train_compressor(params, model, tokenizer, rows, tokens: int, served_path: P
     compressor = ContextCompressor.new(
         model, tokens, params.chunk_tokens, str(served_path), params.lora_r, params.lora_alpha, params.seed, window,
         query_aware=params.query_aware, adapter_reads=params.adapter_reads, slot_positions=params.slot_positions,
-        select=params.select,
+        select=params.select, chunk_by=params.chunk_by,
     )  # fmt: skip
     args = trl_config(
         TrainingArguments,

@@ -10,7 +10,8 @@ window, the relevant sentences alone, and each compressor's.
 
 Each variant is `key=value` pairs: name, and any key of params `compress` (tokens: one
 count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
-query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; recite: a
+query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; chunk_by: tokens or
+sentences; recite: a
 weight; crops: N+N+N; select: chunks read), `context=relevant`: trained and scored with every context cut to
 its relevant sentences (the default, whole, reads them whole), and `init=NAME`: training starts from
 variant NAME's trained compressor (its adapter, memory, map and head; same settings) with a fresh
@@ -58,7 +59,7 @@ def variant(text: str) -> dict:
         key = NAMES.get(key, key)
         if key in ("query_aware", "adapter_reads"):
             out[key] = bool(int(value))
-        elif key == "slot_positions":
+        elif key in ("slot_positions", "chunk_by"):
             out[key] = value
         elif key == "init":
             out[key] = value

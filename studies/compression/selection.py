@@ -2,7 +2,8 @@
 its selector's recall (the share of problems whose every relevant sentence sits in the
 chunks it picks), the accuracy with its picks, and the accuracy with the chunks that hold
 the facts given by label (`selected(..., must=labels)`, topped up by score), with 95%
-bootstrap intervals. It reads the probe project run.py made.
+bootstrap intervals, and the accuracy on the problems where a chunk boundary cuts a relevant
+sentence in two and on the others. It reads the probe project run.py made.
 
     .venv/bin/python studies/compression/selection.py --work /tmp/compression \\
         --compressor /tmp/compression/compressors/select2-3000/k32 --suite dev
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -43,8 +45,19 @@ def main() -> None:
     compressor = ContextCompressor.from_pretrained(args.compressor, load_causal_lm("models/sft"))
     suite = read_prepared(Path(f"data/prepared/eval/{args.suite}.parquet"), "selection")
     contexts, prompts = suite["context"].tolist(), suite["prompt"].tolist()
-    labels = relevant_chunks(tokenizer, contexts, suite["relevant"].tolist(), compressor.chunk_tokens)
+    labels = relevant_chunks(
+        tokenizer, contexts, suite["relevant"].tolist(), compressor.chunk_tokens, compressor.chunk_by
+    )
     chat = not isinstance(prompts[0], str)
+    cut = [  # a relevant sentence spread over two chunks
+        any(
+            sum(chunks) > 1
+            for chunks in relevant_chunks(
+                tokenizer, [c] * len(facts), facts, compressor.chunk_tokens, compressor.chunk_by
+            )
+        )
+        for c, facts in ((c, re.split(r"(?<=[.?!])\s+", r.strip())) for c, r in zip(contexts, suite["relevant"]))
+    ]
     for mode in ("picked", "facts' chunks by label"):
         texts, recall = [], []
         with torch.inference_mode():
@@ -71,11 +84,15 @@ def main() -> None:
         right = [float(task.is_correct(text, answer)) for text, answer in zip(texts, suite["answer"])]
         metrics = summarise(config, {"accuracy": right, "format_rate": []}, answer_difficulty(suite))
         found = [r for r, whole in zip(right, recall) if whole]
+        split = {k: [r for r, c in zip(right, cut) if c == k] for k in (True, False)}
         print(json.dumps({
             "mode": mode, "accuracy": metrics["accuracy"], "low": metrics["accuracy_low"],
             "high": metrics["accuracy_high"], "selector_recall": sum(recall) / len(recall),
             "relevant_chunks_mean": sum(map(sum, labels)) / len(labels),
             "accuracy_where_the_picks_hold_every_fact": sum(found) / max(1, len(found)),
+            "problems_with_a_fact_cut_by_a_chunk_boundary": len(split[True]),
+            "accuracy_fact_cut": sum(split[True]) / max(1, len(split[True])),
+            "accuracy_facts_whole": sum(split[False]) / max(1, len(split[False])),
         }), flush=True)  # fmt: skip
 
 
