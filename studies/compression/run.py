@@ -75,6 +75,19 @@ def variant(text: str) -> dict:
     return out
 
 
+def save(out: Path, results: dict, variant: str | None = None) -> None:
+    """Write `results` to `out`, keeping the variants another run of this script (sharing
+    --work, started at another time) wrote there since this one read it."""
+    if out.is_file():
+        merged = json.loads(out.read_text())
+        merged["readings"].update(results["readings"])
+        merged["variants"].update({variant: results["variants"][variant]} if variant else results["variants"])
+        results = merged
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(out)
+
+
 @contextlib.contextmanager
 def warm_start(folder: Path | None):
     """While open, a new compressor (stage compress's `ContextCompressor.new`) starts from
@@ -162,9 +175,9 @@ def main() -> None:
         metrics = evaluate_compressed(config, task, compressor, tokenizer, scored)[0]
         record[args.suite] = {**interval(metrics), "slots": metrics["slots"], "seconds": time.perf_counter() - start}
         results["variants"][name] = record
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        save(out, results, name)
         print(name, record[args.suite], flush=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    save(out, results)
     print(json.dumps(results["readings"]))
 
 
