@@ -9,8 +9,9 @@ Out: models/compressor/k<tokens>/ for each of `compress.tokens` (rlhf.models.com
 Off by default (`compress.enabled: false`): the stage then writes models/compressor with
 `absent.json` only, in a second (no torch import, no MLflow run), and evaluate and infer
 read no compressor. On, each
-compressor reads a context in chunks of `chunk_tokens` tokens, `tokens` slots each (the
-compression is their ratio), and is trained with the served model frozen, so it is saved
+compressor reads a context in chunks of at most `chunk_tokens` tokens (every
+`chunk_tokens`, or whole sentences with `chunk_by: sentences`), `tokens` slots each (the
+nominal compression is their ratio; with sentences a chunk holds fewer), and is trained with the served model frozen, so it is saved
 as a small adapter next to that model and refuses any other (its fingerprint is recorded).
 Checkpoints go to checkpoints/compress/k<tokens>/<fingerprint>/; a killed run resumes.
 
@@ -141,6 +142,16 @@ def run(config: Config, serve_dir: Path, data: Path, out_dir: Path) -> tuple[dic
                 "compress.select: 0"
             )
     tokenizer = load_tokenizer(serve_dir, config.trust_remote_code)
+    wants = [key for key, on in (("compress.chunk_by: sentences", config.chunk_by == "sentences"),
+                                 ("compress.select", config.select > 0)) if on]  # fmt: skip
+    if wants and not tokenizer.is_fast:
+        from rlhf.models.compressor import CompressorError
+
+        raise CompressorError(
+            f"{' and '.join(wants)} read where each token sits in the text, which the tokenizer of {serve_dir} (not a "
+            "fast one) does not say: give the model a fast tokenizer (tokenizer.json), or set compress.chunk_by: "
+            "tokens and compress.select: 0"
+        )
     metrics: dict = {"serve": str(serve_dir), "rows": len(rows), "compressors": {}}
     curve: list[dict] = []
     for tokens in config.tokens:

@@ -175,6 +175,15 @@ def test_sentence_chunks_hold_whole_sentences_so_a_fact_sits_in_one_chunk(micro,
     again = ContextCompressor.from_pretrained(tmp_path / "k4", build_tiny_model("micro", tokenizer, seed=0))
     assert again.chunk_by == "sentences"
     assert torch.allclose(again.compress_prompts(tokenizer, [text])[0], slots[:1], atol=1e-6)
+    # Byte-level BPE (GPT-2, Llama 3, Qwen2) puts the space before a sentence in its first
+    # token, " The" at (7, 11) after "Aaa bb." : that token opens the sentence's chunk.
+    text = "Aaa bb. The code is 41. Foo bar."
+    bpe = [(0, 3), (3, 6), (6, 7), (7, 11), (11, 16), (16, 19), (19, 22), (22, 23), (23, 27), (27, 31), (31, 32)]
+    assert [text[bpe[a][0] : bpe[b - 1][1]] for a, b in chunk_spans(text, bpe, 6, "sentences")] == [
+        "Aaa bb.",
+        " The code is 41.",
+        " Foo bar.",
+    ]
     with pytest.raises(CompressorError, match="chunk_by 'words'"):
         ContextCompressor.new(build_tiny_model("micro", tokenizer, seed=0), 4, 16, "m", chunk_by="words")
 
@@ -297,7 +306,7 @@ def test_select_reads_the_best_scored_chunks_and_learns_which_hold_the_facts(mic
 
 def test_select_back_propagates_through_the_chunks_it_reads_and_the_best_scored_only(micro):
     """With `select`, training encodes every chunk once without gradients (to score it) and
-    again with gradients only the chunks read, the best-scored and one other per row: the
+    again with gradients only the chunks read, the best-scored and one drawn per row: the
     loss has the value that encoding every chunk with gradients gives, and its gradient
     reaches the encoder through those chunks alone."""
     from rlhf.models.compressor import relevant_chunks
@@ -337,6 +346,10 @@ def test_select_back_propagates_through_the_chunks_it_reads_and_the_best_scored_
     loss.backward()
     adapter = [p for n, p in compressor.named_parameters() if "lora_B" in n]
     assert compressor.relevance.weight.grad.abs().sum() > 0 and all(p.grad is not None for p in adapter)
+    # The selection loss alone reaches the encoder too, through the chunks encoded again.
+    compressor.zero_grad()
+    compressor._selected_slots(tokenizer, contexts, prompts, relevant)[2].backward()
+    assert sum(float(p.grad.abs().sum()) for p in adapter if p.grad is not None) > 0
 
 
 @pytest.mark.slow

@@ -4,12 +4,13 @@ In-context autoencoder (ICAE; Ge et al., ICLR 2024), read chunk by chunk as Auto
 (Chevalier et al., 2023) read long documents:
 
 * the **encoder** is the served model itself with a LoRA adapter: it reads a chunk of
-  `chunk_tokens` context tokens followed by `tokens` learned memory embeddings, and the
+  at most `chunk_tokens` context tokens followed by `tokens` learned memory embeddings, and the
   last hidden states at the memory positions, through a learned linear map, are that
   chunk's memory slots, vectors in the model's input-embedding space;
 * a context is cut into chunks, each read alone (every chunk fits the model's window), and
   the slots of its chunks, in order, replace its tokens: k = chunks x `tokens`, a
-  compression of `chunk_tokens / tokens` (32 slots per 128 tokens: 4x). `chunk_by:
+  compression of `chunk_tokens / tokens` (32 slots per 128 tokens: 4x; less where a chunk
+  holds fewer tokens, as whole sentences do). `chunk_by:
   tokens` cuts every `chunk_tokens` tokens; `sentences` packs whole sentences into each
   chunk, so that a fact is never spread over two chunks' slots (a chunk boundary cut a
   relevant sentence in 37% of the study's problems, and those were answered at 0.18
@@ -90,7 +91,9 @@ def chunk_spans(text: str, offsets: Sequence[tuple[int, int]], chunk_tokens: int
     """[first, end) token ranges of a text's chunks, from its tokens' character `offsets`:
     every `chunk_tokens` tokens (`tokens`), or as many whole sentences as fit in
     `chunk_tokens` (`sentences`; a sentence longer than that is cut every `chunk_tokens`),
-    so that no fact is spread over two chunks' slots. An empty text is one empty chunk."""
+    so that no fact is spread over two chunks' slots. A token that carries the space before a
+    sentence (byte-level BPE's " The") opens that sentence's chunk. An empty text is one
+    empty chunk."""
     import bisect
     import re
 
@@ -99,8 +102,8 @@ def chunk_spans(text: str, offsets: Sequence[tuple[int, int]], chunk_tokens: int
     count = len(offsets)
     if by == "tokens" or count == 0:
         return [(first, min(first + chunk_tokens, count)) for first in range(0, max(1, count), chunk_tokens)]
-    starts = [start for start, _ in offsets]
-    cuts = sorted({bisect.bisect_left(starts, m.end()) for m in re.finditer(SENTENCE_BREAK, text)} - {0} | {count})
+    ends = [end for _, end in offsets]  # a sentence opens its first token that ends past its first character
+    cuts = sorted({bisect.bisect_right(ends, m.end()) for m in re.finditer(SENTENCE_BREAK, text)} - {0} | {count})
     spans, first = [], 0
     while first < count:
         fits = [cut for cut in cuts if first < cut <= first + chunk_tokens]
@@ -471,8 +474,8 @@ class ContextCompressor(nn.Module):
         """Training's reading with `select`: (slots, the mask of the slots read, the
         relevance head's loss). Every chunk is encoded once without gradients to score it;
         only the chunks read (those holding the facts, then the best-scored, as
-        `selected`), the `select` best-scored (the hard negatives) and one other chunk per
-        row, drawn at random, are encoded again with gradients, so a step back-propagates
+        `selected`), the `select` best-scored (the hard negatives) and one used chunk per row
+        drawn at random (which may be one of those already) are encoded again with gradients, so a step back-propagates
         through a few chunks, not all of them. The head learns from every chunk's score,
         the encoder from those encoded again. The loss's value is the one `every_chunk`
         (every chunk encoded with gradients, once) gives."""
@@ -529,35 +532,42 @@ class ContextCompressor(nn.Module):
         """Right-padded ids and mask of `texts` (no special tokens)."""
         encoded = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in texts]
         length = max(1, max(len(e) for e in encoded))
-        device = self.memory.device
-        ids = torch.zeros(len(encoded), length, dtype=torch.long, device=device)
-        mask = torch.zeros(len(encoded), length, dtype=torch.long, device=device)
+        ids = torch.zeros(len(encoded), length, dtype=torch.long)
+        mask = torch.zeros(len(encoded), length, dtype=torch.long)
         for row, e in enumerate(encoded):
             ids[row, : len(e)] = torch.tensor(e, dtype=torch.long)
             mask[row, : len(e)] = 1
-        return ids, mask
+        return ids.to(self.memory.device), mask.to(self.memory.device)
 
     def context_ids(self, tokenizer, contexts: Sequence[str]):
         """Right-padded ids and mask of context texts, laid out as `compress_context_from_ids`
         reads them: for `chunk_by: sentences` each chunk's whole sentences (`chunk_spans`)
         padded to `chunk_tokens`, so that every chunk starts at a multiple of it."""
+        ids, mask = self._context_layout(tokenizer, contexts)
+        return ids.to(self.memory.device), mask.to(self.memory.device)
+
+    def _context_layout(self, tokenizer, contexts: Sequence[str]):
+        """`context_ids`, on the CPU."""
         if self.chunk_by == "tokens":
-            return self.tokenize(tokenizer, contexts)
-        rows = []
-        for text in contexts:
-            try:
-                encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            except NotImplementedError as error:
-                raise CompressorError(
-                    "compress.chunk_by sentences reads where each token sits in the text, which this tokenizer (not a "
-                    "fast one) does not say; set compress.chunk_by: tokens"
-                ) from error
-            rows.append([encoded["input_ids"][a:b] for a, b in chunk_spans(text, encoded["offset_mapping"],
-                                                                           self.chunk_tokens, "sentences")])  # fmt: skip
+            rows = [[tokenizer(c, add_special_tokens=False)["input_ids"]] for c in contexts]  # one run of tokens
+        else:
+            rows = []
+            for text in contexts:
+                try:
+                    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+                except NotImplementedError as error:
+                    raise CompressorError(
+                        "this compressor cuts contexts between sentences (chunk_by: sentences), which needs where each "
+                        "token sits in the text, and this tokenizer (not a fast one) does not say: load the model's "
+                        "fast tokenizer, or train the compressor with compress.chunk_by: tokens"
+                    ) from error
+                spans = chunk_spans(text, encoded["offset_mapping"], self.chunk_tokens, "sentences")
+                rows.append([encoded["input_ids"][a:b] for a, b in spans])
         length = max(len(chunks) for chunks in rows) * self.chunk_tokens
-        device = self.memory.device
-        ids = torch.zeros(len(rows), length, dtype=torch.long, device=device)
-        mask = torch.zeros(len(rows), length, dtype=torch.long, device=device)
+        if self.chunk_by == "tokens":  # the tokens as they come; compress_context_from_ids cuts them
+            length = max(1, max(len(chunks[0]) for chunks in rows))
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        mask = torch.zeros(len(rows), length, dtype=torch.long)
         for row, chunks in enumerate(rows):
             for number, chunk in enumerate(chunks):
                 at = number * self.chunk_tokens
@@ -568,7 +578,7 @@ class ContextCompressor(nn.Module):
     def context_slots(self, tokenizer, contexts: Sequence[str]) -> list[int]:
         """k for each context: the slots the model reads (its chunks', or with `select`
         those of at most that many chunks)."""
-        _, mask = self.context_ids(tokenizer, contexts)
+        _, mask = self._context_layout(tokenizer, contexts)
         mask = nn.functional.pad(mask, (0, -mask.shape[1] % self.chunk_tokens))
         used = (mask.reshape(len(contexts), -1, self.chunk_tokens).sum(-1) > 0).sum(-1)
         return [(min(int(n), self.select) if self.select else int(n)) * self.tokens for n in used]

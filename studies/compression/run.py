@@ -75,17 +75,35 @@ def variant(text: str) -> dict:
     return out
 
 
-def save(out: Path, results: dict, variant: str | None = None) -> None:
-    """Write `results` to `out`, keeping the variants another run of this script (sharing
-    --work, started at another time) wrote there since this one read it."""
-    if out.is_file():
-        merged = json.loads(out.read_text())
+def save(out: Path, results: dict, variants: list[str]) -> None:
+    """Write `results`' readings and its `variants` to `out`, keeping what another run of
+    this script sharing --work wrote there (read, merged and replaced under a lock)."""
+    import fcntl
+    import tempfile
+
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merged = json.loads(out.read_text()) if out.is_file() else {"readings": {}, "variants": {}}
         merged["readings"].update(results["readings"])
-        merged["variants"].update({variant: results["variants"][variant]} if variant else results["variants"])
-        results = merged
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(out)
+        merged["variants"].update({name: results["variants"][name] for name in variants})
+        with tempfile.NamedTemporaryFile("w", dir=out.parent, suffix=".tmp", delete=False) as tmp:
+            tmp.write(json.dumps(merged, indent=2) + "\n")
+        Path(tmp.name).replace(out)
+
+
+@contextlib.contextmanager
+def own_checkpoints(name: str):
+    """While open, stage compress keeps its checkpoints under checkpoints/study/<name>: a
+    rerun of this variant resumes its own, and no other variant (a warm start, whose
+    settings may equal another's) resumes them."""
+    import stages.compress
+
+    saved = stages.compress.CHECKPOINTS_DIR
+    stages.compress.CHECKPOINTS_DIR = Path("checkpoints/study") / name
+    try:
+        yield
+    finally:
+        stages.compress.CHECKPOINTS_DIR = saved
 
 
 @contextlib.contextmanager
@@ -151,7 +169,7 @@ def main() -> None:
     for name, frame in readings(suite, tokenizer, window_budget(model, None, config.max_new_tokens)).items():
         metrics = evaluate_model(config, task, model, None, tokenizer, None, frame, None)[0]
         results["readings"]["cut to the window" if not name else name.strip("/")] = interval(metrics)
-    rows = Path("data/prepared/compress.parquet")
+    rows, done = Path("data/prepared/compress.parquet"), []
     for settings in args.variant:
         name, context, init = settings.pop("name"), settings.pop("context", "whole"), settings.pop("init", None)
         folder = args.work / "compressors" / name
@@ -165,7 +183,8 @@ def main() -> None:
         if not (folder / f"k{settings['tokens'][0]}").is_dir():
             compress = Config(**{**params["compress"].model_dump(), **settings, "enabled": True})
             start = time.perf_counter()
-            with warm_start(args.work / "compressors" / init / f"k{settings['tokens'][0]}" if init else None):
+            init_folder = args.work / "compressors" / init / f"k{settings['tokens'][0]}" if init else None
+            with warm_start(init_folder), own_checkpoints(name):
                 metrics, curve = run(compress, serve, data, folder)
             record = {"settings": {**settings, "context": context, "init": init},
                       "train_minutes": (time.perf_counter() - start) / 60,
@@ -175,9 +194,10 @@ def main() -> None:
         metrics = evaluate_compressed(config, task, compressor, tokenizer, scored)[0]
         record[args.suite] = {**interval(metrics), "slots": metrics["slots"], "seconds": time.perf_counter() - start}
         results["variants"][name] = record
-        save(out, results, name)
+        done.append(name)
+        save(out, results, done)
         print(name, record[args.suite], flush=True)
-    save(out, results)
+    save(out, results, done)
     print(json.dumps(results["readings"]))
 
 
