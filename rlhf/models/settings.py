@@ -15,6 +15,16 @@ overridable per stage (a `model:` block in that stage's section, or in a policy 
   `BitsAndBytesConfig` (`trl.trainer.utils.get_quantization_config`): a training stage then
   trains LoRA adapters on the quantized base (QLoRA: 4 bits, NF4, double quantization, the
   compute dtype for the matmuls), and an inference stage runs the quantized model.
+* `kernels`: the layer kernels training runs with. `auto` (the default) applies Liger's
+  Triton kernels (RMSNorm, SwiGLU, RoPE: fused elementwise work, less activation memory) on
+  a CUDA GPU where liger-kernel is installed (`pip install 'rlhf-pipeline[gpu]'`), and none
+  elsewhere (Triton's kernels need a GPU); `liger` asks for them (refused before compute
+  where they cannot run); `none` keeps the model's own modules. Liger's fused linear
+  cross-entropy stays off: TRL 1.16 computes log-probs through its own chunked LM head, and
+  Liger's would replace the model's forward (a reward model's head is a classifier). TRL
+  1.16 marks its `use_liger_kernel` as deprecated in favour of Hub kernels
+  (`use_kernels`), which are fetched from the Hub at first use; Liger is a pip package that
+  works offline, so it is the one chosen here.
 * `gradient_checkpointing`: recompute activations in the backward pass (transformers'
   activation checkpointing): a large model's activations no longer hold memory, at about
   a third more compute.
@@ -105,6 +115,9 @@ class ModelSettings(StageConfig):
     quantization: QuantizationSettings | None = Field(
         None, description="4- or 8-bit weights through bitsandbytes (QLoRA when training: needs lora.enabled)"
     )
+    kernels: Literal["auto", "liger", "none"] = Field(
+        "auto", description="training's layer kernels: auto (Liger's on a CUDA GPU where installed) | liger | none"
+    )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory")
     save_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
@@ -135,6 +148,7 @@ class ModelOverride(StageConfig):
     quantization: QuantizationSettings | Literal[False] | None = Field(
         None, description="as model.quantization; false: not quantized here"
     )
+    kernels: Literal["auto", "liger", "none"] | None = Field(None, description="as model.kernels")
     gradient_checkpointing: bool | None = Field(None, description="as model.gradient_checkpointing")
     save_dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = Field(
         None, description="as model.save_dtype"
@@ -148,6 +162,30 @@ class ModelOverride(StageConfig):
 
 class MissingPackageError(InputError, ImportError):
     """params ask for what a package that is not installed provides."""
+
+
+class KernelsError(InputError, ValueError):
+    """params `model.kernels` asks for kernels this process's device cannot run."""
+
+
+def liger_kernels(settings: ModelSettings, device: str, installed: bool | None = None, key: str = "model") -> bool:
+    """Whether training on `device` (a torch device string, rlhf.models.compute) applies
+    Liger's kernels, as `settings.kernels` says (see the module docstring). `installed`:
+    whether liger-kernel is (found by import spec when None). `liger` on anything but a CUDA
+    GPU fails naming `key`.kernels; a missing package is `package_problems`'."""
+    if settings.kernels == "none":
+        return False
+    on_gpu = device.startswith("cuda")
+    if settings.kernels == "liger":
+        if not on_gpu:
+            raise KernelsError(
+                f"{key}.kernels: liger runs Triton kernels on a CUDA GPU, and this process computes on {device}; "
+                f"set {key}.kernels: auto (Liger's on a GPU where installed) or none"
+            )
+        return True
+    if installed is None:
+        installed = importlib.util.find_spec("liger_kernel") is not None
+    return on_gpu and installed
 
 
 def package_problems(settings: ModelSettings, key: str = "model") -> list[str]:
@@ -165,6 +203,11 @@ def package_problems(settings: ModelSettings, key: str = "model") -> list[str]:
     elif attention not in ATTENTION and importlib.util.find_spec("kernels") is None:
         problems.append(
             f"{key}.attn_implementation: the Hub kernel {attention} needs `pip install kernels`; or use sdpa"
+        )
+    if settings.kernels == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        problems.append(
+            f"{key}.kernels: liger needs liger-kernel (pip install 'rlhf-pipeline[gpu]', or pip install "
+            "liger-kernel; a CUDA GPU); or set it to auto"
         )
     if settings.quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         problems.append(

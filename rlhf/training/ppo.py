@@ -602,6 +602,12 @@ def train_ppo(
     for m in (model, ref_policy, value_model):
         if m is not None:
             m.to(device).eval()  # no dropout anywhere: see the module docstring
+    if model_settings.liger_kernels(model_settings.current(), device.type):  # Liger's layer kernels (model.kernels)
+        from transformers.integrations.liger import apply_liger_kernel
+
+        for m in (model, value_model.body if isinstance(value_model, ValueHeadModel) else value_model):
+            if not isinstance(m, SharedTrunkValue):  # its trunk is the policy's
+                apply_liger_kernel(m, {"fused_linear_cross_entropy": False})
     if model_settings.current().gradient_checkpointing:
         for m in (model, value_model.body if isinstance(value_model, ValueHeadModel) else value_model):
             if not isinstance(m, SharedTrunkValue):  # its trunk is the policy's
@@ -611,7 +617,10 @@ def train_ppo(
     updates = params.max_steps * params.ppo_epochs * (params.rollout_batch_size // params.mini_batch_size)
     opts = []
     for m, lr in ((model, params.learning_rate), (value_model, params.value_learning_rate or params.learning_rate)):
-        opt = torch.optim.AdamW(list(trained_parameters(m).values()), lr=lr, weight_decay=params.weight_decay)
+        opt = torch.optim.AdamW(
+            list(trained_parameters(m).values()), lr=lr, weight_decay=params.weight_decay,
+            fused=device.type == "cuda",  # one kernel for every tensor's update, as the TRL stages' adamw_torch_fused
+        )  # fmt: skip
         warmup = math.ceil(params.warmup_ratio * updates)
         opts.append((opt, get_scheduler(params.lr_scheduler_type, opt, warmup, num_training_steps=updates)))
     kl_ctl = (

@@ -79,6 +79,7 @@ def trl_config(
     arguments = {
         **params.TRL_DEFAULTS,
         "dataloader_num_workers": 0,
+        **kernel_args(settings, own_key(params, key)),
         **(defaults or {}),
         **params.trl,
         **params.trl_args(),
@@ -99,6 +100,27 @@ def trl_config(
         raise TrainingConfigError(
             f"{key}.trl: TRL's {config_cls.__name__} refused these options ({error}); fix {key}.trl"
         ) from error
+
+
+def own_key(params, key: str | None) -> str:
+    """The params key that set a block's `model` settings: `<key>.model` where the block's
+    own `model:` block sets `kernels`, else the global `model`."""
+    own = getattr(params, "model", None)
+    return f"{key}.model" if key and own is not None and "kernels" in own.model_fields_set else "model"
+
+
+def kernel_args(settings, key: str = "model") -> dict[str, Any]:
+    """TrainingArguments' Liger keys where params `model.kernels` applies Liger's kernels on
+    this process's device (rlhf.models.settings.liger_kernels): its layer kernels only. Its
+    fused linear cross-entropy replaces the model's forward, where TRL's trainers patch their
+    chunked LM head and where a reward model has a classifier's head, so it stays off (TRL
+    turns it off for its own trainers; transformers' Trainer, which trains the reward models,
+    would not). `key`: the params key named when the device cannot run them."""
+    from rlhf.models.settings import liger_kernels
+
+    if not liger_kernels(settings, current().device, key=key):
+        return {}
+    return {"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": False}}
 
 
 # TRL's trainers that take a `quantization_config` of their own (CPO and ORPO read it from
@@ -422,7 +444,7 @@ def train_resumable(trainer, stage: str, key: str) -> str | None:
 def training_resources(trainer) -> dict:
     """What a run took beyond its steps: on a GPU its peak memory (GiB, since the process's
     last reset of the peak), and the tokens it trained on per second where the trainer
-    counts them (TRL's `num_tokens`)."""
+    counts them (TRL's `num_tokens`), with their count."""
     import torch
 
     measured = {}
@@ -433,6 +455,7 @@ def training_resources(trainer) -> dict:
     tokens = tokens or getattr(trainer.state, "num_input_tokens_seen", 0)
     seconds = next((h["train_runtime"] for h in reversed(history) if "train_runtime" in h), None)
     if tokens and seconds:
+        measured["train_tokens"] = float(tokens)
         measured["train_tokens_per_second"] = float(tokens) / seconds
     return measured
 
