@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from rlhf.atomic import atomic_dir, atomic_file
 
 
@@ -38,6 +40,7 @@ def test_a_killed_writers_staging_is_swept_and_a_live_ones_kept(tmp_path):
     assert not stale.exists() and report.read_text() == "{}"
 
 
+@pytest.mark.slow  # seconds (a DVC repo, stage processes or training): out of the quick tier
 def test_a_stage_output_is_stored_once_and_an_atomic_rewrite_leaves_the_cache_whole(tmp_path):
     """The project's DVC cache type links an output to its cache object (a model is on disk
     once, not twice): after `dvc repro` the output and the object are one file, read-only.

@@ -256,6 +256,7 @@ def test_relevant_chunks_are_the_chunks_a_relevant_sentence_overlaps(micro):
         relevant_chunks(tokenizer, [context], ["Not there."], 10)
 
 
+@pytest.mark.slow  # seconds (a DVC repo, stage processes or training): out of the quick tier
 def test_select_reads_the_best_scored_chunks_and_learns_which_hold_the_facts(micro, tmp_path):
     """select 1: of a context's used chunks, only the best-scored chunk's slots stay on, or
     those `must` marks (training's chunks holding the facts), however many; padding chunks

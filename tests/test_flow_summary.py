@@ -4,6 +4,8 @@ the flow's own checks and scheduling (flows/pipeline.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_the_flow_summary_has_a_row_per_round():
     from flows.summary import rounds_table
@@ -107,6 +109,7 @@ def test_a_failed_stage_does_not_make_its_downstream_ready():
     assert "a" not in slots.done and slots.ready() == {"c"}
 
 
+@pytest.mark.slow  # seconds (a DVC repo, stage processes or training): out of the quick tier
 def test_the_default_is_one_stage_at_a_time_when_a_stage_has_several_processes(tmp_path):
     import yaml
 
@@ -144,6 +147,7 @@ def test_the_summary_of_a_run_whose_rm_dropped_out_and_with_a_harness_task():
     assert markdown.rstrip().endswith("- dpo: pass")
 
 
+@pytest.mark.slow  # seconds (a DVC repo, stage processes or training): out of the quick tier
 def test_force_names_stages_or_groups_and_a_typo_fails_before_any_stage():
     """`--force policy` forces each policy stage; a name that is no stage fails naming it
     (it forced nothing, and the run said every stage was up to date); `--force` alone

@@ -288,6 +288,7 @@ def test_stage_trains_saves_and_reports(tmp_path, monkeypatch, mlflow_store, mic
     assert not (tmp_path / "checkpoints/prm").exists()
 
 
+@pytest.mark.slow  # seconds (a DVC repo, stage processes or training): out of the quick tier
 def test_a_separator_the_tokenizer_drops_fails_naming_the_key_before_labels(
     tmp_path, monkeypatch, mlflow_store, micro_dir
 ):

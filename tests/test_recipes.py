@@ -45,6 +45,7 @@ def test_each_recipe_passes_the_params_check_and_names_its_gpu_memory(name, tmp_
                 assert (list(got) if isinstance(got, tuple) else got) == value or hasattr(got, "model_dump"), key
 
 
+@pytest.mark.slow  # seconds (a DVC repo, stage processes or training): out of the quick tier
 def test_apply_merges_keeps_comments_and_refuses_what_does_not_validate(tmp_path):
     """Applying a recipe changes the keys it names, keeps every other key and the file's
     comments; a recipe whose merge does not validate changes nothing and says why, by key."""

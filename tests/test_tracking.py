@@ -204,6 +204,7 @@ def test_a_server_stopped_mid_stage_under_dvc_repro_costs_no_training(tmp_path):
     assert "up to date" in status.stdout, "dvc.lock records the published stage: a rerun has nothing to do"
 
 
+@pytest.mark.slow  # seconds (a DVC repo, stage processes or training): out of the quick tier
 def test_tables_are_run_inputs_with_their_dvc_hash_and_models_carry_their_metrics(tmp_path, mlflow_store):
     """A prepared table is an MLflow dataset input whose digest is the file's md5 (DVC's
     hash); a candidate is a logged model (external: DVC keeps it) whose metrics are linked to
