@@ -244,8 +244,7 @@ def load_model_stage(path: str = PARAMS_FILE, override=None) -> dict:
 
     params = load_all(path)
     placement = configure(params["compute"])
-    settings = model_settings.configure(params["model"], override(params) if override else None)
-    model_settings.liger_kernels(settings, placement.device)  # `kernels: liger` where it cannot run: refused now
+    model_settings.configure(params["model"], override(params) if override else None, placement.device)
     if stage_process():
         import rlhf.models.loading  # noqa: F401  (torch, transformers: what every model stage reads)
         import rlhf.tracking.runs  # noqa: F401  (MLflow)

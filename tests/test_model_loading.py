@@ -514,11 +514,15 @@ def test_gathered_weights_are_stored_in_the_dtype_asked_with_tied_ones_once(tmp_
 
 def test_a_model_stage_on_this_cpu_refuses_liger_kernels_before_compute(tmp_path):
     """`model.kernels: liger` in a stage process on this CPU: refused as the stage loads its
-    params, before any model, naming the key (liger-kernel is missing here, else the CPU)."""
+    params, before any model, naming the key (liger-kernel is missing here, else the CPU);
+    the process keeps the settings it had (a later stage main in it trains as before)."""
     import yaml
 
+    import rlhf.models.settings as model_settings
     import stages
     from rlhf.params import InputError
+
+    before = model_settings.current()
 
     params = tiny_params()
     params["model"] = {"kernels": "liger"}
@@ -529,3 +533,7 @@ def test_a_model_stage_on_this_cpu_refuses_liger_kernels_before_compute(tmp_path
     ) as error:
         stages.load_model_stage(str(path))
     assert isinstance(error.value, InputError)  # the stage prints its message alone
+    assert model_settings.current() == before
+    with pytest.raises(Exception, match=r"^model\.kernels: liger"):  # the package missing here, else the CPU
+        model_settings.configure(ModelSettings(kernels="liger"), device="cpu")
+    assert model_settings.current() == before

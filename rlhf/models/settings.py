@@ -220,13 +220,17 @@ def package_problems(settings: ModelSettings, key: str = "model") -> list[str]:
 _current: ModelSettings | None = None
 
 
-def configure(settings: ModelSettings | None, override: ModelOverride | None = None) -> ModelSettings:
+def configure(
+    settings: ModelSettings | None, override: ModelOverride | None = None, device: str | None = None
+) -> ModelSettings:
     """Set this process's model settings (a stage calls it once, from params: the global
-    section with its own block's overrides). Missing packages fail here, before compute."""
+    section with its own block's overrides). Missing packages fail here, before compute, as
+    do kernels `device` (this process's, when given) cannot run; settings that fail are not
+    kept."""
     global _current
-    _current = (settings or ModelSettings()).merged(override)
-    problems = package_problems(_current)
-    if _current.quantization is not None and not problems:
+    chosen = (settings or ModelSettings()).merged(override)
+    problems = package_problems(chosen)
+    if chosen.quantization is not None and not problems:
         try:  # installed is not usable: a build without this machine's backend fails on import
             import bitsandbytes  # noqa: F401
         except Exception as error:
@@ -237,6 +241,9 @@ def configure(settings: ModelSettings | None, override: ModelOverride | None = N
             )
     if problems:
         raise MissingPackageError("; ".join(problems))
+    if device is not None:
+        liger_kernels(chosen, device)  # `kernels: liger` where it cannot run: refused
+    _current = chosen
     return _current
 
 
