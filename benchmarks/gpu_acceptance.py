@@ -16,13 +16,15 @@ train_runtime):
 
 sft and dpo also run TRL's trainer with TRL's own defaults (`trl_defaults`: 8 sequences of
 up to 1,024 tokens, gradient checkpointing on, no packing, no Liger), as a user who calls
-it with nothing set gets. Every run reports its steady state: the median step after
-WARMUP steps (synchronised with the GPU), the tokens a step trained on (TRL's `num_tokens`
-over the steps), and model-FLOPs utilisation, 6N FLOPs a token (N: the parameters, an
-untied input embedding left out; attention's own FLOPs left out, about 2% at this shape
-and length) against the GPU's dense bf16 peak (PEAK_TFLOPS by device name, or
---peak-tflops). GRPO's runs report the share of their steps spent in generation (TRL's
-`_generate`, synchronised).
+it with nothing set gets (Liger's module-wide replacements from a stage's run are undone
+first). Every run reports its steady state after WARMUP steps: the median step and the
+median interval between step ends (synchronised with the GPU), the tokens a step trained
+on (TRL's `num_tokens` over the steps), their rate over the interval, and model-FLOPs
+utilisation, 6N FLOPs a token (N: the parameters, an untied input embedding left out;
+attention's own FLOPs left out, about 2% at this shape and length; `utilisation` says what
+6N leaves out for DPO, LoRA and GRPO) against the GPU's dense bf16 peak (PEAK_TFLOPS by
+device name, or --peak-tflops). GRPO's runs report the share of their steady steps spent
+in generation (TRL's `_generate`, synchronised).
 
 The stages run as their `run()` with their params validated as in a stage process, and
 RLHF_TRACKING=off: the GPU machine has no MLflow (the stages' publishing, MLflow runs and
@@ -39,6 +41,7 @@ on in the stages' runs when its wheel is carried; the JSON's `liger` says whethe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -59,10 +62,11 @@ for _offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"
 LORA = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
 WARMUP = 10  # steps left out of the steady state (compilation, the allocator's growth, the first batches)
 # Dense bf16 tensor-core peaks, TFLOP/s (the vendors' data sheets, without sparsity), by a
-# substring of torch.cuda.get_device_name; the first match wins.
+# whole word of torch.cuda.get_device_name ("L4" is not "L40"); the first match wins. A card
+# not listed gets no MFU unless --peak-tflops gives its peak.
 PEAK_TFLOPS = (
     ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4), ("A100", 312.0),
-    ("L40S", 362.1), ("L4", 121.0), ("A10", 125.0), ("RTX 4090", 165.2),
+    ("L40S", 362.1), ("L4", 121.0), ("RTX 4090", 165.2),
 )  # fmt: skip
 
 
@@ -116,7 +120,7 @@ def clock_every_training() -> None:
     class StepClock(transformers.TrainerCallback):
         def __init__(self):
             self.steps, self.intervals, self.begun, self.ended, self.profiler = [], [], None, None, None
-            self.generating = []  # seconds in GRPO's generation, one entry a call
+            self.generating = []  # (the step's index, seconds) of each call to GRPO's generation
 
         @staticmethod
         def now() -> float:
@@ -168,7 +172,7 @@ def clock_every_training() -> None:
             return generate(self, *args, **kwargs)
         finally:
             if CLOCKS:
-                CLOCKS[-1].generating.append(StepClock.now() - start)
+                CLOCKS[-1].generating.append((len(CLOCKS[-1].steps), StepClock.now() - start))
 
     trl.GRPOTrainer._generate = timed_generate
 
@@ -189,8 +193,9 @@ def step_times() -> dict:
         "steady_steps": len(clock.steps) - warmup,
         "first_3_steps_seconds": round(sum(clock.steps[:3]), 3),
     }
-    if clock.generating:
-        times["generation_share"] = round(sum(clock.generating) / sum(clock.steps), 3)
+    if clock.generating:  # (step index, seconds): the steady steps' share
+        generating = sum(seconds for index, seconds in clock.generating if index >= warmup)
+        times["generation_share"] = round(generating / sum(clock.steps[warmup:]), 3)
     return times
 
 
@@ -212,20 +217,45 @@ def model_flops_per_token(model_dir: Path) -> float:
 def peak_flops(device: str, given: float | None) -> float | None:
     """The GPU's dense bf16 peak in FLOP/s: --peak-tflops, else PEAK_TFLOPS by name; None
     when unknown (a CPU, an unlisted GPU): no MFU then."""
+    import re
+
     if given:
         return given * 1e12
-    return next((tflops * 1e12 for name, tflops in PEAK_TFLOPS if name in device), None)
+    return next((tflops * 1e12 for name, tflops in PEAK_TFLOPS if re.search(rf"\b{name}\b", device)), None)
 
 
 def utilisation(numbers: dict, flops_per_token: float, peak: float | None) -> dict:
     """`numbers` with its steady-state tokens per second (the tokens a step trained on over
-    the median step) and, with a known peak, its model-FLOPs utilisation."""
+    the median interval between step ends: the batch's collation and the logging included)
+    and, with a known peak, its model-FLOPs utilisation. 6N a token counts the policy's
+    forward and backward only: a DPO reference's forward in the step (TRL's defaults; the
+    stage precomputes it) is not counted, a LoRA or QLoRA run computes about 4N (no weight
+    gradients for the frozen base) so 6N overstates it, and GRPO's steps include decoding."""
     tokens_per_step = numbers.get("tokens_per_step")
-    if not tokens_per_step or not numbers.get("median_step_seconds"):
+    if not tokens_per_step or not numbers.get("median_interval_seconds"):
         return numbers
-    steady = tokens_per_step / numbers["median_step_seconds"]
+    steady = tokens_per_step / numbers["median_interval_seconds"]
     mfu = round(flops_per_token * steady / peak, 4) if peak else None
     return {**numbers, "steady_tokens_per_second": round(steady, 1), "mfu": mfu}
+
+
+@contextlib.contextmanager
+def modelling_restored():
+    """Liger's kernels, applied to a model instance, also replace names in its modelling
+    module for the whole process (Qwen2's RMSNorm, MLP and rotary embedding): restored after
+    a stage's run, so that a bare TRL run after it builds the model as transformers does."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    modules = (modeling_qwen2, modeling_llama)
+    saved = [dict(vars(module)) for module in modules]
+    try:
+        yield
+    finally:
+        for module, names in zip(modules, saved):
+            for name, value in names.items():
+                if vars(module).get(name) is not value:
+                    setattr(module, name, value)
 
 
 def reset_peak() -> None:
@@ -407,7 +437,8 @@ def main() -> None:
             shutil.rmtree(work / "checkpoints", ignore_errors=True)  # a repeat trains afresh, not resumes
             reset_peak()
             start = time.perf_counter()
-            metrics, _ = stage_run()
+            with modelling_restored():
+                metrics, _ = stage_run()
             return stage_numbers(metrics, time.perf_counter() - start)
 
         for repeat in range(args.repeats):

@@ -233,18 +233,18 @@ def load_config(section: str, path: str = PARAMS_FILE):
     return load_all(path)[section]
 
 
-def load_model_stage(path: str = PARAMS_FILE, override=None) -> dict:
+def load_model_stage(path: str = PARAMS_FILE, override=None, key: str | None = None) -> dict:
     """`load_all` for a stage that runs a model: also sets this process's device and dtype
     from the `compute` section (rlhf.models.compute), and how models load from the `model`
     section with the stage's own `model:` block (`override(params)` gives it: None for a
-    stage without one), failing here when it needs a package that is not installed or
-    kernels this device cannot run."""
+    stage without one, `key` its params key), failing here when it needs a package that is
+    not installed or kernels this device cannot run."""
     import rlhf.models.settings as model_settings
     from rlhf.models.compute import configure
 
     params = load_all(path)
     placement = configure(params["compute"])
-    model_settings.configure(params["model"], override(params) if override else None, placement.device)
+    model_settings.configure(params["model"], override(params) if override else None, placement.device, key)
     if stage_process():
         import rlhf.models.loading  # noqa: F401  (torch, transformers: what every model stage reads)
         import rlhf.tracking.runs  # noqa: F401  (MLflow)

@@ -191,7 +191,7 @@ def main() -> None:
     from rlhf.tracking.runs import numeric_metrics, stage_run
     from rlhf.training.trainer_setup import discard_checkpoints
 
-    params = load_model_stage(override=lambda p: p["compress"].model)
+    params = load_model_stage(override=lambda p: p["compress"].model, key="compress")
     config = params["compress"]
     with stage_run("compress", config):
         with atomic_dir(OUT_DIR) as tmp:

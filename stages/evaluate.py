@@ -422,7 +422,7 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_model_stage(override=lambda p: p["evaluate"].model)
+    params = load_model_stage(override=lambda p: p["evaluate"].model, key="evaluate")
     config, methods, task = params["evaluate"], params["policy"].methods, get_task(params["task"])
     candidates = [n for n in candidate_dirs(methods) if n != REFERENCE]
     with stage_run("evaluate", config, tags={"candidates": ",".join(candidates)}):

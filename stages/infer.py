@@ -220,7 +220,7 @@ def main() -> None:
 
     from rlhf.tracking.runs import numeric_metrics, stage_run
 
-    params = load_model_stage(override=lambda p: p["infer"].model)
+    params = load_model_stage(override=lambda p: p["infer"].model, key="infer")
     config, task = params["infer"], get_task(params["task"])
     with stage_run("infer", config):
         report, samples = run(config, task, config.suite or report_suite(params))

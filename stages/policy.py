@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None, family: str = "offline") -> None:
         listed = getattr(params["policy"], family)
         return getattr(params["policy"], method).model if method in listed else None
 
-    params = load_model_stage(override=own_model)  # how models load: set once for the process
+    params = load_model_stage(override=own_model, key=f"policy.{method}")  # how models load: set once
     config, task = params["policy"], get_task(params["task"])
     listed = getattr(config, family)
     if method not in listed:

@@ -272,7 +272,7 @@ def main() -> None:
     from rlhf.tracking.runs import numeric_metrics, stage_run, tracked
     from rlhf.training.trainer_setup import discard_checkpoints
 
-    params = load_model_stage(override=lambda p: p["prm"].model)
+    params = load_model_stage(override=lambda p: p["prm"].model, key="prm")
     config, task = params["prm"], get_task(params["task"])
     with stage_run("prm", config) as active:
         with atomic_dir(OUT_DIR) as tmp:

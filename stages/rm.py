@@ -305,7 +305,7 @@ def main() -> None:
     from rlhf.tracking.runs import log_table, numeric_metrics, stage_run, tracked
     from rlhf.training.trainer_setup import discard_checkpoints
 
-    params = load_model_stage(override=lambda p: p["rm"].model)
+    params = load_model_stage(override=lambda p: p["rm"].model, key="rm")
     config, task = params["rm"], get_task(params["task"])
     with stage_run("rm", config) as active:
         with atomic_dir(OUT_DIR) as tmp:

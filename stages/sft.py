@@ -70,7 +70,7 @@ def main(
     from rlhf.tracking.runs import log_table, numeric_metrics, stage_run, tracked
     from rlhf.training.trainer_setup import discard_checkpoints
 
-    params = load_model_stage(override=lambda p: p[stage].model)
+    params = load_model_stage(override=lambda p: p[stage].model, key=stage)
     config = params[stage]  # the verifier stage runs this trainer with its own section
     if config.loss_on is None:  # the verifier's default: where SFT's loss fell
         config = config.model_copy(update={"loss_on": params["sft"].loss_on})

@@ -227,6 +227,17 @@ def test_trl_configs_ask_for_liger_layer_kernels_on_a_gpu_and_fused_adamw(tmp_pa
     assert not config("cuda", Params(model={"kernels": "none"})).use_liger_kernel
     with pytest.raises(KernelsError, match=r"^sft\.model\.kernels: liger runs Triton kernels on a CUDA GPU"):
         config("cpu", Params(model={"kernels": "liger"}))
+    # a block's `trl:` asking for Liger itself gets its layer kernels only (its fused
+    # cross-entropy would replace a classifier's forward with an LM head's)
+    asked = config("cpu", Params(trl={"use_liger_kernel": True, "liger_kernel_config": {"rope": False}}))
+    assert asked.liger_kernel_config == {"rope": False, "fused_linear_cross_entropy": False}
+    # a stage's own block names itself where the device cannot run what it set
+    with pytest.raises(Exception, match=r"^policy\.dpo\.model\.kernels: liger"):  # the package missing, else the CPU
+        model_settings.configure(ModelSettings(), ModelOverride(kernels="liger"), "cpu", key="policy.dpo")
+    with pytest.raises(Exception, match=r"^model\.kernels: liger"):  # set globally: the global key
+        model_settings.configure(
+            ModelSettings(kernels="liger"), ModelOverride(dtype="float32"), "cpu", key="policy.dpo"
+        )
 
 
 def test_a_bitsandbytes_that_does_not_load_fails_the_stage_before_compute(tmp_path):

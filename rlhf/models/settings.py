@@ -221,15 +221,22 @@ _current: ModelSettings | None = None
 
 
 def configure(
-    settings: ModelSettings | None, override: ModelOverride | None = None, device: str | None = None
+    settings: ModelSettings | None,
+    override: ModelOverride | None = None,
+    device: str | None = None,
+    key: str | None = None,
 ) -> ModelSettings:
     """Set this process's model settings (a stage calls it once, from params: the global
-    section with its own block's overrides). Missing packages fail here, before compute, as
-    do kernels `device` (this process's, when given) cannot run; settings that fail are not
-    kept."""
+    section with its own block's overrides, `key` that block's params key). Missing packages
+    fail here, before compute, as do kernels `device` (this process's, when given) cannot
+    run, named where they were set; settings that fail are not kept."""
     global _current
     chosen = (settings or ModelSettings()).merged(override)
+    own = key is not None and override is not None and "kernels" in override.model_fields_set
+    where = f"{key}.model" if own else "model"
     problems = package_problems(chosen)
+    if own and problems:  # the kernels' package, under the key that asked for it
+        problems = [p.replace("model.kernels:", f"{where}.kernels:", 1) for p in problems]
     if chosen.quantization is not None and not problems:
         try:  # installed is not usable: a build without this machine's backend fails on import
             import bitsandbytes  # noqa: F401
@@ -242,7 +249,7 @@ def configure(
     if problems:
         raise MissingPackageError("; ".join(problems))
     if device is not None:
-        liger_kernels(chosen, device)  # `kernels: liger` where it cannot run: refused
+        liger_kernels(chosen, device, key=where)  # `kernels: liger` where it cannot run: refused
     _current = chosen
     return _current
 

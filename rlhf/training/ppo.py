@@ -72,7 +72,7 @@ from rlhf.training.ppo_value import (  # noqa: F401  (the value model's names, a
     unwrapped_value_model,
     value_adapters,
 )
-from rlhf.training.trainer_setup import merged_model
+from rlhf.training.trainer_setup import NO_FUSED_CROSS_ENTROPY, merged_model
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -607,7 +607,7 @@ def train_ppo(
 
         for m in (model, value_model.body if isinstance(value_model, ValueHeadModel) else value_model):
             if not isinstance(m, SharedTrunkValue):  # its trunk is the policy's
-                apply_liger_kernel(m, {"fused_linear_cross_entropy": False})
+                apply_liger_kernel(m, dict(NO_FUSED_CROSS_ENTROPY))
     if model_settings.current().gradient_checkpointing:
         for m in (model, value_model.body if isinstance(value_model, ValueHeadModel) else value_model):
             if not isinstance(m, SharedTrunkValue):  # its trunk is the policy's

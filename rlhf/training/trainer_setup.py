@@ -92,6 +92,8 @@ def trl_config(
         # transformers' callback (asynchronous writes that a run's end waits on).
         "report_to": "none",
     }
+    if arguments.get("use_liger_kernel"):  # a `trl:` mapping may ask for Liger too: its layer kernels only
+        arguments["liger_kernel_config"] = {**(arguments.get("liger_kernel_config") or {}), **NO_FUSED_CROSS_ENTROPY}
     try:
         return config_cls(**arguments)
     except (TypeError, ValueError) as error:
@@ -109,18 +111,23 @@ def own_key(params, key: str | None) -> str:
     return f"{key}.model" if key and own is not None and "kernels" in own.model_fields_set else "model"
 
 
+# Liger's fused linear cross-entropy replaces the model's forward: never on (kernel_args).
+NO_FUSED_CROSS_ENTROPY = {"fused_linear_cross_entropy": False}
+
+
 def kernel_args(settings, key: str = "model") -> dict[str, Any]:
     """TrainingArguments' Liger keys where params `model.kernels` applies Liger's kernels on
     this process's device (rlhf.models.settings.liger_kernels): its layer kernels only. Its
     fused linear cross-entropy replaces the model's forward, where TRL's trainers patch their
     chunked LM head and where a reward model has a classifier's head, so it stays off (TRL
     turns it off for its own trainers; transformers' Trainer, which trains the reward models,
-    would not). `key`: the params key named when the device cannot run them."""
+    would not; `trl_config` keeps it off when a block's `trl:` asks for Liger itself). `key`:
+    the params key named when the device cannot run them."""
     from rlhf.models.settings import liger_kernels
 
     if not liger_kernels(settings, current().device, key=key):
         return {}
-    return {"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": False}}
+    return {"use_liger_kernel": True, "liger_kernel_config": dict(NO_FUSED_CROSS_ENTROPY)}
 
 
 # TRL's trainers that take a `quantization_config` of their own (CPO and ORPO read it from
