@@ -188,9 +188,16 @@ def liger_kernels(settings: ModelSettings, device: str, installed: bool | None =
     return on_gpu and installed
 
 
-def package_problems(settings: ModelSettings, key: str = "model") -> list[str]:
-    """What `settings` needs that is not installed, each naming `key` and what to install
-    (found by import spec, without importing: cheap enough for the params check)."""
+def kernels_key(override: ModelOverride | None, key: str | None) -> str:
+    """The params key that set `kernels`: `<key>.model` where a block's own `model:` block
+    (`override`) sets it, else the global `model`."""
+    return f"{key}.model" if key and override is not None and "kernels" in override.model_fields_set else "model"
+
+
+def package_problems(settings: ModelSettings, key: str = "model", kernels_at: str | None = None) -> list[str]:
+    """What `settings` needs that is not installed, each naming `key` (the kernels
+    `kernels_at` when given) and what to install (found by import spec, without importing:
+    cheap enough for the params check)."""
     problems = []
     attention = settings.attn_implementation
     if attention in ATTENTION_PACKAGES:
@@ -206,7 +213,7 @@ def package_problems(settings: ModelSettings, key: str = "model") -> list[str]:
         )
     if settings.kernels == "liger" and importlib.util.find_spec("liger_kernel") is None:
         problems.append(
-            f"{key}.kernels: liger needs liger-kernel (pip install 'rlhf-pipeline[gpu]', or pip install "
+            f"{kernels_at or key}.kernels: liger needs liger-kernel (pip install 'rlhf-pipeline[gpu]', or pip install "
             "liger-kernel; a CUDA GPU); or set it to auto"
         )
     if settings.quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
@@ -232,11 +239,8 @@ def configure(
     run, named where they were set; settings that fail are not kept."""
     global _current
     chosen = (settings or ModelSettings()).merged(override)
-    own = key is not None and override is not None and "kernels" in override.model_fields_set
-    where = f"{key}.model" if own else "model"
-    problems = package_problems(chosen)
-    if own and problems:  # the kernels' package, under the key that asked for it
-        problems = [p.replace("model.kernels:", f"{where}.kernels:", 1) for p in problems]
+    where = kernels_key(override, key)
+    problems = package_problems(chosen, kernels_at=where)
     if chosen.quantization is not None and not problems:
         try:  # installed is not usable: a build without this machine's backend fails on import
             import bitsandbytes  # noqa: F401

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from rlhf.atomic import published_path
 from rlhf.models.compute import current
+from rlhf.models.settings import kernels_key
 from rlhf.params import InputError
 from rlhf.training.checkpoints import usable_checkpoint
 from rlhf.training.params import TrainingDataError, TrainingParams  # noqa: F401 (TrainingDataError: re-exported)
@@ -79,7 +80,7 @@ def trl_config(
     arguments = {
         **params.TRL_DEFAULTS,
         "dataloader_num_workers": 0,
-        **kernel_args(settings, own_key(params, key)),
+        **kernel_args(settings, kernels_key(getattr(params, "model", None), key)),
         **(defaults or {}),
         **params.trl,
         **params.trl_args(),
@@ -102,13 +103,6 @@ def trl_config(
         raise TrainingConfigError(
             f"{key}.trl: TRL's {config_cls.__name__} refused these options ({error}); fix {key}.trl"
         ) from error
-
-
-def own_key(params, key: str | None) -> str:
-    """The params key that set a block's `model` settings: `<key>.model` where the block's
-    own `model:` block sets `kernels`, else the global `model`."""
-    own = getattr(params, "model", None)
-    return f"{key}.model" if key and own is not None and "kernels" in own.model_fields_set else "model"
 
 
 # Liger's fused linear cross-entropy replaces the model's forward: never on (kernel_args).
