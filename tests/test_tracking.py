@@ -262,13 +262,44 @@ def test_a_model_with_its_own_code_is_logged_and_loads_from_the_registry(tmp_pat
     (model_dir / "config.json").write_text(json.dumps(config))
     setup_experiment()
     with mlflow.start_run():
-        with pytest.raises(ValueError, match="trust_remote_code"):
+        with pytest.raises(ValueError, match="set gate.trust_remote_code: true"):
             log_registered_model(model_dir, "custom-policy", "model", {"candidate": "dpo"})
         version = log_registered_model(model_dir, "custom-policy", "model", {"candidate": "dpo"}, True)
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     pipe = mlflow.transformers.load_model(f"models:/custom-policy/{version}")
     assert type(pipe.model).__name__ == "MineForCausalLM"
+
+
+@pytest.mark.slow
+def test_a_champion_stored_in_bfloat16_is_registered_in_bfloat16(tmp_path, mlflow_store):
+    """The registry keeps the dtype a model was stored in: a bfloat16 champion (model.save_dtype
+    on a GPU) is not widened to float32 (twice its size) on its way to the registry, and it
+    loads back with the same weights."""
+    import mlflow
+    import torch
+    from safetensors import safe_open
+
+    from rlhf.models.loading import build_tiny_model, build_tokenizer
+    from rlhf.tracking.champion import log_registered_model
+    from rlhf.tracking.runs import setup_experiment
+
+    tokenizer = build_tokenizer()
+    model_dir = tmp_path / "policy"
+    model = build_tiny_model("micro", tokenizer, seed=0).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    setup_experiment()
+    with mlflow.start_run():
+        version = log_registered_model(model_dir, "bf16-policy", "model", {"candidate": "dpo"})
+    logged = Path(mlflow.artifacts.download_artifacts(f"models:/bf16-policy/{version}"))
+    [weights] = logged.rglob("*.safetensors")
+    with safe_open(str(weights), "pt") as stored:
+        dtypes = {stored.get_slice(name).get_dtype() for name in stored.keys()}
+    assert dtypes == {"BF16"}, dtypes
+    loaded = mlflow.transformers.load_model(f"models:/bf16-policy/{version}").model
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name].to(torch.bfloat16), value), name
 
 
 def test_a_tracking_uri_that_is_a_bare_path_names_the_uri_to_write(monkeypatch, tmp_path):

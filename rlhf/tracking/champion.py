@@ -57,8 +57,13 @@ def log_registered_model(
 ) -> str:
     """Log the causal LM in `model_dir` to the active run as an MLflow transformers model
     (text-generation) and register it as a new version of `registered_model`; returns the
-    version. The weights are loaded in float32, as they were saved; `trust_remote_code`
-    allows a model with its own modelling code (as evaluate loaded it)."""
+    version.
+
+    The weights load in the dtype they were stored in (`dtype="auto"`): a float32 file is
+    mapped, not copied, and a bfloat16 one is registered as bfloat16, not widened to twice
+    its size. A model with its own modelling code (config.json `auto_map`) runs that code
+    wherever it is loaded from the registry, so it is registered only with
+    `trust_remote_code` (gate.trust_remote_code)."""
     import mlflow
     import torch
     import transformers
@@ -66,11 +71,16 @@ def log_registered_model(
 
     from rlhf.models.folders import resolve_model_dir
 
-    path = str(resolve_model_dir(model_dir))
+    path = resolve_model_dir(model_dir)
+    if not trust_remote_code and own_code(path):
+        raise ValueError(
+            f"{path} holds its own modelling code (config.json auto_map), which runs wherever the champion is "
+            "loaded from the registry: set gate.trust_remote_code: true in params.yaml to register it"
+        )
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
+        str(path), dtype="auto", use_safetensors=True, trust_remote_code=trust_remote_code
     )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     info = mlflow.transformers.log_model(
         transformers_model={"model": model, "tokenizer": tokenizer},
         name=artifact_path,
@@ -84,6 +94,12 @@ def log_registered_model(
     for key, value in tags.items():
         client.set_model_version_tag(registered_model, version, key, str(value))
     return version
+
+
+def own_code(model_dir: Path) -> bool:
+    """Whether the model in `model_dir` names its own modelling code (config.json `auto_map`)."""
+    config = model_dir / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("auto_map"))
 
 
 def set_champion_alias(client, registered_model: str, version: str) -> None:
