@@ -242,6 +242,25 @@ def test_training_moves_only_the_compressor_and_lowers_the_answers_loss(micro):
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
 
 
+def test_a_compressor_of_a_bfloat16_model_trains_its_parts_in_float32(micro):
+    """Served in bfloat16 (a GPU's dtype), the model reads bfloat16 slots, while the memory
+    embeddings, the slot map and the relevance head stay float32: one Adam step of 1e-3
+    moves the slot map's identity (in bfloat16 it rounds away: 0.0078 apart at 1.0)."""
+    model, tokenizer = micro
+    compressor = ContextCompressor.new(model.to(torch.bfloat16), tokens=4, chunk_tokens=16, served_path="m")
+    parts = {"memory": compressor.memory, "proj": compressor.proj.weight, "relevance": compressor.relevance.weight}
+    assert {name: p.dtype for name, p in parts.items()} == dict.fromkeys(parts, torch.float32)
+    slots, _ = compressor.compress_prompts(tokenizer, ["x" * 40, "y" * 10])
+    assert slots.dtype == torch.bfloat16, "the slots enter the model in its dtype"
+    diagonal = compressor.proj.weight.diagonal().clone()
+    optimizer = torch.optim.Adam([p for p in compressor.parameters() if p.requires_grad], lr=1e-3)
+    loss = compressor.loss(tokenizer, ["The code is 42. Filler."] * 2, [[{"role": "user", "content": "Code?"}]] * 2,
+                           [[{"role": "assistant", "content": "42"}]] * 2)  # fmt: skip
+    loss.backward()
+    optimizer.step()
+    assert (compressor.proj.weight.diagonal() - diagonal).abs().max() > 5e-4, "the step moved the slot map"
+
+
 def test_relevant_chunks_are_the_chunks_a_relevant_sentence_overlaps(micro):
     """The built-in tokenizer reads a character a token: chunks of 10 characters. "Facts
     here." spans characters 14-24 (chunks 1 and 2), "More." 40-45 (chunk 4); a sentence not

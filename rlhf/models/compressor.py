@@ -125,19 +125,6 @@ def fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
-@torch.no_grad()
-def hidden_to_embedding_scale(model, sample: int = 256) -> float:
-    """How much smaller the model's input embeddings are than its last hidden states (mean
-    row norms over `sample` evenly spaced token ids read as one text): the slot map starts
-    as the identity times this, so that slots enter the model at the size its token
-    embeddings have (a final norm's output is often 10-20 times larger)."""
-    embed = model.get_input_embeddings()
-    vocab = embed.weight.shape[0]
-    ids = torch.arange(0, vocab, max(1, vocab // sample), device=embed.weight.device)[:sample].unsqueeze(0)
-    hidden = model.base_model(input_ids=ids).last_hidden_state
-    return float(embed(ids).float().norm(dim=-1).mean() / hidden.float().norm(dim=-1).mean().clamp(min=1e-6))
-
-
 def trained_parts(folder: str | Path) -> tuple[torch.Tensor, dict]:
     """(the memory embeddings, {"proj": the slot map's state dict, "relevance": the
     relevance head's, empty in a compressor saved without one}) saved in `folder`."""
@@ -202,8 +189,12 @@ class ContextCompressor(nn.Module):
         if memory is None:  # memory embeddings start as typical token embeddings
             generator = torch.Generator().manual_seed(seed)
             memory = torch.randn(tokens, hidden, generator=generator) * embed.detach().float().std()
-        self.memory = nn.Parameter(memory.to(embed.dtype).to(embed.device))
-        self.proj = nn.Linear(hidden, hidden, dtype=embed.dtype, device=embed.device)
+        # The trained parts are float32 whatever the served model's dtype (as peft keeps a
+        # LoRA adapter): in bfloat16 an Adam step of 1e-3 rounds away on the slot map's
+        # identity (its spacing at 1.0 is 0.0078), and fp16 parameters stop the GradScaler
+        # of fp16 mixed precision. They meet the model in its dtype (`_project`, `_encoder_inputs`).
+        self.memory = nn.Parameter(memory.float().to(embed.device))
+        self.proj = nn.Linear(hidden, hidden, dtype=torch.float32, device=embed.device)
         if proj is None:
             nn.init.eye_(self.proj.weight)
             nn.init.zeros_(self.proj.bias)
@@ -212,7 +203,7 @@ class ContextCompressor(nn.Module):
         if select < 0:
             raise CompressorError(f"select {select}: the chunks read per context, 0 for all")
         self.select = select
-        self.relevance = nn.Linear(hidden, 1, dtype=embed.dtype, device=embed.device)  # a chunk's score
+        self.relevance = nn.Linear(hidden, 1, dtype=torch.float32, device=embed.device)  # a chunk's score
         if relevance:
             self.relevance.load_state_dict(relevance)
         else:
@@ -360,7 +351,7 @@ class ContextCompressor(nn.Module):
         embeds, full_mask, mask = self._encoder_inputs(input_ids, attention_mask, query_ids, query_mask, prefix_ids)
         batch = input_ids.shape[0]
         memory = self._memory(embeds, full_mask)
-        slots = self.proj(memory).reshape(batch, -1, memory.shape[-1])
+        slots = self._project(memory).reshape(batch, -1, memory.shape[-1])
         slot_mask = self._slot_mask(mask, batch)
         if not scores:
             return slots, slot_mask
@@ -401,6 +392,11 @@ class ContextCompressor(nn.Module):
         hidden = body(inputs_embeds=embeds, attention_mask=full_mask, position_ids=positions).last_hidden_state
         return hidden[:, -self.tokens :]
 
+    def _project(self, memory):
+        """The slot map of memory states, in the float32 of the trained parts, returned in
+        the model's dtype (the slots are read as its input embeddings)."""
+        return self.proj(memory.to(self.proj.weight.dtype)).to(memory.dtype)
+
     def _scores(self, memory):
         """Each chunk's relevance logit from its memory states [chunks]."""
         return self.relevance(memory.mean(dim=1).to(self.relevance.weight.dtype)).reshape(-1).float()
@@ -440,7 +436,7 @@ class ContextCompressor(nn.Module):
             pick = read[:, :: self.tokens].bool() | self.selected(slot_mask, scores)[:, :: self.tokens].bool()
             pick = pick.scatter(1, other, True).reshape(-1)
             memory = self._memory(embeds[pick], full_mask[pick])
-            hidden, projected = memory.shape[-1], self.proj(memory)
+            hidden, projected = memory.shape[-1], self._project(memory)
             slots = projected.new_zeros(pick.shape[0], self.tokens, hidden)
             slots[pick] = projected
             slots = slots.reshape(batch, -1, hidden)
