@@ -244,6 +244,27 @@ def test_greedy_soup_keeps_only_candidates_that_do_not_lower_the_score(zoo):
 
 
 @pytest.mark.slow
+def test_greedy_soup_scores_its_soups_as_it_scores_the_candidates(zoo, monkeypatch):
+    """Computing in bfloat16 (a GPU's compute.dtype, set here on the CPU), every model the
+    soup scores, candidates and soups alike, is served in bfloat16: a soup scored in float32
+    master weights against candidates scored in bfloat16 compared two precisions. The soup
+    is the mean of the members' stored weights."""
+    import rlhf.models.compute as compute
+
+    candidates = {"A": norm_model(zoo, "bf-A", 1.0, 0.4), "C": norm_model(zoo, "bf-C", 1.0, 2.0)}
+    monkeypatch.setattr(compute, "_current", compute.Placement("cpu", "bfloat16"))
+    seen = []
+
+    def score(model) -> float:
+        seen.append(next(model.parameters()).dtype)
+        return distance_score(model)
+
+    soup = greedy_soup(candidates, score)
+    assert seen == [torch.bfloat16] * 3, "A, C, then the soup A + C"
+    assert soup.members == ["A", "C"] and soup.score == pytest.approx(-0.2, abs=1e-2)
+
+
+@pytest.mark.slow
 def test_greedy_soup_accepts_an_ingredient_that_leaves_the_score_level(zoo):
     """The paper's rule is >=: a copy of the best candidate leaves the soup's score exactly
     where it was (all values are exact in binary), and joins."""

@@ -50,7 +50,7 @@ has made sure the base's are right for every input.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +58,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
-from rlhf.models.folders import check_model_dir
+from rlhf.models.folders import check_model_dir, resolve_model_dir
 from rlhf.models.loading import load_causal_lm
 from rlhf.params import InputError
 
@@ -89,6 +89,19 @@ def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
+
+
+def stored_tensors(path: str | Path, names) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each weight in `names` as stored in the model folder `path`, read
+    one at a time from its safetensors files (on the CPU, in the stored dtype). A name the
+    files lack is a weight tied to another (the LM head of tied embeddings), which the
+    model shares, so it is left out."""
+    folder = resolve_model_dir(path)
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if name in names:
+                    yield name, handle.get_tensor(name)
 
 
 def _examples(items) -> str:
@@ -312,33 +325,43 @@ def greedy_soup(
 
     where mean is the uniform average of the weights and `score(model)` is a held-out
     score, higher is better. Returns the members, the final score and the trace."""
+    import rlhf.models.settings as model_settings
+
     names = list(candidates)
     if not names:
         raise ValueError("greedy soup needs at least one candidate")
+    # Every model is scored as it is served (the compute dtype), the soups too: a soup scored
+    # in float32 against candidates scored in bfloat16 would compare two precisions. Never
+    # quantized: the soup's weights are written into the model.
+    settings = model_settings.current().model_copy(update={"quantization": None})
     individual = {}
     for name in names:
-        individual[name] = float(score(load_causal_lm(candidates[name], trust_remote_code, what=f"candidate {name}")))
+        model = load_causal_lm(candidates[name], trust_remote_code, what=f"candidate {name}", settings=settings)
+        individual[name] = float(score(model))
+        del model
     order = sorted(names, key=lambda n: -individual[n])
-    # The working model holds the soup being scored; `total` is the running sum of the
-    # members' weights (float tensors only), so a trial costs one candidate's state dict.
-    # float32 weights (`training=True`) whatever compute.dtype says: averaging in half
-    # precision would round the soup.
-    model = load_causal_lm(candidates[order[0]], trust_remote_code, training=True)
-    total = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+    # The working model holds the soup being scored. `total` is the running sum of the
+    # members' stored weights in float32 on the CPU (averaging in half precision would round
+    # the soup), and a trial reads the candidate's weights one tensor at a time from its
+    # files: beside the served model, a soup of a 70B model holds its float32 sum in host
+    # memory and no second copy on the GPU.
+    model = load_causal_lm(candidates[order[0]], trust_remote_code, settings=settings)
+    weights = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    total = {k: t.float() for k, t in stored_tensors(candidates[order[0]], weights)}
     members, best = [order[0]], individual[order[0]]
     trace = [{"candidate": order[0], "individual": best, "soup": best, "accepted": True, "members": list(members)}]
     for name in order[1:]:
-        state = load_causal_lm(candidates[name], trust_remote_code, training=True).state_dict()
         n = len(members) + 1
-        model.load_state_dict({k: (total[k] + state[k]) / n for k in total}, strict=False)
+        with torch.no_grad():
+            for key, tensor in stored_tensors(candidates[name], total):
+                weights[key].copy_((total[key] + tensor.float()) / n)
         trial = float(score(model))
         accepted = trial >= best
         if accepted:
-            for key in total:
-                total[key] += state[key]
+            for key, tensor in stored_tensors(candidates[name], total):
+                total[key] += tensor.float()
             members.append(name)
             best = trial
         row = {"candidate": name, "individual": individual[name], "soup": trial, "accepted": accepted}
         trace.append({**row, "members": list(members)})
-        del state
     return GreedySoup(members=members, score=best, individual=individual, trace=trace)
