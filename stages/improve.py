@@ -283,6 +283,7 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     seed = round_seed(settings.seed, name)
 
     # 1-3: problems, samples, checks (and repairs).
+    from rlhf.models.compute import release_memory
     from rlhf.models.generation import sample
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
@@ -308,7 +309,8 @@ def run(name: str, config: Config, params: dict, task, out_dir: Path, data_dir: 
     samples = drawn.texts
     verdicts = judge_samples(settings, task, prompts, answers, samples, prm, finished=drawn.finished)
     repair = repair_rejected(settings, task, model, tokenizer, prm, prompts, answers, verdicts, seed)
-    del model
+    del model, prm  # the sampler and the PRM go before the candidate trains and is evaluated
+    release_memory()
 
     # 4: the training table and the candidate.
     kept = pd.DataFrame(kept_rows(prompts, verdicts, settings.keep_per_prompt), columns=["prompt", "completion"])

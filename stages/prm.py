@@ -188,7 +188,7 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     `separator` joins the steps (the task's)."""
     import transformers
 
-    from rlhf.models.compute import is_main
+    from rlhf.models.compute import is_main, release_memory
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.prm import load_prm
     from rlhf.rewards.prm_classifier import build_dataset, load_prm_model, save_prm
@@ -212,7 +212,9 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     key = fingerprint(config, [init, DATA, *([PROMPTS] if PROMPTS.exists() else [])])
     args = prm_training_args(config, checkpoint_dir(CHECKPOINTS_DIR, stage, key))  # before the model loads
     transformers.set_seed(config.seed)  # the new head's initialisation
-    model = load_prm_model(init, config.trust_remote_code, what=f"models/{config.init}")
+    model = load_prm_model(
+        init, config.trust_remote_code, what=f"models/{config.init}", training=True, adapters=config.lora.enabled
+    )
     trainer = prm_trainer(args, model, tokenizer, train, config.lora)
     start = time.perf_counter()
     resumed = train_resumable(trainer, stage, key)
@@ -222,6 +224,9 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
     if not is_main():  # another process of a multi-process launch: rank 0 scores and publishes
         return {}, []
     save_prm(model, tokenizer, out_dir, separator, state_dict)
+    steps, processes = trainer.state.global_step, trainer.args.world_size
+    del trainer, model, state_dict  # the trained model and its optimizer state go before the scorer loads
+    release_memory()
 
     prm = load_prm(out_dir, config.trust_remote_code)
     scores = prm.score_steps(held_out["prompt"].tolist(), held_out["completions"].tolist(), config.score_batch_size)
@@ -229,10 +234,10 @@ def run(config: Config, separator: str, init: Path, rows, held_out, out_dir: Pat
         **prm_metrics(scores, held_out["labels"].tolist()),
         "train_loss": last_logged(history, "loss"),
         "train_rows": len(train),
-        "steps_trained": trainer.state.global_step,
+        "steps_trained": steps,
         "train_seconds": train_seconds,
         "resumed": bool(resumed),
-        "processes": trainer.args.world_size,
+        "processes": processes,
     }
     return metrics, log_history_rows(history, CURVE_KEYS)  # checkpoints stay until main has published
 

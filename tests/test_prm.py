@@ -355,6 +355,26 @@ def test_a_resumed_run_reproduces_an_uninterrupted_one(tmp_path, monkeypatch, ml
         torch.testing.assert_close(resumed.model.state_dict()[name], value)
 
 
+def test_a_prm_scores_in_the_compute_dtype_and_a_lora_base_trains_a_float32_head(micro_dir, monkeypatch):
+    """Computing in bfloat16 (a GPU's compute.dtype, set here on the CPU): a classifier PRM
+    scores steps in bfloat16, as a reward model is served (it had loaded as float32 master
+    weights: twice the memory in MCTS, best-of-N and the rewards); stage prm trains in full
+    on float32 master weights, and under LoRA on a bfloat16 base with its new head float32."""
+    import rlhf.models.compute as compute
+
+    save_prm(load_prm_model(micro_dir), build_tokenizer(), micro_dir, SEP)
+    monkeypatch.setattr(compute, "_current", compute.Placement("cpu", "bfloat16"))
+    prm = load_prm(micro_dir)
+    assert {p.dtype for p in prm.model.parameters()} == {torch.bfloat16} and not prm.model.training
+    [scores] = prm.score_steps(["1+2+4\n"], [["1+2=3", "3+4=7", "answer 7"]])
+    assert len(scores) == 3 and all(0.0 < s < 1.0 for s in scores)
+    assert {p.dtype for p in load_prm_model(micro_dir, training=True).parameters()} == {torch.float32}
+    base = load_prm_model(micro_dir, training=True, adapters=True)
+    head = {n for n, p in base.named_parameters() if p.dtype == torch.float32}
+    assert head and all(n.startswith(("score.", "classifier.")) for n in head), head
+    assert base.get_input_embeddings().weight.dtype == torch.bfloat16
+
+
 def test_bad_rows_fail_before_training_naming_file_and_row(tmp_path):
     import stages.prm as stage
 

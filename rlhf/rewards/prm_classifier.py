@@ -43,6 +43,7 @@ from rlhf.rewards.steps import DEFAULT_SEPARATOR, StepScorer, locate_steps
 
 BAD, GOOD = 0, 1
 IGNORE = -100
+HEAD_NAMES = ("score", "classifier")  # the token-classification head, by architecture
 KEPT, CUT, DROPPED = 0, 1, 2  # what max_length did to a training row
 
 
@@ -138,8 +139,18 @@ def build_dataset(tokenizer, rows, separator: str = DEFAULT_SEPARATOR, max_lengt
 # ----------------------------------------------------------------------------- model and training
 
 
-def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str = "process reward model"):
-    """A two-label token classifier from a model directory (a causal LM gets a new head)."""
+def load_prm_model(
+    path: str | Path,
+    trust_remote_code: bool = False,
+    what: str = "process reward model",
+    training: bool = False,
+    adapters: bool = False,
+):
+    """A two-label token classifier from a model directory (a causal LM gets a new head):
+    to score steps, in the compute dtype (params `model`, as a reward model is served); to
+    train (`training`), as a model trained in full (float32 master weights unless params
+    `model` asks for half precision), or with LoRA `adapters` as their frozen base in the
+    compute dtype, the new head float32 (it trains whole)."""
     from rlhf.models.compute import current, sharded_launch
 
     path = check_model_dir(resolve_model_dir(path), what)
@@ -149,16 +160,21 @@ def load_prm_model(path: str | Path, trust_remote_code: bool = False, what: str 
             f"{what} {path}: prm.kind classifier puts a token-classification head on the model, and transformers "
             f"has none for model type {unsupported!r}; set prm.kind: likelihood (it scores steps with the LM itself)"
         )
-    # Loaded as a model trained in full (float32 master weights unless params `model` asks
-    # for half precision): it is trained (transformers' mixed precision) and scores steps in
-    # one pass. Never quantized: its new head trains in full (the params check says so).
-    kwargs = init_kwargs(training=True, trust_remote_code=trust_remote_code)
+    # Never quantized: its new head trains in full (the params check says so), and scoring
+    # reads the model it trained.
+    kwargs = init_kwargs(training=training, adapters=adapters, trust_remote_code=trust_remote_code)
     kwargs.pop("quantization_config", None)
     kwargs.pop("device_map", None)
     model = AutoModelForTokenClassification.from_pretrained(
         str(path), num_labels=2, id2label={BAD: "bad", GOOD: "good"}, label2id={"bad": BAD, "good": GOOD}, **kwargs
     )
-    return model if sharded_launch() else model.to(current().device)  # FSDP / ZeRO-3: accelerate shards it
+    if training and adapters:  # in half precision an optimizer step would round away on the head
+        for name in HEAD_NAMES:
+            if isinstance(getattr(model, name, None), torch.nn.Module):
+                getattr(model, name).float()
+    if training and sharded_launch():  # FSDP / ZeRO-3: accelerate shards it
+        return model
+    return model.to(current().device)
 
 
 def save_prm(
@@ -182,7 +198,7 @@ class ClassifierPRM(StepScorer):
 
     @classmethod
     def load(cls, path: str | Path, settings: dict, trust_remote_code: bool = False) -> ClassifierPRM:
-        model = load_prm_model(path, trust_remote_code)
+        model = load_prm_model(path, trust_remote_code).eval()
         return cls(model, load_tokenizer(path, trust_remote_code), settings["step_separator"])
 
     @torch.inference_mode()

@@ -12,7 +12,7 @@ import torch
 from datasets import Dataset
 from transformers import DataCollatorForTokenClassification, Trainer, TrainingArguments
 
-from rlhf.rewards.prm_classifier import IGNORE
+from rlhf.rewards.prm_classifier import HEAD_NAMES, IGNORE
 from rlhf.training.params import LoraParams, TrainingParams
 from rlhf.training.trainer_setup import tracking_callbacks, trl_config
 
@@ -38,7 +38,7 @@ def prm_trainer(
 
         # The new head is trained whole (peft's modules_to_save for TOKEN_CLS); "all-linear"
         # would also put an adapter on it, which peft refuses.
-        peft_config.exclude_modules = ["score", "classifier"]
+        peft_config.exclude_modules = list(HEAD_NAMES)
         model = get_peft_model(model, peft_config)
     # Right padding keeps every real token at the position it has at scoring time (Llama
     # numbers positions from the first slot, padding or not).
