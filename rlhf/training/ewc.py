@@ -73,7 +73,7 @@ def fisher_diagonal(model, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    return {name: f / len(examples) for name, f in fisher.items()}
+    return {name: f.div_(len(examples)) for name, f in fisher.items()}
 
 
 @dataclass
@@ -114,14 +114,17 @@ def attach(
     `loss_scale`, when given, the current loss scale of fp16 training (`trainer_loss_scale`),
     which the added gradient is multiplied by as the loss's gradient is."""
     anchor, handles = {}, []
+    weight = strength * scale
     for name, p in model.named_parameters():
         if name not in fisher or not p.requires_grad:
             continue
+        # Two float32 copies of what trains, the Fisher and the anchor (full fine-tuning: 8
+        # bytes a parameter), kept where the parameter is; the pull is made at each backward.
+        fisher[name] = fisher[name].to(p.device)
         anchor[name] = p.detach().float().clone()
-        weight = (strength * scale) * fisher[name].to(p.device)
 
-        def hook(grad, p=p, weight=weight, anchor_value=anchor[name]):
-            pull = weight * (p.detach().float() - anchor_value)
+        def hook(grad, p=p, fisher_value=fisher[name], anchor_value=anchor[name]):
+            pull = (p.detach().float() - anchor_value).mul_(fisher_value).mul_(weight)
             if loss_scale is not None:
                 pull = pull * loss_scale()
             return grad + pull.to(grad.dtype)
