@@ -261,6 +261,28 @@ def test_a_compressor_of_a_bfloat16_model_trains_its_parts_in_float32(micro):
     assert (compressor.proj.weight.diagonal() - diagonal).abs().max() > 5e-4, "the step moved the slot map"
 
 
+def test_the_encoder_reads_at_most_encode_rows_chunks_a_pass_and_gets_the_same_slots(micro):
+    """A batch of long contexts is many chunks (128 contexts of 8,000 tokens: 8,000): the
+    encoder reads them `encode_rows` at a time, and the slots are those of one pass."""
+    model, tokenizer = micro
+    compressor = ContextCompressor.new(model, tokens=4, chunk_tokens=16, served_path="m", window=256)
+    contexts = ["x" * 100, "y" * 30, "z" * 70]  # 7 chunks each (padded to the longest): 21 rows
+    with torch.no_grad():
+        whole, whole_mask = compressor.compress_prompts(tokenizer, contexts)
+        passes = []
+        body = compressor.model.get_base_model().base_model
+        hook = body.register_forward_pre_hook(lambda _, args, kwargs: passes.append(kwargs["inputs_embeds"].shape[0]),
+                                              with_kwargs=True)  # fmt: skip
+        compressor.encode_rows = 8
+        try:
+            split, split_mask = compressor.compress_prompts(tokenizer, contexts)
+        finally:
+            hook.remove()
+    assert passes == [8, 8, 5]
+    torch.testing.assert_close(split, whole)
+    assert torch.equal(split_mask, whole_mask)
+
+
 def test_relevant_chunks_are_the_chunks_a_relevant_sentence_overlaps(micro):
     """The built-in tokenizer reads a character a token: chunks of 10 characters. "Facts
     here." spans characters 14-24 (chunks 1 and 2), "More." 40-45 (chunk 4); a sentence not

@@ -63,6 +63,10 @@ CONFIG_FILE = "compressor_config.json"
 QUERY_SEPARATOR = "\n"  # between a chunk and the query a query-aware compressor reads after it
 WEIGHTS_FILE = "compressor.safetensors"
 FORMAT = "rlhf-context-compressor/1"
+# Chunks the encoder reads in one forward pass (`ContextCompressor.encode_rows`): 64 rows of
+# a chunk, its memory tokens and the question, about 16,000 tokens, bound the activations
+# whatever the batch of contexts (a 7B model's MLP holds about 1.2 MB a token in bfloat16).
+ENCODE_ROWS = 64
 SLOT_POSITIONS = ("parallel", "sequential")  # where the model reads the slots: ContextCompressor.decoder_inputs
 
 
@@ -181,6 +185,7 @@ class ContextCompressor(nn.Module):
         if chunk_by not in CHUNK_BY:
             raise CompressorError(f"chunk_by {chunk_by!r}: expected one of {CHUNK_BY}")
         self.chunk_by = chunk_by
+        self.encode_rows = ENCODE_ROWS
         self.model = model  # a PeftModel: the adapter is the encoder's
         self.tokens, self.chunk_tokens, self.served = tokens, chunk_tokens, served
         self.query_aware, self.adapter_reads, self.slot_positions = query_aware, adapter_reads, slot_positions
@@ -386,11 +391,21 @@ class ContextCompressor(nn.Module):
         return torch.cat(pieces, dim=1), torch.cat(masks, dim=1), mask
 
     def _memory(self, embeds, full_mask):
-        """The encoder's last hidden states at the memory positions [chunks, tokens, hidden]."""
+        """The encoder's last hidden states at the memory positions [chunks, tokens, hidden],
+        at most `encode_rows` chunks a forward pass: a batch of 128 contexts of 8,000 tokens
+        is 8,000 chunks, too many activations for one pass of a 7B model (every chunk row
+        has the same length, so the split changes no row's result)."""
         positions = (full_mask.cumsum(-1) - 1).clamp(min=0)  # padding inside a row takes no position
         body = self.model.get_base_model().base_model  # the decoder stack (no LM head), its linear layers adapted
-        hidden = body(inputs_embeds=embeds, attention_mask=full_mask, position_ids=positions).last_hidden_state
-        return hidden[:, -self.tokens :]
+        parts = [
+            body(
+                inputs_embeds=embeds[rows], attention_mask=full_mask[rows], position_ids=positions[rows]
+            ).last_hidden_state[:, -self.tokens :]
+            for rows in (
+                slice(start, start + self.encode_rows) for start in range(0, embeds.shape[0], self.encode_rows)
+            )
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _project(self, memory):
         """The slot map of memory states, in the float32 of the trained parts, returned in
