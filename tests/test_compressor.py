@@ -146,6 +146,37 @@ def test_slots_replace_chunks_and_save_and_load_with_the_model_they_serve(micro,
         ContextCompressor.from_pretrained(tmp_path, model)
 
 
+def test_a_compressor_serves_its_checkpoint_however_the_reader_loads_it(micro, tmp_path, monkeypatch):
+    """The fingerprint is of the served checkpoint as stored: a reader that loads the same
+    folder in bfloat16 (an evaluate block's own `model.dtype`, or a GPU's compute dtype) gets
+    the compressor; another checkpoint is refused, and a compressor saved with a fingerprint
+    of the weights (before this one existed) still loads on the model it names."""
+    import json
+
+    import rlhf.models.compute as compute
+    from rlhf.models.loading import load_causal_lm
+
+    model, tokenizer = micro
+    save_model(model, tokenizer, tmp_path / "sft")
+    save_model(build_tiny_model("micro", tokenizer, seed=1), tokenizer, tmp_path / "other")
+    ContextCompressor.new(load_causal_lm(tmp_path / "sft"), 4, 16, str(tmp_path / "sft")).save_pretrained(
+        tmp_path / "k4"
+    )
+    assert json.loads((tmp_path / "k4/compressor_config.json").read_text())["served"]["fingerprint_of"] == "checkpoint"
+    monkeypatch.setattr(compute, "_current", compute.Placement("cpu", "bfloat16"))
+    reader = load_causal_lm(tmp_path / "sft")
+    assert reader.dtype == torch.bfloat16
+    assert ContextCompressor.from_pretrained(tmp_path / "k4", reader).compress_prompts(tokenizer, ["x" * 40])[0].shape
+    with pytest.raises(CompressorMismatchError, match="was trained for the model in"):
+        ContextCompressor.from_pretrained(tmp_path / "k4", load_causal_lm(tmp_path / "other"))
+    monkeypatch.undo()
+    config = json.loads((tmp_path / "k4/compressor_config.json").read_text())
+    old = ContextCompressor.new(build_tiny_model("micro", tokenizer, seed=0), 4, 16, "m")
+    config["served"] = {k: v for k, v in old.served.items() if k != "fingerprint_of"}  # as saved before
+    (tmp_path / "k4/compressor_config.json").write_text(json.dumps(config))
+    ContextCompressor.from_pretrained(tmp_path / "k4", load_causal_lm(tmp_path / "sft"))
+
+
 def test_sentence_chunks_hold_whole_sentences_so_a_fact_sits_in_one_chunk(micro, tmp_path):
     """`chunk_by: sentences` packs as many whole sentences into a chunk as fit and cuts a
     longer sentence every `chunk_tokens`; the chunks are laid out at multiples of

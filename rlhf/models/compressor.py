@@ -24,9 +24,10 @@ In-context autoencoder (ICAE; Ge et al., ICLR 2024), read chunk by chunk as Auto
 
 `save_pretrained(folder)` writes the adapter (PEFT's files), the memory embeddings and the
 map (`compressor.safetensors`) and `compressor_config.json`, which records the model it
-serves: its folder and a fingerprint of its weights. `from_pretrained(folder, model)` puts
-the adapter on that model and refuses another one (`CompressorMismatchError`): slots made
-for one model's embedding space mean nothing to another's.
+serves: its folder and a fingerprint of its checkpoint's weights (as stored, so the same
+model loaded in another dtype or quantized is still the same). `from_pretrained(folder,
+model)` puts the adapter on that model and refuses another one (`CompressorMismatchError`):
+slots made for one model's embedding space mean nothing to another's.
 
 With `select: m` the compressor also picks what to read: a linear relevance head on each
 chunk's memory states (query-aware, so it judges a chunk against the question) scores the
@@ -113,10 +114,44 @@ def compressor_folders(root: str | Path, tokens: list[int] | None = None) -> lis
     return folders
 
 
-def fingerprint(model) -> str:
-    """Names a model's weights cheaply at any size: a hash of every parameter's name, shape
-    and 64 values evenly strided through it (a fine-tune, LoRA merged or not, changes
-    them; the same weights loaded twice give the same fingerprint)."""
+def fingerprint(model) -> tuple[str, str]:
+    """(what names the model's weights, which of two ways it was taken), cheap at any size.
+
+    "checkpoint": the model was loaded from a local folder of safetensors (its
+    `name_or_path`), and the fingerprint is of the weights as stored there: every tensor's
+    name, dtype, shape and first 64 values, read from the files. The same checkpoint loaded
+    in another dtype or quantized (an evaluate block's own `model:` keys) gives the same
+    fingerprint; a fine-tune, LoRA merged or not, another.
+
+    "weights": a model built in memory, from its parameters: each one's name, shape and 64
+    values evenly strided through it. Compressors saved before the checkpoint way existed
+    recorded this one, and are checked this way."""
+    folder = checkpoint_folder(model)
+    if folder is None:
+        return weights_fingerprint(model), "weights"
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in sorted(handle.keys()):  # noqa: SIM118 (safe_open is not iterable)
+                part = handle.get_slice(name)
+                shape = part.get_shape()
+                first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 64),)] if shape else part[:]
+                digest.update(f"{name}:{part.get_dtype()}:{tuple(shape)}:".encode())
+                digest.update(first.reshape(-1).float().numpy().tobytes())
+    return digest.hexdigest()[:16], "checkpoint"
+
+
+def checkpoint_folder(model) -> Path | None:
+    """The local folder of safetensors `model` was loaded from (its `name_or_path`), or None."""
+    name = getattr(model, "name_or_path", None) or ""
+    folder = Path(name) if name else None
+    return folder if folder is not None and folder.is_dir() and any(folder.glob("*.safetensors")) else None
+
+
+def weights_fingerprint(model) -> str:
+    """A hash of every parameter's name, shape and 64 values evenly strided through it."""
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         name = name.replace("base_model.model.", "").replace(".base_layer", "")
@@ -238,7 +273,8 @@ class ContextCompressor(nn.Module):
         from peft import LoraConfig, get_peft_model
 
         check_settings(tokens, chunk_tokens, window)
-        served = {"path": str(served_path), "fingerprint": fingerprint(model)}
+        found, way = fingerprint(model)
+        served = {"path": str(served_path), "fingerprint": found, "fingerprint_of": way}
         for param in model.parameters():
             param.requires_grad_(False)
         torch.manual_seed(seed)
@@ -298,7 +334,9 @@ class ContextCompressor(nn.Module):
 
         config = cls.read_config(folder)
         served = config["served"]
-        found = fingerprint(model)
+        found, way = fingerprint(model)
+        if served.get("fingerprint_of", "weights") != way:  # saved before the checkpoint way, or built in memory
+            found = weights_fingerprint(model)
         if found != served["fingerprint"]:
             raise CompressorMismatchError(
                 f"the context compressor in {folder} was trained for the model in {served['path']} "
