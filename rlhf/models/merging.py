@@ -348,6 +348,12 @@ def greedy_soup(
     model = load_causal_lm(candidates[order[0]], trust_remote_code, settings=settings)
     weights = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
     total = {k: t.float() for k, t in stored_tensors(candidates[order[0]], weights)}
+    shared = {weights[k].data_ptr() for k in total}  # a tied weight is averaged through the one it shares
+    unread = sorted(k for k in weights if k not in total and weights[k].data_ptr() not in shared)
+    if unread:
+        print(
+            f"greedy soup: {len(unread)} weight(s) the files do not name keep {order[0]}'s values: {_examples(unread)}"
+        )
     members, best = [order[0]], individual[order[0]]
     trace = [{"candidate": order[0], "individual": best, "soup": best, "accepted": True, "members": list(members)}]
     for name in order[1:]:
