@@ -177,6 +177,23 @@ def test_a_compressor_serves_its_checkpoint_however_the_reader_loads_it(micro, t
     ContextCompressor.from_pretrained(tmp_path / "k4", load_causal_lm(tmp_path / "sft"))
 
 
+def test_the_checkpoint_fingerprint_reads_scalars_and_short_rows_and_tells_values_apart(tmp_path):
+    """safetensors allows 0-d tensors (a scale, a step count): the fingerprint reads them,
+    and rows shorter than its 64 values, and changes when a stored value does."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from rlhf.models.compressor import fingerprint
+
+    weights = {"scale": torch.tensor(0.5), "bias": torch.arange(3.0), "w": torch.ones(2, 100)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    first, way = fingerprint(SimpleNamespace(name_or_path=str(tmp_path)))
+    assert way == "checkpoint"
+    save_file({**weights, "scale": torch.tensor(0.25)}, str(tmp_path / "model.safetensors"))
+    assert fingerprint(SimpleNamespace(name_or_path=str(tmp_path)))[0] != first
+
+
 def test_sentence_chunks_hold_whole_sentences_so_a_fact_sits_in_one_chunk(micro, tmp_path):
     """`chunk_by: sentences` packs as many whole sentences into a chunk as fit and cuts a
     longer sentence every `chunk_tokens`; the chunks are laid out at multiples of

@@ -373,6 +373,15 @@ def test_a_prm_scores_in_the_compute_dtype_and_a_lora_base_trains_a_float32_head
     head = {n for n, p in base.named_parameters() if p.dtype == torch.float32}
     assert head and all(n.startswith(("score.", "classifier.")) for n in head), head
     assert base.get_input_embeddings().weight.dtype == torch.bfloat16
+    # Pure half precision (model.dtype bfloat16, computing in float32: no autocast): the head
+    # stays in the base's dtype, which its input has, and a step's forward runs.
+    import rlhf.models.settings as model_settings
+
+    monkeypatch.setattr(compute, "_current", compute.Placement("cpu", "float32"))
+    monkeypatch.setattr(model_settings, "_current", model_settings.current().model_copy(update={"dtype": "bfloat16"}))
+    pure = load_prm_model(micro_dir, training=True, adapters=True)
+    assert {p.dtype for p in pure.parameters()} == {torch.bfloat16}
+    assert pure(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 2)
 
 
 def test_bad_rows_fail_before_training_naming_file_and_row(tmp_path):

@@ -114,7 +114,7 @@ def compressor_folders(root: str | Path, tokens: list[int] | None = None) -> lis
     return folders
 
 
-def fingerprint(model) -> tuple[str, str]:
+def fingerprint(model, way: str | None = None) -> tuple[str, str]:
     """(what names the model's weights, which of two ways it was taken), cheap at any size.
 
     "checkpoint": the model was loaded from a local folder of safetensors (its
@@ -125,8 +125,8 @@ def fingerprint(model) -> tuple[str, str]:
 
     "weights": a model built in memory, from its parameters: each one's name, shape and 64
     values evenly strided through it. Compressors saved before the checkpoint way existed
-    recorded this one, and are checked this way."""
-    folder = checkpoint_folder(model)
+    recorded this one, and are checked this way. `way` asks for one of the two."""
+    folder = checkpoint_folder(model) if way != "weights" else None
     if folder is None:
         return weights_fingerprint(model), "weights"
     from safetensors import safe_open
@@ -137,7 +137,7 @@ def fingerprint(model) -> tuple[str, str]:
             for name in sorted(handle.keys()):  # noqa: SIM118 (safe_open is not iterable)
                 part = handle.get_slice(name)
                 shape = part.get_shape()
-                first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 64),)] if shape else part[:]
+                first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 64),)] if shape else part[...]
                 digest.update(f"{name}:{part.get_dtype()}:{tuple(shape)}:".encode())
                 digest.update(first.reshape(-1).float().numpy().tobytes())
     return digest.hexdigest()[:16], "checkpoint"
@@ -334,9 +334,8 @@ class ContextCompressor(nn.Module):
 
         config = cls.read_config(folder)
         served = config["served"]
-        found, way = fingerprint(model)
-        if served.get("fingerprint_of", "weights") != way:  # saved before the checkpoint way, or built in memory
-            found = weights_fingerprint(model)
+        # Saved with the weights' fingerprint (before the checkpoint's existed): checked that way.
+        found, _ = fingerprint(model, served.get("fingerprint_of", "weights"))
         if found != served["fingerprint"]:
             raise CompressorMismatchError(
                 f"the context compressor in {folder} was trained for the model in {served['path']} "

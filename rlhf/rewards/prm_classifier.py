@@ -168,7 +168,10 @@ def load_prm_model(
     model = AutoModelForTokenClassification.from_pretrained(
         str(path), num_labels=2, id2label={BAD: "bad", GOOD: "good"}, label2id={"bad": BAD, "good": GOOD}, **kwargs
     )
-    if training and adapters:  # in half precision an optimizer step would round away on the head
+    # Under LoRA with mixed precision (the compute dtype half, autocast on), the new head
+    # trains in float32: a half-precision step would round away on it. Without autocast
+    # (pure half precision, `model.dtype`) it stays in the base's dtype, which it must meet.
+    if training and adapters and current().dtype in ("bfloat16", "float16"):
         for name in HEAD_NAMES:
             if isinstance(getattr(model, name, None), torch.nn.Module):
                 getattr(model, name).float()
