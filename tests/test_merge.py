@@ -265,6 +265,38 @@ def test_greedy_soup_scores_its_soups_as_it_scores_the_candidates(zoo, monkeypat
 
 
 @pytest.mark.slow
+def test_greedy_soup_averages_the_weights_transformers_converts_at_load(tmp_path):
+    """A mixture of experts (Mixtral): transformers fuses its per-expert tensors into one as
+    it loads, so the stored names are not the model's; the soup averages the experts all the
+    same (the mean of 1 and 3 is scored as 2)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from rlhf.models.loading import build_tokenizer
+
+    config = MixtralConfig(
+        vocab_size=len(build_tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64,
+    )  # fmt: skip
+    candidates = {}
+    for name, value in (("A", 1.0), ("B", 3.0)):
+        torch.manual_seed(0)
+        model = MixtralForCausalLM(config)
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts.gate_up_proj.fill_(value)
+        model.save_pretrained(tmp_path / name)
+        build_tokenizer().save_pretrained(tmp_path / name)
+        candidates[name] = tmp_path / name
+    seen = []
+
+    def score(model) -> float:
+        seen.append(model.model.layers[0].mlp.experts.gate_up_proj.mean().item())
+        return -abs(seen[-1] - 2.0)
+
+    soup = greedy_soup(candidates, score)
+    assert seen == pytest.approx([1.0, 3.0, 2.0]) and soup.members == ["A", "B"]
+
+
+@pytest.mark.slow
 def test_greedy_soup_accepts_an_ingredient_that_leaves_the_score_level(zoo):
     """The paper's rule is >=: a copy of the best candidate leaves the soup's score exactly
     where it was (all values are exact in binary), and joins."""

@@ -104,6 +104,20 @@ def stored_tensors(path: str | Path, names) -> Iterator[tuple[str, torch.Tensor]
                     yield name, handle.get_tensor(name)
 
 
+def member_weights(path: str | Path, names, trust_remote_code: bool, settings) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each weight in `names` of the model in `path` loaded as transformers
+    loads it (its names and layouts), on the CPU in float32."""
+    from rlhf.models.compute import Placement
+
+    host = load_causal_lm(path, trust_remote_code, placement=Placement("cpu", "float32"), settings=settings,
+                          dtype="float32")  # fmt: skip
+    state = host.state_dict()
+    del host
+    for name in names:
+        if name in state:
+            yield name, state[name]
+
+
 def _examples(items) -> str:
     items = sorted(items, key=str)
     shown = ", ".join(repr(i) for i in items[:_EXAMPLES])
@@ -349,22 +363,31 @@ def greedy_soup(
     weights = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
     total = {k: t.float() for k, t in stored_tensors(candidates[order[0]], weights)}
     shared = {weights[k].data_ptr() for k in total}  # a tied weight is averaged through the one it shares
-    unread = sorted(k for k in weights if k not in total and weights[k].data_ptr() not in shared)
-    if unread:
-        print(
-            f"greedy soup: {len(unread)} weight(s) the files do not name keep {order[0]}'s values: {_examples(unread)}"
-        )
+    converted = any(k not in total and weights[k].data_ptr() not in shared for k in weights)
+    if converted:
+        # transformers converts some checkpoints as it loads them (a mixture of experts'
+        # per-expert tensors fused into one): the stored names are not the model's. Each
+        # member's weights are then its state dict, loaded on the host in float32, one
+        # member at a time (host memory: one member in float32 beside the sum).
+        print("greedy soup: the checkpoints' weights are converted at load; members are read whole on the host")
+        total = {k: t.clone() for k, t in member_weights(candidates[order[0]], weights, trust_remote_code, settings)}
+
+    def read(name: str):
+        if converted:
+            return member_weights(candidates[name], total, trust_remote_code, settings)
+        return stored_tensors(candidates[name], total)
+
     members, best = [order[0]], individual[order[0]]
     trace = [{"candidate": order[0], "individual": best, "soup": best, "accepted": True, "members": list(members)}]
     for name in order[1:]:
         n = len(members) + 1
         with torch.no_grad():
-            for key, tensor in stored_tensors(candidates[name], total):
+            for key, tensor in read(name):
                 weights[key].copy_((total[key] + tensor.float()) / n)
         trial = float(score(model))
         accepted = trial >= best
         if accepted:
-            for key, tensor in stored_tensors(candidates[name], total):
+            for key, tensor in read(name):
                 total[key] += tensor.float()
             members.append(name)
             best = trial
