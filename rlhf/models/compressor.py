@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from rlhf.models.chunking import CHUNK_BY, CompressorError, chunk_spans, relevant_chunks
+from rlhf.models.folders import checkpoint_fingerprint
 
 CONFIG_FILE = "compressor_config.json"
 QUERY_SEPARATOR = "\n"  # between a chunk and the query a query-aware compressor reads after it
@@ -129,18 +130,7 @@ def fingerprint(model, way: str | None = None) -> tuple[str, str]:
     folder = checkpoint_folder(model) if way != "weights" else None
     if folder is None:
         return weights_fingerprint(model), "weights"
-    from safetensors import safe_open
-
-    digest = hashlib.sha256()
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in sorted(handle.keys()):  # noqa: SIM118 (safe_open is not iterable)
-                part = handle.get_slice(name)
-                shape = part.get_shape()
-                first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 64),)] if shape else part[...]
-                digest.update(f"{name}:{part.get_dtype()}:{tuple(shape)}:".encode())
-                digest.update(first.reshape(-1).float().numpy().tobytes())
-    return digest.hexdigest()[:16], "checkpoint"
+    return checkpoint_fingerprint(folder), "checkpoint"
 
 
 def checkpoint_folder(model) -> Path | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from rlhf.params import InputError
@@ -224,3 +225,30 @@ def missing_shards(path: Path) -> list[str]:
         if absent:
             problems.append(f"{index.name} names shards the folder lacks: {absent}")
     return problems
+
+
+def stored_slices(folder: Path) -> Iterator[tuple[str, object]]:
+    """(name, safetensors slice) of every weight stored in `folder`'s safetensors files,
+    files and names in sorted order: nothing is read but the headers until a slice is
+    indexed (`part[...]` is the whole tensor). A slice is valid until the next is drawn."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in sorted(handle.keys()):  # noqa: SIM118 (safe_open is not iterable)
+                yield name, handle.get_slice(name)
+
+
+def checkpoint_fingerprint(folder: Path) -> str:
+    """Names the weights stored in `folder` cheaply at any size: every tensor's name, dtype,
+    shape and first 64 values (of its first row), read from the files, so that loading it in
+    another dtype or quantized does not change it."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, part in stored_slices(folder):
+        shape = part.get_shape()
+        first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 64),)] if shape else part[...]
+        digest.update(f"{name}:{part.get_dtype()}:{tuple(shape)}:".encode())
+        digest.update(first.reshape(-1).float().numpy().tobytes())
+    return digest.hexdigest()[:16]

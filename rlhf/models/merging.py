@@ -55,10 +55,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
-from rlhf.models.folders import check_model_dir, resolve_model_dir
+from rlhf.models.folders import check_model_dir, resolve_model_dir, stored_slices
 from rlhf.models.loading import load_causal_lm
 from rlhf.params import InputError
 
@@ -83,12 +82,7 @@ class IncompatibleModelsError(InputError, ValueError):
 
 def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Weight names and shapes from the safetensors headers (no tensor is read)."""
-    shapes = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+    return {name: tuple(part.get_shape()) for name, part in stored_slices(path)}
 
 
 def stored_tensors(path: str | Path, names) -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,12 +90,9 @@ def stored_tensors(path: str | Path, names) -> Iterator[tuple[str, torch.Tensor]
     one at a time from its safetensors files (on the CPU, in the stored dtype). A name the
     files lack is a weight tied to another (the LM head of tied embeddings), which the
     model shares, so it is left out."""
-    folder = resolve_model_dir(path)
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if name in names:
-                    yield name, handle.get_tensor(name)
+    for name, part in stored_slices(resolve_model_dir(path)):
+        if name in names:
+            yield name, part[...]
 
 
 def member_weights(path: str | Path, names, trust_remote_code: bool, settings) -> Iterator[tuple[str, torch.Tensor]]:
