@@ -352,9 +352,9 @@ def greedy_soup(
     # memory and no second copy on the GPU.
     model = load_causal_lm(candidates[order[0]], trust_remote_code, settings=settings)
     weights = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
-    total = {k: t.float() for k, t in stored_tensors(candidates[order[0]], weights)}
-    shared = {weights[k].data_ptr() for k in total}  # a tied weight is averaged through the one it shares
-    converted = any(k not in total and weights[k].data_ptr() not in shared for k in weights)
+    stored = set(_tensor_shapes(resolve_model_dir(candidates[order[0]])))  # the headers only
+    shared = {weights[k].data_ptr() for k in stored if k in weights}  # a tied weight is averaged through its twin
+    converted = any(k not in stored and weights[k].data_ptr() not in shared for k in weights)
     if converted:
         # transformers converts some checkpoints as it loads them (a mixture of experts'
         # per-expert tensors fused into one): the stored names are not the model's. Each
@@ -362,6 +362,8 @@ def greedy_soup(
         # member at a time (host memory: one member in float32 beside the sum).
         print("greedy soup: the checkpoints' weights are converted at load; members are read whole on the host")
         total = {k: t.clone() for k, t in member_weights(candidates[order[0]], weights, trust_remote_code, settings)}
+    else:
+        total = {k: t.float() for k, t in stored_tensors(candidates[order[0]], weights)}
 
     def read(name: str):
         if converted:
