@@ -97,7 +97,8 @@ def train_member(config: Config, index: int, init: Path, train, tokenizer, root:
 
     from rlhf.models.compute import is_main
     from rlhf.models.loading import save_model
-    from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, LikelihoodRewardTrainer, ResponseMaskCollator
+    from rlhf.rewards.likelihood_rm import LikelihoodRewardModel
+    from rlhf.rewards.likelihood_rm_training import LikelihoodRewardTrainer, ResponseMaskCollator
     from rlhf.tracking.runs import nested_run
     from rlhf.training.trainer_setup import (
         final_weights,
@@ -189,7 +190,8 @@ def likelihood_start(config: Config, init: Path, pairs, tokenizer) -> tuple[tupl
     """The likelihood kind's shared start: the tokenized pairs (a Dataset) and the head
     fitted on the frozen initial LM (once for all members), with what the fit found."""
     from rlhf.models.loading import load_causal_lm
-    from rlhf.rewards.likelihood_rm import LikelihoodRewardModel, fit_head, pairs_dataset
+    from rlhf.rewards.likelihood_rm import LikelihoodRewardModel
+    from rlhf.rewards.likelihood_rm_training import fit_head, pairs_dataset
 
     dataset, dropped = pairs_dataset(tokenizer, pairs, config.max_length)
     lm = load_causal_lm(init, config.trust_remote_code, what=f"rm.init model ({init})", training=True)
@@ -236,7 +238,7 @@ def run(config: Config, task: Task, init: Path, data: Path, eval_data: Path, out
     from rlhf.models.compute import is_main, release_memory, world_size
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
-    from rlhf.rewards.likelihood_rm import pairs_dataset
+    from rlhf.rewards.likelihood_rm_training import pairs_dataset
     from rlhf.training.trainer_setup import checkpoint_dir, fingerprint, last_logged
 
     stage = "rm"

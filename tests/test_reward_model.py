@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -17,20 +19,26 @@ from safetensors.torch import load_file
 
 from rlhf.models.loading import build_tokenizer, load_causal_lm
 from rlhf.rewards.ensemble import RewardEnsemble, pairwise_accuracy
-from rlhf.rewards.likelihood_rm import (
-    HEAD_FILE,
-    LikelihoodRewardModel,
-    LikelihoodRewardTrainer,
-    ResponseMaskCollator,
-    encode,
-    fit_head,
-    pairs_dataset,
-    response_features,
-)
+from rlhf.rewards.likelihood_rm import HEAD_FILE, LikelihoodRewardModel, encode, response_features
+from rlhf.rewards.likelihood_rm_training import LikelihoodRewardTrainer, ResponseMaskCollator, fit_head, pairs_dataset
 from rlhf.tasks import TaskConfig, get_task
 from rlhf.tasks.arithmetic import FLAW_KINDS, TaskSizes, TaskSpec, generate_datasets
 from rlhf.training.params import TrainingParams
 from rlhf.training.trainer_setup import train_resumable, trl_config
+from tests.conftest import REPO
+
+
+def test_scoring_with_reward_models_imports_no_training_library():
+    """Evaluate, infer and improve score with the reward ensemble and the PRMs: the modules
+    they import for it load no TRL (about 2 s a stage process, as the likelihood RM's
+    trainer was once imported with its model)."""
+    code = (
+        "import sys, rlhf.rewards.ensemble, rlhf.rewards.likelihood_rm, rlhf.inference.strategies, "
+        "rlhf.evaluation.suites; print(sorted(m for m in ('trl', 'transformers.trainer') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
 
 
 def weights(model_dir) -> dict[str, torch.Tensor]:

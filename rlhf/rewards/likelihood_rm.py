@@ -17,7 +17,8 @@ features (logistic regression on chosen-minus-rejected differences, `fit_head`);
 -log sigmoid(r_chosen - r_rejected).
 
 `RewardTrainer` passes every tensor its collator makes to the model, so
-`ResponseMaskCollator` adds `response_mask` (1 on the response's tokens) to TRL's
+`ResponseMaskCollator` (rlhf/rewards/likelihood_rm_training.py, with the trainer and the
+head's fit: scoring here imports neither TRL nor datasets) adds `response_mask` (1 on the response's tokens) to TRL's
 preference collator; the rows are tokenized here (`encode`) with the index where the
 response starts. Saved as the LM's own directory plus `reward_head.json` (the weights), so
 the LM stays readable by every other tool.
@@ -27,57 +28,21 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
-from datasets import Dataset
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 from transformers.modeling_outputs import SequenceClassifierOutput
-from transformers.trainer import SAFE_WEIGHTS_NAME, TRAINING_ARGS_NAME
-from trl import RewardTrainer
-from trl.trainer.reward_trainer import DataCollatorForPreference
-from trl.trainer.utils import pad
 
 from rlhf.models.generation import encode_response as encode
 from rlhf.models.loading import load_causal_lm, save_model
-from rlhf.rewards.likelihood import fit_logistic, token_logprobs
+from rlhf.rewards.likelihood import token_logprobs
 
 KIND = "likelihood"
 HEAD_FILE = "reward_head.json"
 FEATURES = ("min_logprob", "mean_logprob")
-
-
-def pairs_dataset(tokenizer, pairs, max_length: int | None = None) -> tuple[Dataset, int]:
-    """Pre-tokenized preference rows for `RewardTrainer` (chosen_ids, rejected_ids and where
-    each response starts), and how many pairs were dropped for exceeding max_length.
-    `pairs`: a `datasets.Dataset` (a prepared table, memory-mapped: the tokens are cached
-    with it) or a frame with prompt, chosen and rejected."""
-    if not isinstance(pairs, Dataset):
-        pairs = Dataset.from_pandas(pairs[["prompt", "chosen", "rejected"]], preserve_index=False)
-    encoded = pairs.map(
-        encoded_pair, fn_kwargs={"tokenizer": tokenizer}, remove_columns=pairs.column_names, desc="Tokenizing pairs"
-    )
-    if max_length is not None:
-        encoded = encoded.filter(fits_length, fn_kwargs={"max_length": max_length}, desc="Pairs within max_length")
-    if not len(encoded):
-        raise ValueError(f"every preference pair is longer than max_length={max_length} tokens; raise rm.max_length")
-    return encoded, len(pairs) - len(encoded)
-
-
-def encoded_pair(row: dict, tokenizer) -> dict:
-    """One pair's `pairs_dataset` row (a `map` function)."""
-    chosen_ids, chosen_start = encode(tokenizer, row["prompt"], row["chosen"])
-    rejected_ids, rejected_start = encode(tokenizer, row["prompt"], row["rejected"])
-    return {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "chosen_start": chosen_start,
-            "rejected_start": rejected_start}  # fmt: skip
-
-
-def fits_length(row: dict, max_length: int) -> bool:
-    return max(len(row["chosen_ids"]), len(row["rejected_ids"])) <= max_length
 
 
 def response_mask(starts: Sequence[int], attention_mask: torch.Tensor) -> torch.Tensor:
@@ -86,24 +51,12 @@ def response_mask(starts: Sequence[int], attention_mask: torch.Tensor) -> torch.
     return ((positions[None, :] >= torch.tensor(list(starts))[:, None]) & attention_mask.bool()).long()
 
 
-@dataclass
-class ResponseMaskCollator(DataCollatorForPreference):
-    """TRL's preference collator (chosen rows, then rejected rows, right-padded) plus
-    `response_mask`."""
-
-    def torch_call(self, examples):
-        batch = super().torch_call(examples)
-        starts = [e["chosen_start"] for e in examples] + [e["rejected_start"] for e in examples]
-        batch["response_mask"] = response_mask(starts, batch["attention_mask"])
-        return batch
-
-
 def response_batch(encoded: Sequence[tuple[list[int], int]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and response_mask of (ids, start) rows."""
     ids = [torch.tensor(row) for row, _ in encoded]
-    attention_mask = pad([torch.ones_like(row) for row in ids], padding_value=0, padding_side="right")
+    attention_mask = pad_sequence([torch.ones_like(row) for row in ids], batch_first=True, padding_value=0)
     return {
-        "input_ids": pad(ids, padding_value=pad_token_id, padding_side="right"),
+        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_token_id),
         "attention_mask": attention_mask,
         "response_mask": response_mask([start for _, start in encoded], attention_mask),
     }
@@ -196,21 +149,6 @@ class LikelihoodRewardModel(nn.Module):
         return cls(lm, settings["weights"], settings["bias"])
 
 
-class LikelihoodRewardTrainer(RewardTrainer):
-    """TRL's RewardTrainer, checkpointing a `LikelihoodRewardModel`. It is not a transformers
-    model, and Trainer's plain state-dict save refuses the LM's tied embeddings (two names,
-    one tensor): the checkpoint stores each tensor once, and Trainer's resume, which loads
-    with `strict=False`, finds the aliases it lacks in `_keys_to_ignore_on_save` and re-ties."""
-
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        output_dir = output_dir or self.args.output_dir
-        os.makedirs(output_dir, exist_ok=True)
-        aliases = set(tied_aliases(self.model))
-        state = {k: v.contiguous() for k, v in self.model.state_dict().items() if k not in aliases}
-        safetensors.torch.save_file(state, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-
-
 def tied_aliases(module: nn.Module) -> list[str]:
     """State-dict names whose tensor an earlier name already holds (tied weights)."""
     seen, aliases = set(), []
@@ -224,28 +162,3 @@ def tied_aliases(module: nn.Module) -> list[str]:
 
 def is_likelihood_rm(path: str | Path) -> bool:
     return (Path(path) / HEAD_FILE).is_file()
-
-
-def fit_head(model: LikelihoodRewardModel, dataset: Dataset, pad_token_id: int, batch_size: int = 64):
-    """Bradley-Terry fit of the head on the frozen LM's features: logistic regression on
-    (f_chosen - f_rejected) with label 1 and its mirror with label 0, so the fit has no
-    bias; the bias then centres the rewards of the training responses at 0. Sets the head
-    and returns the fit's loss curve."""
-    model.eval()
-    collate = ResponseMaskCollator(pad_token_id=pad_token_id)
-    chosen, rejected = [], []
-    with torch.no_grad():
-        for begin in range(0, len(dataset), batch_size):
-            batch = collate([dataset[i] for i in range(begin, min(begin + batch_size, len(dataset)))])
-            inputs = {k: batch[k].to(model.device) for k in ("input_ids", "attention_mask", "response_mask")}
-            features = model.features(**inputs).cpu()
-            chosen.append(features[: len(features) // 2])
-            rejected.append(features[len(features) // 2 :])
-    chosen, rejected = torch.cat(chosen), torch.cat(rejected)
-    difference = chosen - rejected
-    labels = torch.cat([torch.ones(len(difference)), torch.zeros(len(difference))])
-    weights, _, curve = fit_logistic(torch.cat([difference, -difference]), labels)
-    with torch.no_grad():
-        model.head.weight.copy_(weights[None, :])
-        model.head.bias.fill_(-float((torch.cat([chosen, rejected]) @ weights).mean()))
-    return curve
