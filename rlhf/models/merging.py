@@ -366,21 +366,24 @@ def greedy_soup(
         total = {k: t.float() for k, t in stored_tensors(candidates[order[0]], weights)}
 
     def read(name: str):
+        """A callable giving the member's (name, tensor) pairs, for the trial and again for
+        the sum: streamed from its files each time, or its converted state dict, loaded once."""
         if converted:
-            return member_weights(candidates[name], total, trust_remote_code, settings)
-        return stored_tensors(candidates[name], total)
+            member = dict(member_weights(candidates[name], total, trust_remote_code, settings))
+            return member.items
+        return lambda: stored_tensors(candidates[name], total)
 
     members, best = [order[0]], individual[order[0]]
     trace = [{"candidate": order[0], "individual": best, "soup": best, "accepted": True, "members": list(members)}]
     for name in order[1:]:
-        n = len(members) + 1
+        n, tensors = len(members) + 1, read(name)
         with torch.no_grad():
-            for key, tensor in read(name):
+            for key, tensor in tensors():
                 weights[key].copy_((total[key] + tensor.float()) / n)
         trial = float(score(model))
         accepted = trial >= best
         if accepted:
-            for key, tensor in read(name):
+            for key, tensor in tensors():
                 total[key] += tensor.float()
             members.append(name)
             best = trial

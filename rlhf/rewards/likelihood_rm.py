@@ -20,8 +20,9 @@ features (logistic regression on chosen-minus-rejected differences, `fit_head`);
 `ResponseMaskCollator` adds `response_mask` (1 on the response's tokens) to TRL's
 preference collator; the rows are tokenized (`encode`) with the index where the response
 starts. The collator, the trainer and the head's fit are in
-rlhf/rewards/likelihood_rm_training.py, so that scoring imports neither TRL nor datasets. Saved as the LM's own directory plus `reward_head.json` (the weights), so
-the LM stays readable by every other tool.
+rlhf/rewards/likelihood_rm_training.py, so that scoring imports neither TRL nor datasets.
+Saved as the LM's own directory plus `reward_head.json` (the weights), so the LM stays
+readable by every other tool.
 """
 
 from __future__ import annotations
