@@ -1,7 +1,8 @@
 """The Prefect flow draws dvc.yaml's DAG: each stage's task waits for the tasks of the
 stages it depends on, a stage downstream of a failure is not run while an independent one
 is, and the flow fails naming them. A four-stage DVC project of shell commands, run through
-the real flow on Prefect's test harness."""
+the real flow on Prefect's test harness: one server for the module (`prefect_api`), as
+Prefect's testing guide sets it up, since each start takes about 20 s here."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ from tests.conftest import REPO, run
 
 pytestmark = pytest.mark.slow  # starts Prefect's test server
 
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    """Prefect's test harness (a real server in a subprocess, on a database of its own) for
+    the module's flows; its API address, for flows run in another process."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
 DVC_YAML = {
     "stages": {
         "a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]},
@@ -26,9 +39,8 @@ DVC_YAML = {
 }
 
 
-def test_the_run_graph_has_the_dags_edges_and_a_failure_stops_only_its_downstream(tmp_path, monkeypatch):
+def test_the_run_graph_has_the_dags_edges_and_a_failure_stops_only_its_downstream(tmp_path, monkeypatch, prefect_api):
     from prefect.client.orchestration import get_client
-    from prefect.testing.utilities import prefect_test_harness
 
     from flows.pipeline import pipeline, stage_graph
 
@@ -43,20 +55,20 @@ def test_the_run_graph_has_the_dags_edges_and_a_failure_stops_only_its_downstrea
     assert upstream == {"a": [], "b": ["a"], "c": ["b"], "d": ["a"]}
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "RLHF_PARENT_RUN_ID", "RLHF_ARTIFACT_ROOT"):
         monkeypatch.delenv(name, raising=False)
+
+    async def task_runs():
+        async with get_client() as client:
+            return await client.read_task_runs()
+
+    earlier = {r.id for r in asyncio.run(task_runs())}  # the module's other flows share the server
     try:
-        with prefect_test_harness(server_startup_timeout=120):
-            # --push without a DVC remote fails before any stage (it failed after all of them).
-            with pytest.raises(RuntimeError, match=r"^--push: this project has no default DVC remote"):
-                pipeline(root=str(root), push=True)
-            assert not (root / "a.txt").exists()
-            with pytest.raises(RuntimeError, match=r"stages not completed: b \(failed\), c \(not run"):
-                pipeline(root=str(root))
-
-            async def task_runs():
-                async with get_client() as client:
-                    return await client.read_task_runs()
-
-            runs = asyncio.run(task_runs())
+        # --push without a DVC remote fails before any stage (it failed after all of them).
+        with pytest.raises(RuntimeError, match=r"^--push: this project has no default DVC remote"):
+            pipeline(root=str(root), push=True)
+        assert not (root / "a.txt").exists()
+        with pytest.raises(RuntimeError, match=r"stages not completed: b \(failed\), c \(not run"):
+            pipeline(root=str(root))
+        runs = [r for r in asyncio.run(task_runs()) if r.id not in earlier]
     finally:
         os.chdir(cwd)
     by_name = {r.name: r for r in runs}
@@ -77,12 +89,12 @@ def test_the_run_graph_has_the_dags_edges_and_a_failure_stops_only_its_downstrea
     assert parent.info.status == "FAILED" and parent.data.tags["pipeline.failed"] == "b,c", "Compare shows it failed"
 
 
-def test_a_second_flow_in_a_held_workspace_fails_at_once_and_a_killed_holder_frees_it(tmp_path, monkeypatch):
+def test_a_second_flow_in_a_held_workspace_fails_at_once_and_a_killed_holder_frees_it(
+    tmp_path, monkeypatch, prefect_api
+):
     """One flow run per workspace: while another process holds it, the flow fails before
     any stage, naming the holder; once the holder is killed (-9), the next flow runs."""
     import subprocess
-
-    from prefect.testing.utilities import prefect_test_harness
 
     from flows.pipeline import pipeline
     from flows.processes import LOCK_FILE
@@ -106,13 +118,12 @@ def test_a_second_flow_in_a_held_workspace_fails_at_once_and_a_killed_holder_fre
         monkeypatch.delenv(name, raising=False)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with prefect_test_harness(server_startup_timeout=120):
-            with pytest.raises(RuntimeError, match="another flow run holds this workspace.*held-by-test"):
-                pipeline(root=str(root))
-            assert not (root / "a.txt").exists(), "no stage ran"
-            holder.kill()
-            holder.wait()
-            result = pipeline(root=str(root))
+        with pytest.raises(RuntimeError, match="another flow run holds this workspace.*held-by-test"):
+            pipeline(root=str(root))
+        assert not (root / "a.txt").exists(), "no stage ran"
+        holder.kill()
+        holder.wait()
+        result = pipeline(root=str(root))
     finally:
         holder.kill()
         os.chdir(cwd)
@@ -127,11 +138,10 @@ date +%s.%N >> "$1.txt"
 """
 
 
-def test_jobs_run_independent_stages_side_by_side_with_a_share_of_the_cores(tmp_path, monkeypatch):
+def test_jobs_run_independent_stages_side_by_side_with_a_share_of_the_cores(tmp_path, monkeypatch, prefect_api):
     """`jobs=2`: two stages that depend only on `a` run at the same time, each with
     OMP_NUM_THREADS = cores / 2, and the stage after them, alone, keeps torch's default.
     DVC records all of them (dvc.lock, `dvc status` clean). `jobs=1` runs them in turn."""
-    from prefect.testing.utilities import prefect_test_harness
 
     from flows.pipeline import pipeline
     from flows.processes import machine_cores
@@ -159,12 +169,11 @@ def test_jobs_run_independent_stages_side_by_side_with_a_share_of_the_cores(tmp_
         return float(start), threads, float(last)
 
     try:
-        with prefect_test_harness(server_startup_timeout=120):
-            pipeline(root=str(root), jobs=2)
-            side_by_side = {name: record(name) for name in "bcd"}
-            status = run([sys.executable, "-m", "dvc", "status"], root)
-            pipeline(root=str(root), jobs=1, force=["b", "c"])
-            in_turn = {name: record(name) for name in "bc"}
+        pipeline(root=str(root), jobs=2)
+        side_by_side = {name: record(name) for name in "bcd"}
+        status = run([sys.executable, "-m", "dvc", "status"], root)
+        pipeline(root=str(root), jobs=1, force=["b", "c"])
+        in_turn = {name: record(name) for name in "bc"}
     finally:
         os.chdir(cwd)
     (b0, b_threads, b1), (c0, c_threads, c1) = side_by_side["b"], side_by_side["c"]
@@ -194,18 +203,16 @@ time.sleep(300)
 
 FLOW = """\
 import sys
-from prefect.testing.utilities import prefect_test_harness
 from flows.pipeline import pipeline
-with prefect_test_harness(server_startup_timeout=120):
-    state = pipeline(root=sys.argv[1], return_state=True)
-    print("STATE", state.type.value, state.message, flush=True)
+state = pipeline(root=sys.argv[1], return_state=True)
+print("STATE", state.type.value, state.message, flush=True)
 """
 
 
-def test_sigterm_to_the_flow_stops_its_stages_and_then_frees_the_workspace(tmp_path):
-    """SIGTERM to a running flow reaches the stage it runs (in its own process group), the
-    flow waits for the stage to end, ends Cancelled, and only then frees the workspace; the
-    stage after it never starts."""
+def test_sigterm_to_the_flow_stops_its_stages_and_then_frees_the_workspace(tmp_path, prefect_api):
+    """SIGTERM to a running flow (a process of its own, on the module's server) reaches the
+    stage it runs (in its own process group), the flow waits for the stage to end, ends
+    Cancelled, and only then frees the workspace; the stage after it never starts."""
     import fcntl
     import subprocess
     import time
@@ -224,6 +231,7 @@ def test_sigterm_to_the_flow_stops_its_stages_and_then_frees_the_workspace(tmp_p
     run([sys.executable, "-m", "dvc", "init", "-q"], root)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RLHF_"))}
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env["PREFECT_API_URL"] = prefect_api
     flow = subprocess.Popen(
         [sys.executable, "-c", FLOW, str(root)], cwd=REPO, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,

@@ -137,6 +137,20 @@ def test_unknown_task_names_it_and_suggests_close_names(tmp_path):
     assert str(tmp_path / "tasks") in str(error.value)
 
 
+def test_the_task_index_is_kept_while_its_folder_is_unchanged(tmp_path):
+    """Evaluate scores every model with the same tasks: lm-eval's index of a folder is
+    built once (the built-in tasks' takes ~9 s), and again once a task is added to it."""
+    from rlhf.evaluation.harness import _task_manager
+
+    pd.DataFrame({"prompt": ["1+2\n"], "answer": ["3"]}).to_parquet(tmp_path / "dev.parquet")
+    write_suite_task(tmp_path / "dev.parquet", "rlhf_dev", tmp_path / "tasks", max_new_tokens=8)
+    first = _task_manager(["rlhf_dev"], tmp_path / "tasks")
+    assert _task_manager(["rlhf_dev"], tmp_path / "tasks") is first
+    write_suite_task(tmp_path / "dev.parquet", "rlhf_test", tmp_path / "tasks", max_new_tokens=8)
+    again = _task_manager(["rlhf_test"], tmp_path / "tasks")
+    assert again is not first and "rlhf_test" in again.task_index and "rlhf_test" not in first.task_index
+
+
 def test_missing_include_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="include_path .*missing is not a folder"):
         run_harness(None, None, ["rlhf_dev"], include_path=tmp_path / "missing")

@@ -8,16 +8,15 @@ every stage, flow and test of this module logs there), then with plain `dvc repr
    and model dep is read (but for the few that a param's value decides);
 2. `dvc repro` again runs nothing; retraining the reward model leaves the DPO policy up to
    date;
-3. changing a policy param reruns exactly that policy stage and the stages after it (and
-   the params check, which every change of params.yaml triggers);
-4. changing it back restores the policy and evaluation outputs from DVC's run-cache
-   without training (the gate reruns: its champion is state, not cache);
-5. bad params and a bad data file fail before any compute, naming key / file, row and
+3. bad params and a bad data file fail before any compute, naming key / file, row and
    field, and every output already produced is still there;
-6. last, the UI check (tests/ui_check.py): a second flow run with one param changed, the
-   two parent runs compared as MLflow's Compare view does, the run graph in Prefect's API,
-   the champion loaded from the server's registry in a second clone, and the pages
-   photographed in a headless browser.
+4. last, the UI check (tests/ui_check.py): a second flow run with one policy param
+   changed reruns exactly that policy stage and the stages after it (and the params
+   check, which every change of params.yaml triggers); the two parent runs compared as
+   MLflow's Compare view does, the run graph in Prefect's API; changing the param back
+   restores the policy and evaluation outputs from DVC's run-cache without training (the
+   gate reruns: its champion is state, not cache); the champion loaded from the server's
+   registry in a second clone, and the pages photographed in a headless browser.
 """
 
 from __future__ import annotations
@@ -248,11 +247,12 @@ def test_dvc_plots_show_renders_loss_reward_kl_and_accuracy(flow_run):
     assert {row["model"] for row in rows["plots/evaluate/test.csv"]} >= {"sft", "dpo"}
 
 
-def test_a_clone_that_pulls_from_a_dvc_remote_trains_nothing(flow_run, tmp_path):
+def test_a_clone_that_pulls_from_a_dvc_remote_trains_nothing(flow_run, e2e_servers, tmp_path):
     """The first run's results pushed to a local-folder DVC remote (run-cache included); a
-    fresh clone with the same dvc.lock runs the flow with --pull --push: every stage is
-    restored or up to date, none trains, and the policy is byte for byte the first run's."""
-    from prefect.testing.utilities import prefect_test_harness
+    fresh clone with the same dvc.lock runs the flow with --pull --push (on the module's
+    Prefect server): every stage is restored or up to date, none trains, and the policy is
+    byte for byte the first run's."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.pipeline import pipeline
 
@@ -266,7 +266,7 @@ def test_a_clone_that_pulls_from_a_dvc_remote_trains_nothing(flow_run, tmp_path)
     run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "store", str(remote)], clone)
     cwd = os.getcwd()
     try:
-        with prefect_test_harness(server_startup_timeout=120):
+        with temporary_settings({PREFECT_API_URL: e2e_servers["prefect"]}):
             result = pipeline(root=str(clone), pull=True, push=True)
     finally:
         os.chdir(cwd)
@@ -327,7 +327,7 @@ def test_queued_experiments_run_two_at_a_time_compare_and_never_move_the_champio
     of each judges without promoting (a passing verdict included), and the workspace's
     champion (folder and registry alias) and outputs are as they were. (A param of the gate
     alone: each experiment reruns check_params and the gate; which stages a param reruns is
-    test_dvc_reruns_only_what_changed_and_restores_from_run_cache's.)"""
+    test_the_ui_check_compares_a_second_run_in_both_servers's.)"""
     root, _, _ = flow_run
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     alias = client.get_model_version_by_alias("rlhf-policy", "champion").version
@@ -440,7 +440,7 @@ def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
     """DPO reads no reward model: with a new rm.learning_rate, `dvc repro evaluate` reruns
     rm and the evaluation it judges, never policy@dpo or merge, which stand between them in
     the DAG's order. (Only as far as evaluate: which stages after a change rerun is
-    test_dvc_reruns_only_what_changed_and_restores_from_run_cache's.)"""
+    test_the_ui_check_compares_a_second_run_in_both_servers's.)"""
     root, _, _ = flow_run
     params = yaml.safe_load((root / "params.yaml").read_text())
     original = params["rm"]["learning_rate"]
@@ -462,30 +462,16 @@ def test_retraining_the_reward_model_leaves_the_dpo_policy_up_to_date(flow_run):
         dvc_repro(root)
 
 
-def test_dvc_reruns_only_what_changed_and_restores_from_run_cache(flow_run):
+def test_dvc_repro_after_the_flow_runs_nothing(flow_run):
+    """The flow's run, committed, is what `dvc repro` reproduces: nothing runs or is
+    restored. (Which stages a changed param reruns, and their restore from the run-cache
+    when it is changed back, is the UI check's, last in the module.)"""
     root, _, _ = flow_run
     # Commit the lock so the repo state is what a user would have after a run.
     run(["git", "add", "-A"], root)
     run(["git", "commit", "-qm", "first run", "--allow-empty"], root)  # an earlier test may have committed it all
-
     output = dvc_repro(root)
     assert ran(output) == [] and restored(output) == [], output
-
-    policy_before = tree_digest(root / "models/policy/dpo")
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    original_beta = params["policy"]["dpo"]["beta"]
-    params["policy"]["dpo"]["beta"] = original_beta * 2
-    write_params(root, params)
-    output = dvc_repro(root)
-    assert ran(output) == ["check_params", "policy@dpo", "merge", "evaluate", "validate", "gate"], output
-    assert tree_digest(root / "models/policy/dpo") != policy_before
-
-    params["policy"]["dpo"]["beta"] = original_beta
-    write_params(root, params)
-    output = dvc_repro(root)
-    assert restored(output) == ["check_params", "policy@dpo", "merge", "evaluate", "validate"], output
-    assert ran(output) == ["gate"], output
-    assert tree_digest(root / "models/policy/dpo") == policy_before
 
 
 def test_bad_params_and_bad_data_fail_before_compute_and_lose_nothing(flow_run):
@@ -542,20 +528,37 @@ def test_bad_params_and_bad_data_fail_before_compute_and_lose_nothing(flow_run):
 
 
 def test_the_ui_check_compares_a_second_run_in_both_servers(flow_run, e2e_servers):
-    """Last in the module (it leaves the workspace at the varied param): tests/ui_check.py
-    on the servers that hold the first run. A second flow run with policy.dpo.beta changed;
+    """Last in the module: tests/ui_check.py on the servers that hold the first run. A
+    second flow run with policy.dpo.beta changed reruns exactly that policy stage and the
+    stages after it (and the params check, which every change of params.yaml triggers);
     Prefect's run graph has every edge of `dvc dag`; MLflow's Compare of the two parent
-    runs shows exactly that param and DPO's metrics moved, not SFT's; the champion loads
-    from the server's registry in a second clone; the pages are photographed."""
+    runs shows exactly that param and DPO's metrics moved, not SFT's. Then `dvc repro` with
+    the first params restores the policy and evaluation outputs from DVC's run-cache
+    without training, byte for byte (the gate reruns: its champion is state, not cache).
+    The champion loads from the server's registry in a second clone; the pages are
+    photographed."""
     from tests.browser import missing_browser
     from tests.ui_check import check
 
     root, result, _ = flow_run
     out = e2e_servers["out"]
     urls = {name: e2e_servers[name] for name in ("prefect", "prefect_ui", "mlflow")}
-    report = check(root, out, vary="policy.dpo.beta=0.4", restore=False, running=urls, baseline=result["mlflow_run_id"])
+    policy_before = tree_digest(root / "models/policy/dpo")
+    report = check(root, out, vary="policy.dpo.beta=0.4", restore=True, running=urls, baseline=result["mlflow_run_id"])
     prefect = report["prefect"]
     assert prefect["state"] == "COMPLETED"
+    artifacts = post_json(
+        f"{urls['prefect']}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [prefect["flow_run"]]}}}
+    )
+    (summary,) = [a["data"] for a in artifacts if a["key"] == "pipeline-summary"]
+    statuses = dict(re.findall(r"^\| (\S+) \| (ran|restored|skipped) \|", summary, re.M))
+    rerun = {"check_params", "policy@dpo", "merge", "evaluate", "validate", "gate"}
+    assert {s for s, status in statuses.items() if status == "ran"} == rerun, summary
+    assert set(statuses) == set(ALL_STAGES), summary
+    restore = (out / "restore.log").read_text()
+    assert restored(restore) == ["check_params", "policy@dpo", "merge", "evaluate", "validate"], restore
+    assert ran(restore) == ["gate"], restore
+    assert tree_digest(root / "models/policy/dpo") == policy_before
     # The run graph Prefect's page draws has every edge of `dvc dag` and no other.
     assert prefect["graph_edges"] == prefect["dvc_dag_edges"] > 10
     assert not prefect["missing_edges"] and not prefect["extra_edges"]

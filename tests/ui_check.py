@@ -303,8 +303,8 @@ def check(
     baseline: str | None = None,
 ) -> dict:
     """Run the flow (twice with `vary`, then `dvc repro` with the first params again unless
-    not `restore`) against fresh servers and check both UIs' APIs; write `<out>/check.json`
-    and the screenshots. Returns the report.
+    not `restore`, its output in `<out>/restore.log`) against fresh servers and check both
+    UIs' APIs; write `<out>/check.json` and the screenshots. Returns the report.
 
     `running`: the urls of servers that `servers(<out>/servers)` started and that already
     hold the project's first flow run, whose MLflow parent run is `baseline`: only the
@@ -338,6 +338,7 @@ def check(
             restored = subprocess.run(
                 [sys.executable, "-m", "dvc", "repro"], cwd=project, env=env, capture_output=True, text=True
             )
+            (out / "restore.log").write_text(restored.stdout + restored.stderr)
             report["restored_first_run"] = restored.returncode == 0
             if restored.returncode:
                 report["restore_error"] = (restored.stdout + restored.stderr)[-2000:]

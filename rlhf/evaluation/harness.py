@@ -294,8 +294,10 @@ def load_tasks(tasks: Sequence[str], include_path=None, key: str = "evaluate.har
 def _task_manager(tasks: list[str], include_path):
     """lm-eval's task index, built from `include_path` alone when every task named is a
     task there or a YAML path (indexing the built-in tasks takes ~9 s), else with the
-    built-in tasks as well. Unknown names raise here, before any model work."""
-    from lm_eval.tasks import TaskManager
+    built-in tasks as well. Unknown names raise here, before any model work. The index is
+    kept for the process while its folders are unchanged (`_indexed`): evaluate scores
+    each model with the same tasks, and a task manager is only read (each
+    `simple_evaluate` builds its tasks afresh from it)."""
     from lm_eval.tasks._index import Kind
 
     paths = [] if include_path is None else [include_path] if isinstance(include_path, (str, Path)) else include_path
@@ -310,10 +312,10 @@ def _task_manager(tasks: list[str], include_path):
         raise ValueError("no harness tasks named")
     names = [t for t in tasks if not (t.endswith((".yaml", ".yml")) and Path(t).is_file())]
     if paths:
-        local = TaskManager(include_path=paths, include_defaults=False)
+        local = _indexed(tuple(paths), False, _folders_stamp(paths))
         if all(n in local.task_index and local.task_index[n].kind in (Kind.TASK, Kind.PY_TASK) for n in names):
             return local
-    manager = TaskManager(include_path=paths or None)
+    manager = _indexed(tuple(paths), True, _folders_stamp(paths))
     unknown = [n for n in names if n not in manager.task_index]
     if unknown:
         where = " or ".join(["lm-eval's registry", *paths])
@@ -326,6 +328,28 @@ def _task_manager(tasks: list[str], include_path):
             "(`lm_eval ls tasks`), a task YAML in include_path, or a suite task written by write_suite_task"
         )
     return manager
+
+
+def _folders_stamp(paths: Sequence[str]) -> tuple:
+    """What the index of `paths` depends on: each file's path, size and modification time."""
+    return tuple(
+        (
+            path,
+            tuple(
+                sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).rglob("*") if f.is_file())
+            ),
+        )
+        for path in paths
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _indexed(paths: tuple[str, ...], defaults: bool, stamp: tuple):
+    """A TaskManager over `paths` (and the built-in tasks with `defaults`); `stamp` is
+    `_folders_stamp(paths)`, so a folder that changed is indexed again."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(paths) or None, include_defaults=defaults)
 
 
 @contextmanager
