@@ -174,6 +174,24 @@ def call_main(command: list[str]) -> None:
     main(argv) if argv else main()
 
 
+def run_and_commit(root: Path, names: list[str], tracking_uri: str | None = None) -> None:
+    """The stages `names` (in order, each by its main in this process: a stage process would
+    add ~10 s of imports), then `dvc commit -f` of them: DVC records their deps and outs as
+    `dvc repro` would have, so a later `dvc repro` runs only the stages after them."""
+    with pytest.MonkeyPatch.context() as mp:
+        run_stages_in(mp, root, tracking_uri)
+        for name in names:
+            module, _, key = name.partition("@")
+            call_main([f"stages.{module}", key] if key else [f"stages.{module}"])
+    commit_stages(root, names)
+
+
+def commit_stages(root: Path, names: list[str]) -> None:
+    """`dvc commit -f` of stages whose outputs were made outside DVC (a test's process)."""
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    run([sys.executable, "-m", "dvc", "commit", "-f", *names], root, env=env)
+
+
 def serve_app(app):
     """`app` served by uvicorn on a free port of 127.0.0.1 in a thread: (server, thread, its
     address). Stop it with `server.should_exit = True` and `thread.join()`."""

@@ -214,8 +214,12 @@ def test_two_dvc_repros_at_once_one_fails_cleanly_and_nothing_is_corrupted(proje
     """A second `dvc repro` while the first is inside the sft stage: DVC's locks make it fail
     at once with a message that says the path is in use (or wait); the first finishes, and
     the project is up to date with whole outputs."""
+    from tests.conftest import commit_stages
+
     dvc = [sys.executable, "-m", "dvc"]
     env = environment(project)
+    stage_here(project, ["stages.check_params"])
+    commit_stages(project, ["check_params", "prepare", "base"])  # what the module's setup ran: the repros run sft
     first = subprocess.Popen(
         [*dvc, "repro", "sft"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -170,9 +170,10 @@ def test_a_server_stopped_mid_stage_under_dvc_repro_costs_no_training(tmp_path):
     """`dvc repro sft` against a real `mlflow server`, stopped once sft has written its first
     checkpoint: the stage exits 0, publishes its model and metrics, removes its checkpoints
     only then, and says what MLflow did not record; a second `dvc repro` has nothing to do."""
-    from tests.conftest import make_project, run
+    from tests.conftest import make_project, run, run_and_commit
 
     root = make_project(tmp_path / "project", tiny_params(sft={"max_steps": 40, "save_steps": 5, "logging_steps": 5}))
+    run_and_commit(root, ["check_params", "prepare", "base"], f"sqlite:///{tmp_path / 'before.db'}")  # sft alone runs
     server, uri = start_mlflow_server(tmp_path)
     env = {
         "MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
