@@ -1,5 +1,8 @@
-"""A user's own model and data, end to end: prepare -> gate -> infer with `dvc repro` in a
-real git + DVC repository, on the user's files only.
+"""A user's own model and data, end to end: prepare -> gate -> infer in a real git + DVC
+repository, on the user's files only. Every stage's main runs in DVC's order in the test's
+process (a stage process adds ~10 s of imports; tests/test_pipeline_e2e.py runs the DAG as
+processes under DVC and the flow), `dvc commit` records them, and `dvc repro` then has
+nothing to do.
 
 The user has what most users have: an sft file (JSONL, GSM8K-style answers ending in
 `#### N`, columns mapped in params), preference pairs in the HH-RLHF layout (Parquet,
@@ -25,7 +28,8 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import TINY_OVERRIDES, deep_update, make_project, run, run_stages_in
+from flows.dag import stage_order
+from tests.conftest import TINY_OVERRIDES, deep_update, make_project, run, run_and_commit, run_stages_in
 
 pytestmark = pytest.mark.slow
 
@@ -151,15 +155,13 @@ def test_user_files_and_model_run_prepare_to_infer(tmp_path):
     make_project(root, user_params(USER_FILES, model_dir, **HARNESS, improve={"rounds": rounds}))
     write_user_files(root)
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    os.environ["MLFLOW_TRACKING_URI"] = uri  # the dvc subprocesses log here
-    try:
-        output = dvc_repro(root)
-        again = dvc_repro(root)
-    finally:
-        del os.environ["MLFLOW_TRACKING_URI"]
-    ran = re.findall(r"Running stage '([^']+)'", output)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)  # DVC names the stages relative to the working directory
+        ran = stage_order(root)
+    run_and_commit(root, ran, uri)
     assert {"prepare", "sft", "rm", "prm", "policy@dpo", "evaluate", "gate", "infer"} <= set(ran)
-    assert not re.findall(r"Running stage", again), "a second dvc repro runs nothing"
+    again = dvc_repro(root)
+    assert not re.findall(r"Running stage", again), "dvc.lock records every stage: `dvc repro` runs nothing"
 
     manifest = json.loads((root / "data/prepared/manifest.json").read_text())
     assert manifest["origin"]["prefs_eval"].startswith("derived") and manifest["origin"]["unpaired"].startswith(
@@ -214,7 +216,7 @@ def test_a_gpt2_model_trains_sft_and_dpo_on_the_users_files(tmp_path, monkeypatc
     """The other architecture family (GPT-2: Conv1D projections, learned positions) through
     the training stages on the same files: sft and policy@dpo train it and save it as a
     plain model of its own architecture. (The stages' mains in this process, in the order
-    `dvc repro policy@dpo` runs them: the test above runs the DAG under DVC.)"""
+    `dvc repro policy@dpo` runs them.)"""
     import torch
     from safetensors.torch import load_file
 
