@@ -5,7 +5,6 @@ it, a change to the last round reruns that round only)."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -26,16 +25,7 @@ from rlhf.training.rounds import (
 )
 from stages import CHECKPOINTS_DIR, REF_LOGPS_CACHE
 from stages.improve import SFT_DATA, Config, Settings
-from tests.conftest import (
-    REPO,
-    assert_each_once,
-    make_project,
-    params_problems,
-    run,
-    run_and_commit,
-    run_stages_in,
-    tiny_params,
-)
+from tests.conftest import REPO, assert_each_once, make_project, params_problems, run, run_stages_in, tiny_params
 
 TASK = ArithmeticTask()
 
@@ -477,9 +467,12 @@ def test_rounds_as_dvc_stages(tmp_path, monkeypatch):
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
     # The stages before the rounds, run here and recorded by `dvc commit`: `dvc repro`
     # runs the rounds alone.
+    from tests.conftest import run_and_commit
+    from tests.test_pipeline_e2e import ran
+
     run_and_commit(root, ["check_params", "prepare", "base", "sft", "verifier", "prm"], env["MLFLOW_TRACKING_URI"])
     output = run([sys.executable, "-m", "dvc", "repro", "improve@r3"], root, env=env).stdout
-    assert re.findall(r"Running stage '([^']+)'", output) == ["improve@r1", "improve@r2", "improve@r3"], output
+    assert ran(output) == ["improve@r1", "improve@r2", "improve@r3"], output
     import stages.improve
 
     with monkeypatch.context() as mp:

@@ -332,14 +332,9 @@ def _task_manager(tasks: list[str], include_path):
 
 def _folders_stamp(paths: Sequence[str]) -> tuple:
     """What the index of `paths` depends on: each file's path, size and modification time."""
+    files = [(path, [(f, f.stat()) for f in Path(path).rglob("*") if f.is_file()]) for path in paths]
     return tuple(
-        (
-            path,
-            tuple(
-                sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).rglob("*") if f.is_file())
-            ),
-        )
-        for path in paths
+        (path, tuple(sorted((str(f), st.st_size, st.st_mtime_ns) for f, st in found))) for path, found in files
     )
 
 
