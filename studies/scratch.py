@@ -73,3 +73,11 @@ def write_results(out: Path, results: dict, table: str) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "table.md").write_text(table + "\n")
     print(table)
+
+
+def resident_gib() -> tuple[float, float]:
+    """(this process's resident memory now, its high-water mark since it started), in GiB:
+    /proc/self/status's VmRSS and VmHWM (Linux). VmHWM starts afresh at exec, where
+    getrusage's ru_maxrss carries the forking parent's over."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 2**20, int(fields["VmHWM"].split()[0]) / 2**20

@@ -442,12 +442,54 @@ def test_select_back_propagates_through_the_chunks_it_reads_and_the_best_scored_
     assert sum(float(p.grad.abs().sum()) for p in adapter if p.grad is not None) > 0
 
 
-@pytest.mark.slow
-def test_the_stage_trains_and_saves_a_compressor_that_loads_back(tmp_path, monkeypatch, mlflow_store):
-    """stages.compress.run: transformers' Trainer over the rows, into a folder
-    `from_pretrained` reads."""
-    from stages.compress import Config, run
+def test_checkpointing_recomputes_the_served_layers_and_leaves_the_loss_and_gradients_as_they_were(micro):
+    """params model.gradient_checkpointing: transformers' Trainer calls the compressor's
+    `activation_checkpointing_enable`; the served model's layers then run again in the
+    backward pass (for the chunks encoded with gradients and the decoder's reading) in place
+    of keeping their activations, and the loss and every trained part's gradient are what
+    they are without it."""
+    model, tokenizer = micro
+    compressor = ContextCompressor.new(model, tokens=2, chunk_tokens=16, served_path="m", window=256, select=1)
+    torch.manual_seed(0)
+    for name, param in compressor.named_parameters():
+        if "lora_B" in name:  # LoRA's B starts at zero: give A a gradient to compare too
+            torch.nn.init.normal_(param, std=0.1)
+    filler = "Filler words here. Other words there. More filler words. "
+    contexts = [filler + "The code is 41.", "The code is 7. " + filler]
+    relevant = ["The code is 41.", "The code is 7."]
+    prompts = [[{"role": "user", "content": "Code?"}]] * 2
+    answers = [[{"role": "assistant", "content": a}] for a in ("41", "7")]
+    # transformers checkpoints a layer's `forward`, so a module inside it is entered again in the
+    # recompute (a pre-hook: the recompute stops once it has what the backward pass needs)
+    inner = compressor.model.get_base_model().base_model.layers[0].mlp
+    calls = []
+    inner.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
 
+    def step() -> tuple[torch.Tensor, dict, int, int]:
+        compressor.zero_grad()
+        calls.clear()
+        torch.manual_seed(1)  # the chunk drawn at random per row
+        loss = compressor.loss(tokenizer, contexts, prompts, answers, relevant)
+        forward = len(calls)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in compressor.named_parameters() if p.requires_grad}
+        return loss.detach(), grads, forward, len(calls) - forward
+
+    compressor.train()
+    loss, grads, forward, recomputed = step()
+    assert forward == 3 and recomputed == 0, "scoring pass, chunks read, decoder; nothing again"
+    compressor.activation_checkpointing_enable()
+    checked_loss, checked_grads, forward, recomputed = step()
+    assert forward == 3 and recomputed == 2, "the two passes with gradients run again in the backward pass"
+    assert torch.allclose(checked_loss, loss, atol=1e-6)
+    assert grads.keys() == checked_grads.keys() and any("lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        assert torch.allclose(checked_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def stage_inputs(tmp_path):
+    """(models/sft: the untrained micro model, a compress table of conversations) in `tmp_path`."""
     tokenizer = build_tokenizer()
     serve = tmp_path / "models/sft"
     save_model(build_tiny_model("micro", tokenizer, seed=0), tokenizer, serve)
@@ -456,6 +498,32 @@ def test_the_stage_trains_and_saves_a_compressor_that_loads_back(tmp_path, monke
     pd.DataFrame(rows).assign(prompt=lambda f: f["prompt"].map(lambda p: [{"role": "user", "content": p}]),
                               completion=lambda f: f["completion"].map(
                                   lambda c: [{"role": "assistant", "content": c}])).to_parquet(data)  # fmt: skip
+    return serve, data
+
+
+@pytest.mark.slow
+def test_the_stage_trains_a_compressor_under_model_gradient_checkpointing(tmp_path, monkeypatch, mlflow_store):
+    """Stage compress with params model.gradient_checkpointing (a big model's memory
+    setting): the Trainer's checkpointing call reaches the served model, and the run ends
+    with a trained compressor (it failed with an AttributeError)."""
+    from stages.compress import Config, run
+
+    serve, data = stage_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    config = Config(enabled=True, tokens=[4], chunk_tokens=16, max_steps=2, save_steps=2, logging_steps=1, select=1,
+                    per_device_train_batch_size=4, model={"gradient_checkpointing": True})  # fmt: skip
+    metrics, curve = run(config, serve, data, tmp_path / "out")
+    assert len(curve) == 2 and metrics["compressors"]["k4"]["final_loss"] is not None
+    assert (tmp_path / "out/k4/compressor_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_stage_trains_and_saves_a_compressor_that_loads_back(tmp_path, monkeypatch, mlflow_store):
+    """stages.compress.run: transformers' Trainer over the rows, into a folder
+    `from_pretrained` reads."""
+    from stages.compress import Config, run
+
+    serve, data = stage_inputs(tmp_path)
     monkeypatch.chdir(tmp_path)
     config = Config(enabled=True, tokens=[4], chunk_tokens=16, max_steps=4, save_steps=2, logging_steps=1,
                     per_device_train_batch_size=4)  # fmt: skip

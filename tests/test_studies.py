@@ -44,3 +44,21 @@ def test_the_curriculums_project_holds_its_rounds_and_passes_the_params_check(tm
     check = subprocess.run([sys.executable, "-m", "stages.check_params"], cwd=root, env=env, capture_output=True,
                            text=True)  # fmt: skip
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+
+
+@pytest.mark.parametrize("overlay", ["configs/recipes/tiny-long-context.yaml", "studies/compression/smollm2.yaml"])
+def test_the_compression_studys_settings_merge_into_params_and_pass_the_params_check(tmp_path, overlay):
+    """The study's project params: params.yaml with `--recipe` merged in as `rlhf recipes
+    apply` merges (the built-in model's recipe, or the real model's study settings)."""
+    import stages
+    from studies.compression import run as compression
+
+    params = yaml.safe_load((sweep.ROOT / "params.yaml").read_text())
+    compression.recipe(sweep.ROOT / overlay)(params)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    loaded = stages.load_all(str(tmp_path / "params.yaml"))
+    settings = yaml.safe_load((sweep.ROOT / overlay).read_text())
+    assert loaded["base"].model == settings["base"]["model"]
+    assert loaded["prepare"].word_problems.context_chars == settings["prepare"]["word_problems"]["context_chars"]
+    assert loaded["compress"].select == settings["compress"].get("select", 0)
+    assert loaded["compress"].enabled and loaded["evaluate"].window == settings["evaluate"].get("window")

@@ -50,6 +50,7 @@ adapter is PEFT's LoRA, the training loop transformers' Trainer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
@@ -214,6 +215,7 @@ class ContextCompressor(nn.Module):
         self.model = model  # a PeftModel: the adapter is the encoder's
         self.tokens, self.chunk_tokens, self.served = tokens, chunk_tokens, served
         self.query_aware, self.adapter_reads, self.slot_positions = query_aware, adapter_reads, slot_positions
+        self._adapter_off = False  # inside `reading` with the adapter switched off
         hidden = model.get_input_embeddings().weight.shape[1]
         embed = model.get_input_embeddings().weight
         if memory is None:  # memory embeddings start as typical token embeddings
@@ -342,6 +344,35 @@ class ContextCompressor(nn.Module):
             slot_positions=config.get("slot_positions", "sequential"), select=config.get("select", 0),
             relevance=parts["relevance"], chunk_by=config.get("chunk_by", "tokens"),
         )  # fmt: skip
+
+    def activation_checkpointing_enable(
+        self, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False
+    ) -> None:
+        """params `model.gradient_checkpointing`: the served model recomputes its decoder
+        layers' activations in the backward pass in place of keeping them, for the encoder's
+        chunks and the decoder's reading alike (transformers' Trainer calls this; its
+        arguments are transformers'). The activations of the chunks encoded with gradients
+        are most of a training step's memory. Always torch's non-reentrant checkpoint, whose
+        recompute `_as_computed` puts the adapter in the state it had."""
+        kwargs = {**(activation_checkpointing_kwargs or {}), "use_reentrant": False, "context_fn": self._as_computed}
+        base = self.model.get_base_model()
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers 5.23 and later
+            base.activation_checkpointing_enable(kwargs, every_n_layers, offload)
+        else:
+            base.gradient_checkpointing_enable(kwargs)
+
+    def _as_computed(self):
+        """torch's checkpoint `context_fn`: (the forward's context, the recompute's). A layer
+        recomputes in the backward pass, after `reading` has switched the adapter back on,
+        so one that ran with the adapter off (the model reading slots as it is) recomputes
+        with it off again: the same function, so the same activations (the non-reentrant
+        checkpoint only takes a `context_fn`)."""
+        off = self._adapter_off
+        return contextlib.nullcontext(), (self.model.disable_adapter() if off else contextlib.nullcontext())
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
+        """What transformers' Trainer calls before 5.23: `activation_checkpointing_enable`."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
 
     def load_trained(self, folder: str | Path) -> None:
         """The trained parts saved in `folder` (a checkpoint of this compressor) into this one."""
@@ -612,12 +643,19 @@ class ContextCompressor(nn.Module):
             positions[row, start:] = torch.cat([slot_pos, text_pos])
         return embeds, mask, positions
 
+    @contextlib.contextmanager
     def reading(self):
         """The model as it reads slots: the served model as it is (the adapter off), or, for
         a compressor whose adapter also reads (`adapter_reads`), with the adapter on."""
-        import contextlib
-
-        return contextlib.nullcontext() if self.adapter_reads else self.model.disable_adapter()
+        if self.adapter_reads:
+            yield
+            return
+        with self.model.disable_adapter():
+            self._adapter_off = True
+            try:
+                yield
+            finally:
+                self._adapter_off = False
 
     def loss(
         self, tokenizer, contexts, prompts, completions, relevant=None, recite: float = 0.0, every_chunk: bool = False

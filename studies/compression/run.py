@@ -1,5 +1,6 @@
 """The context-compression study (docs/results/context-compression.md): the recipe
-tiny-long-context's project up to SFT through `dvc repro sft`, then compressors of several
+tiny-long-context's project (or `--recipe`'s: studies/compression/smollm2.yaml is the real
+model's) up to SFT through `dvc repro sft`, then compressors of several
 settings trained by stage compress's own code (stages.compress.run) for that SFT model,
 and a suite scored in every reading (rlhf.evaluation.contexts): the context cut to the
 window, the relevant sentences alone, and each compressor's.
@@ -19,7 +20,9 @@ optimizer and schedule (its warm-up, then a linear decay): with half NAME's lear
 many steps again, close to the second half of a schedule twice as long. A variant whose folder under
 --work/compressors exists is scored
 again, not retrained. Writes --work/results-<suite>.json: per reading, the
-accuracy with its 95% bootstrap interval, and per variant its training time and losses.
+accuracy with its 95% bootstrap interval, and per variant its training time, losses and
+memory (the process's resident memory before training, and its peak before and after:
+training's peak where the two differ).
 Tune on dev; only a setting chosen on dev is scored on test.
 """
 
@@ -38,18 +41,20 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from studies import sweep  # noqa: E402
-from studies.scratch import set_key  # noqa: E402
+from studies.scratch import resident_gib  # noqa: E402
 
 NAMES = {"steps": "max_steps", "lr": "learning_rate", "batch": "per_device_train_batch_size"}
 
 
-def recipe(params: dict) -> None:
+def recipe(path: Path):
+    """An edit of params that merges in the recipe file at `path` as `rlhf recipes apply`
+    does (mappings key by key)."""
     import yaml
 
-    overlay = yaml.safe_load((ROOT / "configs/recipes/tiny-long-context.yaml").read_text())
-    for section, values in overlay.items():
-        for key, value in values.items():
-            set_key(params, f"{section}.{key}", value)
+    from rlhf.recipes import merge
+
+    overlay = yaml.safe_load(path.read_text())
+    return lambda params: merge(params, overlay)
 
 
 def variant(text: str) -> dict:
@@ -136,8 +141,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--suite", default="dev")
     parser.add_argument("--variant", action="append", default=[], type=variant)
+    parser.add_argument("--recipe", type=Path, default=ROOT / "configs/recipes/tiny-long-context.yaml",
+                        help="the params the study's project sets (read when --work has no project yet)")  # fmt: skip
     args = parser.parse_args()
-    root = sweep.project(args.work, "context compression", recipe)
+    root = sweep.project(args.work, "context compression", recipe(args.recipe))
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{args.work / 'mlflow.db'}"}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if not (root / "models/sft/config.json").is_file():
@@ -166,7 +173,7 @@ def main() -> None:
     def interval(metrics: dict) -> dict:
         return {k: metrics[f"accuracy{s}"] for k, s in (("accuracy", ""), ("low", "_low"), ("high", "_high"))}
 
-    for name, frame in readings(suite, tokenizer, window_budget(model, None, config.max_new_tokens)).items():
+    for name, frame in readings(suite, tokenizer, window_budget(model, config.window, config.max_new_tokens)).items():
         metrics = evaluate_model(config, task, model, None, tokenizer, None, frame, None)[0]
         results["readings"]["cut to the window" if not name else name.strip("/")] = interval(metrics)
     rows, done = Path("data/prepared/compress.parquet"), []
@@ -182,13 +189,15 @@ def main() -> None:
             scored = suite.assign(context=suite["relevant"])
         if not (folder / f"k{settings['tokens'][0]}").is_dir():
             compress = Config(**{**params["compress"].model_dump(), **settings, "enabled": True})
-            start = time.perf_counter()
+            start, (before, peak) = time.perf_counter(), resident_gib()
             init_folder = args.work / "compressors" / init / f"k{settings['tokens'][0]}" if init else None
             with warm_start(init_folder), own_checkpoints(name):
                 metrics, curve = run(compress, serve, data, folder)
             record = {"settings": {**settings, "context": context, "init": init},
                       "train_minutes": (time.perf_counter() - start) / 60,
-                      "losses": [round(row["loss"], 4) for row in curve], **metrics}  # fmt: skip
+                      "losses": [round(row["loss"], 4) for row in curve], **metrics,
+                      "resident_gib_before": before, "peak_resident_gib_before": peak,
+                      "peak_resident_gib": resident_gib()[1]}  # fmt: skip
         compressor = ContextCompressor.from_pretrained(folder / f"k{settings['tokens'][0]}", load_causal_lm(serve))
         start = time.perf_counter()
         metrics = evaluate_compressed(config, task, compressor, tokenizer, scored)[0]
