@@ -184,6 +184,28 @@ def check_settings(tokens: int, chunk_tokens: int, window: int | None, key: str 
         )
 
 
+class _AdapterOff:
+    """A compressor's LoRA layers switched off while open, and back on after, as PEFT's
+    `disable_adapter` does (`enable_adapters` on each adapted layer), but reusable (a
+    checkpointed layer may recompute more than once) and without PEFT's walk over the
+    whole model to read its status (per layer recomputed); a no-op inside `reading`, where
+    the adapter is off already."""
+
+    def __init__(self, compressor: ContextCompressor):
+        self.compressor, self.switched = compressor, False
+
+    def __enter__(self):
+        self.switched = not self.compressor._adapter_off
+        if self.switched:
+            for layer in self.compressor.adapted_layers():
+                layer.enable_adapters(False)
+
+    def __exit__(self, *exc) -> None:
+        if self.switched:
+            for layer in self.compressor.adapted_layers():
+                layer.enable_adapters(True)
+
+
 class ContextCompressor(nn.Module):
     """The served `model` wrapped with the encoder's LoRA adapter, `tokens` memory
     embeddings per chunk and the slot map. Build one with `ContextCompressor.new`
@@ -216,6 +238,7 @@ class ContextCompressor(nn.Module):
         self.tokens, self.chunk_tokens, self.served = tokens, chunk_tokens, served
         self.query_aware, self.adapter_reads, self.slot_positions = query_aware, adapter_reads, slot_positions
         self._adapter_off = False  # inside `reading` with the adapter switched off
+        self._adapted = None  # `adapted_layers`, found on first use
         hidden = model.get_input_embeddings().weight.shape[1]
         embed = model.get_input_embeddings().weight
         if memory is None:  # memory embeddings start as typical token embeddings
@@ -353,22 +376,50 @@ class ContextCompressor(nn.Module):
         chunks and the decoder's reading alike (transformers' Trainer calls this; its
         arguments are transformers'). The activations of the chunks encoded with gradients
         are most of a training step's memory. Always torch's non-reentrant checkpoint, whose
-        recompute `_as_computed` puts the adapter in the state it had."""
+        recompute `_as_computed` puts the adapter in the state it had, and without
+        transformers' hook that makes the input embeddings require gradients (for PEFT
+        under the reentrant one): the memory embeddings and the slots already do, and the
+        hook would keep a gradient of every chunk's embeddings."""
         kwargs = {**(activation_checkpointing_kwargs or {}), "use_reentrant": False, "context_fn": self._as_computed}
         base = self.model.get_base_model()
+        hooked = bool(getattr(base, "_require_grads_hooks", None))
         if hasattr(base, "activation_checkpointing_enable"):  # transformers 5.23 and later
             base.activation_checkpointing_enable(kwargs, every_n_layers, offload)
         else:
             base.gradient_checkpointing_enable(kwargs)
+        if not hooked and hasattr(base, "disable_input_require_grads"):
+            base.disable_input_require_grads()
+        functions = [
+            getattr(module, "_gradient_checkpointing_func", None)
+            for module in base.modules()
+            if getattr(module, "gradient_checkpointing", False) is True
+        ]
+        if not self.adapter_reads and not all(
+            getattr(f, "keywords", {}).get("context_fn") == self._as_computed for f in functions
+        ):
+            raise CompressorError(
+                f"model.gradient_checkpointing: {type(base).__name__} checkpoints its layers in transformers' old "
+                "format, which drops the compressor's recompute context: its layers that read slots with the adapter "
+                "off would recompute with it on (wrong gradients). Set compress.model.gradient_checkpointing: false, or "
+                "compress.adapter_reads: true (the adapter on throughout)"
+            )
 
     def _as_computed(self):
         """torch's checkpoint `context_fn`: (the forward's context, the recompute's). A layer
         recomputes in the backward pass, after `reading` has switched the adapter back on,
         so one that ran with the adapter off (the model reading slots as it is) recomputes
         with it off again: the same function, so the same activations (the non-reentrant
-        checkpoint only takes a `context_fn`)."""
-        off = self._adapter_off
-        return contextlib.nullcontext(), (self.model.disable_adapter() if off else contextlib.nullcontext())
+        checkpoint only takes a `context_fn`). The recompute's context is entered once per
+        recompute (again for a second backward pass over the same graph)."""
+        return contextlib.nullcontext(), (_AdapterOff(self) if self._adapter_off else contextlib.nullcontext())
+
+    def adapted_layers(self) -> list:
+        """The served model's layers that carry the adapter (PEFT's tuner layers), found once."""
+        if self._adapted is None:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            self._adapted = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        return self._adapted
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
         """What transformers' Trainer calls before 5.23: `activation_checkpointing_enable`."""
@@ -651,11 +702,11 @@ class ContextCompressor(nn.Module):
             yield
             return
         with self.model.disable_adapter():
-            self._adapter_off = True
+            was, self._adapter_off = self._adapter_off, True
             try:
                 yield
             finally:
-                self._adapter_off = False
+                self._adapter_off = was
 
     def loss(
         self, tokenizer, contexts, prompts, completions, relevant=None, recite: float = 0.0, every_chunk: bool = False
