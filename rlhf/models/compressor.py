@@ -51,7 +51,6 @@ adapter is PEFT's LoRA, the training loop transformers' Trainer.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,7 +59,7 @@ import torch
 from torch import nn
 
 from rlhf.models.chunking import CHUNK_BY, CompressorError, chunk_spans, relevant_chunks
-from rlhf.models.folders import checkpoint_fingerprint
+from rlhf.models.folders import fingerprint
 
 CONFIG_FILE = "compressor_config.json"
 QUERY_SEPARATOR = "\n"  # between a chunk and the query a query-aware compressor reads after it
@@ -116,45 +115,6 @@ def compressor_folders(root: str | Path, tokens: list[int] | None = None) -> lis
     return folders
 
 
-def fingerprint(model, way: str | None = None) -> tuple[str, str]:
-    """(what names the model's weights, which of two ways it was taken), cheap at any size.
-
-    "checkpoint": the model was loaded from a local folder of safetensors (its
-    `name_or_path`), and the fingerprint is of the weights as stored there: every tensor's
-    name, dtype, shape and first 64 values, read from the files. The same checkpoint loaded
-    in another dtype or quantized (an evaluate block's own `model:` keys) gives the same
-    fingerprint; a fine-tune, LoRA merged or not, another.
-
-    "weights": a model built in memory, from its parameters: each one's name, shape and 64
-    values evenly strided through it. Compressors saved before the checkpoint way existed
-    recorded this one, and are checked this way. `way` asks for one of the two."""
-    folder = checkpoint_folder(model) if way != "weights" else None
-    if folder is None:
-        return weights_fingerprint(model), "weights"
-    return checkpoint_fingerprint(folder), "checkpoint"
-
-
-def checkpoint_folder(model) -> Path | None:
-    """The local folder of safetensors `model` was loaded from (its `name_or_path`), or None."""
-    name = getattr(model, "name_or_path", None) or ""
-    folder = Path(name) if name else None
-    return folder if folder is not None and folder.is_dir() and any(folder.glob("*.safetensors")) else None
-
-
-def weights_fingerprint(model) -> str:
-    """A hash of every parameter's name, shape and 64 values evenly strided through it."""
-    digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        name = name.replace("base_model.model.", "").replace(".base_layer", "")
-        if "lora_" in name:
-            continue
-        flat = param.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
-        digest.update(f"{name}:{tuple(param.shape)}:".encode())
-        digest.update(sample.numpy().round(6).tobytes())
-    return digest.hexdigest()[:16]
-
-
 def trained_parts(folder: str | Path) -> tuple[torch.Tensor, dict]:
     """(the memory embeddings, {"proj": the slot map's state dict, "relevance": the
     relevance head's, empty in a compressor saved without one}) saved in `folder`."""
@@ -182,28 +142,6 @@ def check_settings(tokens: int, chunk_tokens: int, window: int | None, key: str 
             f"{key}.chunk_tokens + {key}.tokens ({chunk_tokens} + {tokens}) exceeds the model's window of "
             f"{window} positions: the encoder reads a chunk and its memory tokens at once; lower {key}.chunk_tokens"
         )
-
-
-class _AdapterOff:
-    """A compressor's LoRA layers switched off while open, and back on after, as PEFT's
-    `disable_adapter` does (`enable_adapters` on each adapted layer), but reusable (a
-    checkpointed layer may recompute more than once) and without PEFT's walk over the
-    whole model to read its status (per layer recomputed); a no-op inside `reading`, where
-    the adapter is off already."""
-
-    def __init__(self, compressor: ContextCompressor):
-        self.compressor, self.switched = compressor, False
-
-    def __enter__(self):
-        self.switched = not self.compressor._adapter_off
-        if self.switched:
-            for layer in self.compressor.adapted_layers():
-                layer.enable_adapters(False)
-
-    def __exit__(self, *exc) -> None:
-        if self.switched:
-            for layer in self.compressor.adapted_layers():
-                layer.enable_adapters(True)
 
 
 class ContextCompressor(nn.Module):
@@ -238,7 +176,7 @@ class ContextCompressor(nn.Module):
         self.tokens, self.chunk_tokens, self.served = tokens, chunk_tokens, served
         self.query_aware, self.adapter_reads, self.slot_positions = query_aware, adapter_reads, slot_positions
         self._adapter_off = False  # inside `reading` with the adapter switched off
-        self._adapted = None  # `adapted_layers`, found on first use
+        self._adapted = None  # its adapted layers (rlhf.models.compressor_checkpointing), found once
         hidden = model.get_input_embeddings().weight.shape[1]
         embed = model.get_input_embeddings().weight
         if memory is None:  # memory embeddings start as typical token embeddings
@@ -371,59 +309,21 @@ class ContextCompressor(nn.Module):
     def activation_checkpointing_enable(
         self, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False
     ) -> None:
-        """params `model.gradient_checkpointing`: the served model recomputes its decoder
-        layers' activations in the backward pass in place of keeping them, for the encoder's
-        chunks and the decoder's reading alike (transformers' Trainer calls this; its
-        arguments are transformers'). The activations of the chunks encoded with gradients
-        are most of a training step's memory. Always torch's non-reentrant checkpoint, whose
-        recompute `_as_computed` puts the adapter in the state it had, and without
-        transformers' hook that makes the input embeddings require gradients (for PEFT
-        under the reentrant one): the memory embeddings and the slots already do, and the
-        hook would keep a gradient of every chunk's embeddings."""
-        kwargs = {**(activation_checkpointing_kwargs or {}), "use_reentrant": False, "context_fn": self._as_computed}
-        base = self.model.get_base_model()
-        hooked = bool(getattr(base, "_require_grads_hooks", None))
-        if hasattr(base, "activation_checkpointing_enable"):  # transformers 5.23 and later
-            base.activation_checkpointing_enable(kwargs, every_n_layers, offload)
-        else:
-            base.gradient_checkpointing_enable(kwargs)
-        if not hooked and hasattr(base, "disable_input_require_grads"):
-            base.disable_input_require_grads()
-        functions = [
-            getattr(module, "_gradient_checkpointing_func", None)
-            for module in base.modules()
-            if getattr(module, "gradient_checkpointing", False) is True
-        ]
-        if not self.adapter_reads and not all(
-            getattr(f, "keywords", {}).get("context_fn") == self._as_computed for f in functions
-        ):
-            raise CompressorError(
-                f"model.gradient_checkpointing: {type(base).__name__} checkpoints its layers in transformers' old "
-                "format, which drops the compressor's recompute context: its layers that read slots with the adapter "
-                "off would recompute with it on (wrong gradients). Set compress.model.gradient_checkpointing: false, or "
-                "compress.adapter_reads: true (the adapter on throughout)"
-            )
+        """params `model.gradient_checkpointing` (transformers' Trainer calls this; its
+        arguments are transformers'): rlhf.models.compressor_checkpointing."""
+        from rlhf.models.compressor_checkpointing import enable
 
-    def _as_computed(self):
-        """torch's checkpoint `context_fn`: (the forward's context, the recompute's). A layer
-        recomputes in the backward pass, after `reading` has switched the adapter back on,
-        so one that ran with the adapter off (the model reading slots as it is) recomputes
-        with it off again: the same function, so the same activations (the non-reentrant
-        checkpoint only takes a `context_fn`). The recompute's context is entered once per
-        recompute (again for a second backward pass over the same graph)."""
-        return contextlib.nullcontext(), (_AdapterOff(self) if self._adapter_off else contextlib.nullcontext())
-
-    def adapted_layers(self) -> list:
-        """The served model's layers that carry the adapter (PEFT's tuner layers), found once."""
-        if self._adapted is None:
-            from peft.tuners.tuners_utils import BaseTunerLayer
-
-            self._adapted = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
-        return self._adapted
+        enable(self, activation_checkpointing_kwargs, every_n_layers, offload)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
         """What transformers' Trainer calls before 5.23: `activation_checkpointing_enable`."""
         self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def _as_computed(self):
+        """torch's checkpoint `context_fn` (rlhf.models.compressor_checkpointing.as_computed)."""
+        from rlhf.models.compressor_checkpointing import as_computed
+
+        return as_computed(self)
 
     def load_trained(self, folder: str | Path) -> None:
         """The trained parts saved in `folder` (a checkpoint of this compressor) into this one."""

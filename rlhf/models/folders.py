@@ -7,6 +7,7 @@ in a second.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
@@ -251,4 +252,43 @@ def checkpoint_fingerprint(folder: Path) -> str:
         first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 64),)] if shape else part[...]
         digest.update(f"{name}:{part.get_dtype()}:{tuple(shape)}:".encode())
         digest.update(first.reshape(-1).float().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(model, way: str | None = None) -> tuple[str, str]:
+    """(what names the model's weights, which of two ways it was taken), cheap at any size.
+
+    "checkpoint": the model was loaded from a local folder of safetensors (its
+    `name_or_path`), and the fingerprint is of the weights as stored there: every tensor's
+    name, dtype, shape and first 64 values, read from the files. The same checkpoint loaded
+    in another dtype or quantized (an evaluate block's own `model:` keys) gives the same
+    fingerprint; a fine-tune, LoRA merged or not, another.
+
+    "weights": a model built in memory, from its parameters: each one's name, shape and 64
+    values evenly strided through it. Compressors saved before the checkpoint way existed
+    recorded this one, and are checked this way. `way` asks for one of the two."""
+    folder = checkpoint_folder(model) if way != "weights" else None
+    if folder is None:
+        return weights_fingerprint(model), "weights"
+    return checkpoint_fingerprint(folder), "checkpoint"
+
+
+def checkpoint_folder(model) -> Path | None:
+    """The local folder of safetensors `model` was loaded from (its `name_or_path`), or None."""
+    name = getattr(model, "name_or_path", None) or ""
+    folder = Path(name) if name else None
+    return folder if folder is not None and folder.is_dir() and any(folder.glob("*.safetensors")) else None
+
+
+def weights_fingerprint(model) -> str:
+    """A hash of every parameter's name, shape and 64 values evenly strided through it."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        name = name.replace("base_model.model.", "").replace(".base_layer", "")
+        if "lora_" in name:
+            continue
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+        digest.update(f"{name}:{tuple(param.shape)}:".encode())
+        digest.update(sample.numpy().round(6).tobytes())
     return digest.hexdigest()[:16]
