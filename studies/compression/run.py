@@ -13,7 +13,8 @@ Each variant is `key=value` pairs: name, and any key of params `compress` (token
 count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
 query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; chunk_by: tokens or
 sentences; recite: a
-weight; crops: N+N+N; select: chunks read), `context=relevant`: trained and scored with every context cut to
+weight; crops: N+N+N; select: chunks read; a key left out takes the recipe's value: for
+tiny-long-context, the seventh round's chosen setting), `context=relevant`: trained and scored with every context cut to
 its relevant sentences (the default, whole, reads them whole), and `init=NAME`: training starts from
 variant NAME's trained compressor (its adapter, memory, map and head; same settings) with a fresh
 optimizer and schedule (its warm-up, then a linear decay): with half NAME's learning rate and as
