@@ -6,15 +6,15 @@ and a suite scored in every reading (rlhf.evaluation.contexts): the context cut 
 window, the relevant sentences alone, and each compressor's.
 
     .venv/bin/python studies/compression/run.py --work /tmp/compression --suite dev \\
-        --variant name=qa-reads,tokens=32,steps=300,lr=0.001 \\
-        --variant name=icae,tokens=32,steps=300,lr=0.001,query_aware=0,adapter_reads=0
+        --variant name=chosen,tokens=32,steps=6000,select=2,chunk_by=sentences \\
+        --variant name=icae,tokens=32,steps=300,query_aware=0,adapter_reads=0,chunk_by=tokens,select=0
 
 Each variant is `key=value` pairs: name, and any key of params `compress` (tokens: one
-count; steps: max_steps; lr: learning_rate; batch: per_device_train_batch_size;
-query_aware and adapter_reads as 0/1; slot_positions: parallel or sequential; chunk_by: tokens or
-sentences; recite: a
-weight; crops: N+N+N; select: chunks read; a key left out takes the recipe's value: for
-tiny-long-context, the seventh round's chosen setting), `context=relevant`: trained and scored with every context cut to
+count, 32 when left out; steps: max_steps; lr: learning_rate; batch:
+per_device_train_batch_size; query_aware and adapter_reads as 0/1; slot_positions: parallel
+or sequential; chunk_by: tokens or sentences; recite: a weight; crops: N+N+N; select:
+chunks read; any other key left out takes its value in the --work project's params, the
+recipe as it was when that project was made), `context=relevant`: trained and scored with every context cut to
 its relevant sentences (the default, whole, reads them whole), and `init=NAME`: training starts from
 variant NAME's trained compressor (its adapter, memory, map and head; same settings) with a fresh
 optimizer and schedule (its warm-up, then a linear decay): with half NAME's learning rate and as
