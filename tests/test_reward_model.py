@@ -28,6 +28,7 @@ from rlhf.training.trainer_setup import train_resumable, trl_config
 from tests.conftest import REPO
 
 
+@pytest.mark.slow  # a fresh Python importing torch and transformers: 10 s of the quick tier's minute
 def test_scoring_with_reward_models_imports_no_training_library():
     """Evaluate, infer and improve score with the reward ensemble and the PRMs: the modules
     they import for it load no TRL (about 2 s a stage process, as the likelihood RM's
