@@ -349,8 +349,10 @@ gc.disable()
 
 
 def pytest_collection_finish(session):
+    from rlhf.models.compute import freeze_startup_objects
+
     gc.collect()
-    gc.freeze()
+    freeze_startup_objects()
     gc.enable()
 
 
