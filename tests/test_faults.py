@@ -10,7 +10,8 @@ TRL trainer setup, `trainer_setup.train_resumable`), rl@grpo (rloo likewise) and
 * the same stage is started again and killed (`kill -9`) once a checkpoint is on disk: the
   reference output is still there, byte for byte (outputs are replaced atomically, so a
   failed write leaves the previous artifact);
-* the rerun says it resumes from that checkpoint and ends with the reference's weights.
+* the rerun (in the test's process: it finds only what the killed one left on disk) says it
+  resumes from that checkpoint and ends with the reference's weights.
 
 A damaged checkpoint (its weights truncated, as a kill during the write or a full disk
 leaves it) is named, discarded, and the run still ends where an uninterrupted run ends.
@@ -18,6 +19,8 @@ leaves it) is named, discarded, and the run still ends where an uninterrupted ru
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -107,25 +110,20 @@ def environment(root: Path) -> dict:
     return env
 
 
-def stage(root: Path, command: list[str]) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", *command], cwd=root, env=environment(root), capture_output=True, text=True
-    )
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout + done.stderr
-
-
-def stage_here(root: Path, command: list[str]) -> None:
-    """Run a stage in this process, as `stage` runs it in its own (the project's folder and
-    tracking store, no parent run): for the setup and the uninterrupted references, which
-    need not pay a new process's imports (about 10 s each). What is killed and what resumes
-    run in their own processes."""
-    with pytest.MonkeyPatch.context() as patch:
+def stage_here(root: Path, command: list[str]) -> str:
+    """Run a stage in this process, as `python -m` would in the project's folder with its
+    tracking store and no parent run, and return what it printed: the setup, the
+    uninterrupted references and the reruns need not pay a new process's imports (about
+    10 s each). What is killed runs in its own process (kill_after_checkpoint); the rerun
+    finds only what that process left on disk."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         patch.chdir(root)
         patch.setenv("MLFLOW_TRACKING_URI", environment(root)["MLFLOW_TRACKING_URI"])
         for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT", "MLFLOW_EXPERIMENT_NAME"):
             patch.delenv(name, raising=False)
         call_main(command)
+    return out.getvalue()
 
 
 def kill_after_checkpoint(root: Path, command: list[str], pattern: str, timeout: float = 600) -> Path:
@@ -184,7 +182,7 @@ def test_killed_stage_resumes_and_ends_where_an_uninterrupted_run_ends(project, 
     checkpoint = kill_after_checkpoint(project, command, pattern)
     assert tree_digest(project / output) == digest, "the kill left the previous artifact intact"
 
-    log = stage(project, command)
+    log = stage_here(project, command)
     # From the checkpoint the kill found, or a newer one completed before the signal landed.
     resumed = re.search(r"resuming from (\S+)", log)
     assert resumed and Path(resumed[1]).parent == checkpoint.relative_to(project).parent, log[-3000:]
@@ -204,7 +202,7 @@ def test_a_damaged_checkpoint_is_discarded_and_the_run_still_ends_right(project)
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a write cut short
 
-    log = stage(project, command)
+    log = stage_here(project, command)
     assert f"discarding damaged checkpoint {checkpoint.relative_to(project)}: model.safetensors" in log, log[-3000:]
     assert "resuming from" not in log
     assert_same_weights(tensors(project / output), reference, "sft after a damaged checkpoint")
