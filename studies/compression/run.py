@@ -142,6 +142,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--suite", default="dev")
     parser.add_argument("--variant", action="append", default=[], type=variant)
+    parser.add_argument("--window", type=int, default=None,
+                        help="the readings' window in tokens, in place of the project's evaluate.window (e.g. "
+                        "8192: SmolLM2 reading whole contexts); its reading is recorded as 'window N'")  # fmt: skip
     parser.add_argument("--recipe", type=Path, default=ROOT / "configs/recipes/tiny-long-context.yaml",
                         help="the params the study's project sets (read when --work has no project yet)")  # fmt: skip
     args = parser.parse_args()
@@ -165,6 +168,8 @@ def main() -> None:
 
     params = load_all()
     task, config = get_task(params["task"]), params["evaluate"]
+    if args.window:
+        config = config.model_copy(update={"window": args.window})
     serve = Path("models/sft")
     tokenizer, model = load_tokenizer(serve), load_causal_lm(serve)
     suite = read_prepared(Path(f"data/prepared/eval/{args.suite}.parquet"), "study")
@@ -176,7 +181,8 @@ def main() -> None:
 
     for name, frame in readings(suite, tokenizer, window_budget(model, config.window, config.max_new_tokens)).items():
         metrics = evaluate_model(config, task, model, None, tokenizer, None, frame, None)[0]
-        results["readings"]["cut to the window" if not name else name.strip("/")] = interval(metrics)
+        cut = f"window {args.window}" if args.window else "cut to the window"
+        results["readings"][cut if not name else name.strip("/")] = interval(metrics)
     rows, done = Path("data/prepared/compress.parquet"), []
     for settings in args.variant:
         name, context, init = settings.pop("name"), settings.pop("context", "whole"), settings.pop("init", None)
