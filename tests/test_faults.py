@@ -122,7 +122,11 @@ def stage_here(root: Path, command: list[str]) -> str:
         patch.setenv("MLFLOW_TRACKING_URI", environment(root)["MLFLOW_TRACKING_URI"])
         for name in ("RLHF_PARENT_RUN_ID", "DVC_STAGE", "DVC_ROOT", "MLFLOW_EXPERIMENT_NAME"):
             patch.delenv(name, raising=False)
-        call_main(command)
+        try:
+            call_main(command)
+        except BaseException:
+            sys.__stderr__.write(out.getvalue()[-3000:])  # what a failed stage printed, in the report
+            raise
     return out.getvalue()
 
 

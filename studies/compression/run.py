@@ -179,9 +179,9 @@ def main() -> None:
     def interval(metrics: dict) -> dict:
         return {k: metrics[f"accuracy{s}"] for k, s in (("accuracy", ""), ("low", "_low"), ("high", "_high"))}
 
+    cut = f"window {args.window}" if args.window else "cut to the window"
     for name, frame in readings(suite, tokenizer, window_budget(model, config.window, config.max_new_tokens)).items():
         metrics = evaluate_model(config, task, model, None, tokenizer, None, frame, None)[0]
-        cut = f"window {args.window}" if args.window else "cut to the window"
         results["readings"][cut if not name else name.strip("/")] = interval(metrics)
     rows, done = Path("data/prepared/compress.parquet"), []
     for settings in args.variant:
